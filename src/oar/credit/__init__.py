@@ -1,0 +1,124 @@
+"""Token credit assignment: a registry of advantage estimators chosen by name from config.
+
+Every estimator is one function ``fn(batch: CreditBatch, **options) -> CreditResult`` registered
+with :func:`register_estimator`. Options come from the method's config entry (for example
+``quantile`` or ``alpha``); the trainer passes them through unchanged, so a new estimator is one
+function plus one config entry.
+
+Shapes follow verl's ``core_algos.py``: ``B`` responses in the batch, ``T`` response tokens
+(right-padded), ``P`` prompt tokens (left-padded).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import torch
+
+__all__ = [
+    "CreditBatch",
+    "CreditResult",
+    "Estimator",
+    "register_estimator",
+    "get_estimator",
+    "list_estimators",
+]
+
+
+@dataclass
+class CreditBatch:
+    """Everything an estimator may look at for one training batch.
+
+    Attributes:
+        response_ids: ``(B, T)`` long, sampled response tokens, right-padded.
+        response_mask: ``(B, T)`` float/bool, 1 on real response tokens.
+        rewards: ``(B,)`` float, scalar outcome reward of each response.
+        group_ids: ``(B,)`` long, responses with the same id were sampled from the same prompt.
+        prompt_ids: ``(B, P)`` long, left-padded prompts (needed by the OAR probe), or None.
+        prompt_mask: ``(B, P)`` attention mask of the prompts, or None.
+        model: the current policy (needed by OAR-P / OAR-G), or None.
+        tokenizer: the policy's tokenizer (needed by the OAR probe), or None.
+        extras: free-form values an estimator may need (e.g. the rollout's log-probs).
+    """
+
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+    rewards: torch.Tensor
+    group_ids: torch.Tensor
+    prompt_ids: torch.Tensor | None = None
+    prompt_mask: torch.Tensor | None = None
+    model: Any = None
+    tokenizer: Any = None
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class CreditResult:
+    """What an estimator returns.
+
+    Attributes:
+        token_advantages: ``(B, T)`` float, per-token advantage, 0 outside ``response_mask``.
+        seq_advantages: ``(B,)`` float, the sequence-level (GRPO-style) advantage ``A_i``.
+        weights: ``(B, T)`` float token weights (1 = plain GRPO), or None when the method has
+            no multiplicative weights (GRPO, KTAE). Used for the ESS-ratio metric.
+        stats: scalar diagnostics (floats) for logging, e.g. seconds spent on importance.
+    """
+
+    token_advantages: torch.Tensor
+    seq_advantages: torch.Tensor
+    weights: torch.Tensor | None = None
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+class Estimator(Protocol):
+    def __call__(self, batch: CreditBatch, **options: Any) -> CreditResult: ...
+
+
+_REGISTRY: dict[str, Callable[..., CreditResult]] = {}
+
+
+def register_estimator(name: str) -> Callable[[Callable[..., CreditResult]], Callable[..., CreditResult]]:
+    """Decorator: register ``fn`` as the estimator called ``name``.
+
+    Raises:
+        ValueError: if ``name`` is already registered to a different function.
+    """
+
+    def deco(fn: Callable[..., CreditResult]) -> Callable[..., CreditResult]:
+        old = _REGISTRY.get(name)
+        if old is not None and old is not fn and old.__qualname__ != fn.__qualname__:
+            raise ValueError(f"estimator {name!r} is already registered to {old.__module__}.{old.__qualname__}")
+        _REGISTRY[name] = fn
+        return fn
+
+    return deco
+
+
+def _load_builtin() -> None:
+    # Importing the modules registers their estimators.
+    from oar.credit import advantages, ktae  # noqa: F401
+
+    try:  # token-importance estimators (OAR-P, OAR-G)
+        from oar.credit import importance  # noqa: F401
+    except ImportError:
+        pass
+
+
+def get_estimator(name: str) -> Callable[..., CreditResult]:
+    """Return the estimator registered as ``name``.
+
+    Raises:
+        KeyError: naming the unknown estimator and the registered ones.
+    """
+    _load_builtin()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown estimator {name!r}; registered: {sorted(_REGISTRY)}") from None
+
+
+def list_estimators() -> list[str]:
+    """Names of all registered estimators, sorted."""
+    _load_builtin()
+    return sorted(_REGISTRY)
