@@ -1,0 +1,245 @@
+"""Configuration: load a YAML file, validate it against the JSON schema, fill defaults, and
+resolve named methods (recipe x token credit x overrides).
+
+The schema (``oar/schemas/config.schema.yaml``, also ``workflow/schemas/config.schema.yaml``) is the
+single place where defaults live. Snakemake's ``validate`` reads the same file.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+
+__all__ = [
+    "ConfigError",
+    "schema",
+    "schema_path",
+    "load_config",
+    "validate_config",
+    "ResolvedMethod",
+    "resolve_method",
+    "resolve_methods",
+    "RESERVED_METHOD_KEYS",
+]
+
+#: Keys of a method entry that are not overrides.
+RESERVED_METHOD_KEYS = ("base", "recipe", "credit", "label")
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the file and the key path."""
+
+
+def schema_path() -> Path:
+    """Path of the JSON schema (YAML) shipped with the package."""
+    return Path(str(resources.files("oar") / "schemas" / "config.schema.yaml"))
+
+
+@lru_cache(maxsize=1)
+def _schema_cached() -> str:
+    return schema_path().read_text(encoding="utf-8")
+
+
+def schema() -> dict:
+    """The configuration schema as a dict (a fresh copy)."""
+    return yaml.safe_load(_schema_cached())
+
+
+def _extend_with_default(validator_class: type) -> type:
+    """A validator that also fills in ``default`` values (the jsonschema FAQ recipe)."""
+    validate_properties = validator_class.VALIDATORS["properties"]
+
+    def set_defaults(validator, properties, instance, sch):
+        if isinstance(instance, dict):
+            for prop, subschema in properties.items():
+                if isinstance(subschema, dict) and "default" in subschema and prop not in instance:
+                    instance[prop] = copy.deepcopy(subschema["default"])
+        yield from validate_properties(validator, properties, instance, sch)
+
+    return jsonschema.validators.extend(validator_class, {"properties": set_defaults})
+
+
+_DefaultFilling = _extend_with_default(jsonschema.Draft202012Validator)
+
+
+def _key_path(err: jsonschema.ValidationError) -> str:
+    return ".".join(str(p) for p in err.absolute_path) or "<top level>"
+
+
+def validate_config(config: dict, *, source: str = "<config>") -> dict:
+    """Validate ``config`` in place against the schema, filling defaults; return it.
+
+    Also resolves every method, so a bad method entry fails here, before any training.
+
+    Raises:
+        ConfigError: naming ``source`` and the offending key path.
+    """
+    if not isinstance(config, dict):
+        raise ConfigError(f"{source}: top level must be a mapping, got {type(config).__name__}")
+    sch = schema()
+    # fill defaults twice: nested defaults appear only once their parent exists
+    for _ in range(2):
+        errors = sorted(_DefaultFilling(sch).iter_errors(config), key=lambda e: list(e.absolute_path))
+        if errors:
+            e = errors[0]
+            more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+            raise ConfigError(f"{source}: key {_key_path(e)}: {e.message}{more}")
+    if config["tracking"].get("experiment") is None:
+        config["tracking"]["experiment"] = config["name"]
+    config.setdefault("recipes", {})
+    for name, rec in config["recipes"].items():
+        _fill_defaults(rec, sch["$defs"]["recipe"])
+    resolve_methods(config, source=source)
+    return config
+
+
+def _fill_defaults(obj: dict, sub: dict) -> None:
+    for k, v in sub.get("properties", {}).items():
+        if "default" in v and k not in obj:
+            obj[k] = copy.deepcopy(v["default"])
+
+
+def load_config(path: str | Path, overrides: dict | None = None) -> dict:
+    """Read a YAML config file, apply ``overrides`` (a nested dict merged on top), validate it.
+
+    Raises:
+        FileNotFoundError: if the file does not exist.
+        ConfigError: for YAML syntax errors (with line) and schema violations (with key path).
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"config file not found: {path}")
+    try:
+        config = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}{where}: invalid YAML: {getattr(e, 'problem', e)}") from None
+    if overrides:
+        config = deep_merge(config or {}, overrides)
+    return validate_config(config, source=str(path))
+
+
+def deep_merge(base: dict, top: dict) -> dict:
+    """Return ``base`` updated recursively with ``top`` (dicts merge, other values replace)."""
+    out = copy.deepcopy(base)
+    for k, v in top.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+@dataclass(frozen=True)
+class ResolvedMethod:
+    """A method with its chain of bases flattened.
+
+    Attributes:
+        name: the method's config key (e.g. ``oar_g_q50``).
+        recipe_name: ``grpo``, ``drgrpo``, ``dapo`` or any recipe of the config.
+        recipe: every recipe setting (clip range, loss aggregation, reward values, dynamic sampling,
+            overlong shaping, KL coefficient), defaults filled.
+        credit: ``none``, ``ktae``, ``oar_p`` or ``oar_g``.
+        credit_options: options passed to the estimator.
+        estimator: registered estimator name (``grpo``/``drgrpo`` when credit is ``none``).
+        label: display name for tables.
+    """
+
+    name: str
+    recipe_name: str
+    recipe: dict[str, Any]
+    credit: str
+    credit_options: dict[str, Any] = field(default_factory=dict)
+    estimator: str = "grpo"
+    label: str = ""
+
+    def estimator_options(self) -> dict[str, Any]:
+        """Options for the registered estimator: the credit options plus ``norm_by_std``."""
+        return {"norm_by_std": self.recipe["norm_by_std"], **self.credit_options}
+
+    def as_params(self) -> dict[str, Any]:
+        """Flat dict for logging (MLflow params)."""
+        out = {"method": self.name, "recipe": self.recipe_name, "credit": self.credit, "estimator": self.estimator}
+        out.update({f"recipe.{k}": v for k, v in self.recipe.items()})
+        out.update({f"credit.{k}": v for k, v in self.credit_options.items()})
+        return out
+
+
+def _flatten_method(config: dict, name: str, source: str, seen: tuple[str, ...] = ()) -> dict:
+    methods = config.get("methods") or {}
+    if name not in methods:
+        raise ConfigError(f"{source}: key methods.{name}: unknown method; defined: {sorted(methods)}")
+    if name in seen:
+        raise ConfigError(f"{source}: key methods.{name}: cycle in 'base' chain: {' -> '.join(seen + (name,))}")
+    entry = dict(methods[name] or {})
+    if "base" in entry:
+        base = _flatten_method(config, entry.pop("base"), source, seen + (name,))
+        base.pop("label", None)
+        base.update(entry)
+        return base
+    return entry
+
+
+def resolve_method(config: dict, name: str, *, source: str = "<config>") -> ResolvedMethod:
+    """Flatten method ``name`` (following ``base``) into a :class:`ResolvedMethod`.
+
+    Raises:
+        ConfigError: unknown method/recipe/credit, or an override that neither the recipe nor the
+            credit estimator accepts, or one of the wrong type (naming ``methods.<name>.<key>``).
+    """
+    sch = schema()
+    flat = _flatten_method(config, name, source)
+    recipe_name = flat.get("recipe", "grpo")
+    recipes = config.get("recipes") or {}
+    if recipe_name not in recipes:
+        raise ConfigError(f"{source}: key methods.{name}.recipe: unknown recipe {recipe_name!r}; defined: {sorted(recipes)}")
+    credit = flat.get("credit", "none")
+    credit_schemas = sch["$defs"]["credit_options"]
+    if credit not in credit_schemas or credit == "description":
+        valid = sorted(k for k in credit_schemas if k != "description")
+        raise ConfigError(f"{source}: key methods.{name}.credit: unknown credit {credit!r}; valid: {valid}")
+    recipe_schema = sch["$defs"]["recipe"]
+    recipe = copy.deepcopy(recipes[recipe_name])
+    _fill_defaults(recipe, recipe_schema)
+    credit_options: dict[str, Any] = {}
+    for key, value in flat.items():
+        if key in RESERVED_METHOD_KEYS:
+            continue
+        if key in credit_schemas[credit]["properties"]:
+            credit_options[key] = value
+        elif key in recipe_schema["properties"]:
+            recipe[key] = value
+        else:
+            allowed = sorted(set(recipe_schema["properties"]) | set(credit_schemas[credit]["properties"]))
+            raise ConfigError(
+                f"{source}: key methods.{name}.{key}: not an option of recipe {recipe_name!r} or credit {credit!r}; "
+                f"allowed: {allowed}"
+            )
+    for obj, sub, what in ((recipe, recipe_schema, "recipe"), (credit_options, credit_schemas[credit], "credit")):
+        errs = list(jsonschema.Draft202012Validator(sub).iter_errors(obj))
+        if errs:
+            e = errs[0]
+            raise ConfigError(f"{source}: key methods.{name}.{_key_path(e)}: {e.message} ({what} setting)")
+    estimator = credit if credit != "none" else ("grpo" if recipe["norm_by_std"] else "drgrpo")
+    return ResolvedMethod(
+        name=name,
+        recipe_name=recipe_name,
+        recipe=recipe,
+        credit=credit,
+        credit_options=credit_options,
+        estimator=estimator,
+        label=flat.get("label", name),
+    )
+
+
+def resolve_methods(config: dict, *, source: str = "<config>") -> dict[str, ResolvedMethod]:
+    """Resolve every method of the config (fails on the first bad one)."""
+    return {name: resolve_method(config, name, source=source) for name in config.get("methods") or {}}
