@@ -1,0 +1,158 @@
+"""Experiment tracking: MLflow (SQLite store by default) plus a plain ``metrics.jsonl``.
+
+Several training jobs may log into one SQLite store at once. Two processes that create a NEW
+store at the same moment fail ("table tags already exists"), so :func:`ensure_experiment` is called
+once before parallel jobs start (the workflow's ``onstart``); afterwards every write retries when
+the database is locked. Results never depend on MLflow alone: :class:`Tracker` also appends every
+metrics row to ``metrics.jsonl`` beside the checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping, TypeVar
+
+from oar.io import append_jsonl
+
+__all__ = ["ensure_experiment", "flatten", "Tracker", "with_retry", "sqlite_path"]
+
+T = TypeVar("T")
+
+#: Substrings of errors worth retrying (SQLite contention).
+_RETRYABLE = ("database is locked", "database table is locked", "already exists", "unable to open database")
+
+
+def with_retry(fn: Callable[[], T], *, attempts: int = 8, base_delay_s: float = 0.2) -> T:
+    """Call ``fn``; on a retryable SQLite error wait (exponential backoff with jitter) and retry."""
+    for i in range(attempts):
+        try:
+            return fn()
+        except Exception as e:  # mlflow wraps sqlalchemy errors in MlflowException
+            if i == attempts - 1 or not any(s in str(e).lower() for s in _RETRYABLE):
+                raise
+            time.sleep(base_delay_s * (2**i) * (0.5 + random.random()))
+    raise AssertionError("unreachable")
+
+
+def sqlite_path(uri: str) -> Path | None:
+    """File path of a ``sqlite:///`` URI (None for other stores)."""
+    if uri.startswith("sqlite:///"):
+        return Path(uri[len("sqlite:///") :])
+    return None
+
+
+def ensure_experiment(uri: str, experiment: str) -> str:
+    """Create the tracking store (and its folder) and the experiment if missing; return its id.
+
+    Call this once before starting parallel jobs that log into the same new SQLite store.
+    """
+    from mlflow.tracking import MlflowClient
+
+    db = sqlite_path(uri)
+    if db is not None:
+        db.parent.mkdir(parents=True, exist_ok=True)
+
+    def create() -> str:
+        client = MlflowClient(tracking_uri=uri)
+        exp = client.get_experiment_by_name(experiment)
+        if exp is not None:
+            return exp.experiment_id
+        try:
+            return client.create_experiment(experiment)
+        except Exception:
+            exp = client.get_experiment_by_name(experiment)
+            if exp is None:
+                raise
+            return exp.experiment_id
+
+    return with_retry(create)
+
+
+def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """Flatten a nested mapping to ``{"a.b.c": "value"}`` strings (for MLflow params)."""
+    out: dict[str, str] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = str(v)[:6000]
+    return out
+
+
+class Tracker:
+    """Log one run's params and per-step metrics to MLflow and to ``metrics.jsonl``.
+
+    Args:
+        jsonl_path: where every metrics row is appended (always written).
+        uri: MLflow tracking URI, or None to disable MLflow.
+        experiment: experiment name (one per config).
+        run_name: e.g. ``"oar_g-seed0"``.
+        tags: tags of the run (method, seed, config).
+        run_id: an existing run to continue (when resuming), or None to create one.
+    """
+
+    def __init__(
+        self,
+        jsonl_path: str | os.PathLike,
+        *,
+        uri: str | None,
+        experiment: str | None = None,
+        run_name: str | None = None,
+        tags: Mapping[str, str] | None = None,
+        run_id: str | None = None,
+    ) -> None:
+        self.jsonl_path = Path(jsonl_path)
+        self.client = None
+        self.run_id = run_id
+        if uri:
+            from mlflow.tracking import MlflowClient
+
+            self.client = MlflowClient(tracking_uri=uri)
+            exp_id = ensure_experiment(uri, experiment or "default")
+            if self.run_id is None:
+                run = with_retry(
+                    lambda: self.client.create_run(exp_id, run_name=run_name, tags=dict(tags or {}))
+                )
+                self.run_id = run.info.run_id
+            else:
+                with_retry(lambda: self.client.update_run(self.run_id, status="RUNNING"))
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        """Log (flattened) params once; re-logging the same values on resume is harmless."""
+        if self.client is None:
+            return
+        from mlflow.entities import Param
+
+        flat = flatten(params)
+        items = [Param(k, v) for k, v in flat.items()]
+        existing = with_retry(lambda: self.client.get_run(self.run_id)).data.params
+        items = [p for p in items if p.key not in existing]
+        for i in range(0, len(items), 90):
+            chunk = items[i : i + 90]
+            with_retry(lambda: self.client.log_batch(self.run_id, params=chunk))
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        """Append ``{"step": step, **metrics}`` to metrics.jsonl and log the finite values to MLflow."""
+        # strict JSON: non-finite values are written as null
+        row = {"step": step, **{k: (float(v) if math.isfinite(float(v)) else None) for k, v in metrics.items()}}
+        append_jsonl(self.jsonl_path, row)
+        if self.client is None:
+            return
+        from mlflow.entities import Metric
+
+        ts = int(time.time() * 1000)
+        items = [Metric(k, float(v), ts, step) for k, v in metrics.items() if math.isfinite(float(v))]
+        with_retry(lambda: self.client.log_batch(self.run_id, metrics=items))
+
+    def log_artifact(self, path: str | os.PathLike) -> None:
+        if self.client is not None:
+            with_retry(lambda: self.client.log_artifact(self.run_id, str(path)))
+
+    def finish(self, status: str = "FINISHED") -> None:
+        if self.client is not None:
+            with_retry(lambda: self.client.set_terminated(self.run_id, status=status))
