@@ -1,0 +1,155 @@
+"""Sequence-level outcome advantages: GRPO and Dr. GRPO (METHODS.md section 1).
+
+Shapes follow verl's ``core_algos.py``: ``B`` responses, ``T`` response tokens (right-padded).
+
+- :func:`grpo_advantages`: ``A_i = (r_i - mean_g(r)) / (std_g(r) + eps)`` per group ``g``, unbiased
+  std; Dr. GRPO (``norm_by_std=False``) drops the division: ``A_i = r_i - mean_g(r)``.
+- :func:`broadcast_seq`: ``A_{i,t} = A_i * m_{i,t}`` (exactly 0 outside the mask).
+- Registered estimators ``grpo`` and ``drgrpo`` (see :mod:`oar.credit`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from oar.credit import CreditBatch, CreditResult, register_estimator
+
+__all__ = [
+    "grpo_advantages",
+    "broadcast_seq",
+    "group_index",
+    "check_options",
+    "grpo_estimator",
+    "drgrpo_estimator",
+]
+
+
+def group_index(group_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Map arbitrary group ids to contiguous indices ``0..NG-1``.
+
+    Args:
+        group_ids: ``(B,)`` integer tensor; ids need not be contiguous or sorted.
+
+    Returns:
+        ``(idx, NG)``: ``idx`` is ``(B,)`` long with ``idx[i] == idx[j]`` iff the ids are equal.
+    """
+    if group_ids.dim() != 1:
+        raise ValueError(f"oar.credit.advantages: group_ids must be 1-D (B,), got shape {tuple(group_ids.shape)}")
+    if group_ids.dtype.is_floating_point or group_ids.dtype == torch.bool:
+        raise ValueError(f"oar.credit.advantages: group_ids must be an integer tensor, got {group_ids.dtype}")
+    uniq, idx = torch.unique(group_ids, return_inverse=True)
+    return idx, int(uniq.numel())
+
+
+def grpo_advantages(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    *,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """GRPO (``norm_by_std=True``) or Dr. GRPO (``norm_by_std=False``) sequence advantages.
+
+    ``A_i = (r_i - mean_g(r)) / (std_g(r) + eps)`` where ``g`` is the group of response ``i`` and
+    ``std`` is the unbiased standard deviation (as ``torch.std``). A group of one response has mean 0
+    and std 1 (so ``A = r / (1 + eps)``, or ``A = r`` for Dr. GRPO), as verl's
+    ``compute_grpo_outcome_advantage``. A group whose rewards are all equal gets exactly 0 (this is
+    enforced, so float rounding of the mean cannot leak ``1e-9 / eps``-sized advantages).
+
+    Computed in float64 with scatter/index_add over groups (no Python loop over groups).
+
+    Args:
+        rewards: ``(B,)`` float, scalar reward of each response.
+        group_ids: ``(B,)`` integer, responses with equal ids come from the same prompt.
+        norm_by_std: divide by the group std (GRPO) or not (Dr. GRPO).
+        eps: added to the std in the denominator.
+
+    Returns:
+        ``(B,)`` advantages, in the floating dtype of ``rewards`` (float32 for integer rewards).
+    """
+    if rewards.dim() != 1:
+        raise ValueError(f"oar.credit.advantages: rewards must be 1-D (B,), got shape {tuple(rewards.shape)}")
+    if group_ids.shape != rewards.shape:
+        raise ValueError(
+            f"oar.credit.advantages: group_ids shape {tuple(group_ids.shape)} != rewards shape {tuple(rewards.shape)}"
+        )
+    out_dtype = rewards.dtype if rewards.dtype.is_floating_point else torch.float32
+    if rewards.numel() == 0:
+        return torch.zeros(0, dtype=out_dtype, device=rewards.device)
+    idx, ng = group_index(group_ids)
+    r = rewards.detach().to(torch.float64)
+    count = torch.zeros(ng, dtype=torch.float64, device=r.device).index_add_(0, idx, torch.ones_like(r))
+    total = torch.zeros(ng, dtype=torch.float64, device=r.device).index_add_(0, idx, r)
+    mean = total / count
+    centered = r - mean[idx]
+    sq = torch.zeros(ng, dtype=torch.float64, device=r.device).index_add_(0, idx, centered * centered)
+    var = sq / (count - 1).clamp(min=1)
+    std = var.sqrt()
+    single = count == 1
+    mean = torch.where(single, torch.zeros_like(mean), mean)
+    std = torch.where(single, torch.ones_like(std), std)
+    rmax = torch.full((ng,), -torch.inf, dtype=torch.float64, device=r.device).scatter_reduce(
+        0, idx, r, reduce="amax", include_self=True
+    )
+    rmin = torch.full((ng,), torch.inf, dtype=torch.float64, device=r.device).scatter_reduce(
+        0, idx, r, reduce="amin", include_self=True
+    )
+    equal = (rmax == rmin) & ~single
+    adv = r - mean[idx]
+    if norm_by_std:
+        adv = adv / (std[idx] + eps)
+    adv = torch.where(equal[idx], torch.zeros_like(adv), adv)
+    return adv.to(out_dtype)
+
+
+def broadcast_seq(seq_adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Broadcast sequence advantages to tokens: ``A_{i,t} = A_i * m_{i,t}``.
+
+    Args:
+        seq_adv: ``(B,)`` float sequence advantages.
+        mask: ``(B, T)`` response mask (nonzero = real token).
+
+    Returns:
+        ``(B, T)`` in the dtype of ``seq_adv``; exactly 0 where the mask is 0.
+    """
+    if seq_adv.dim() != 1 or mask.dim() != 2 or mask.shape[0] != seq_adv.shape[0]:
+        raise ValueError(
+            f"oar.credit.advantages.broadcast_seq: need seq_adv (B,) and mask (B, T), "
+            f"got {tuple(seq_adv.shape)} and {tuple(mask.shape)}"
+        )
+    m = mask.bool()
+    vals = seq_adv[:, None].expand(m.shape)
+    return torch.where(m, vals, torch.zeros((), dtype=seq_adv.dtype, device=seq_adv.device))
+
+
+def check_options(estimator: str, options: Mapping[str, Any], allowed: Iterable[str]) -> None:
+    """Raise ``TypeError`` naming any option of ``estimator`` that is not in ``allowed``."""
+    allowed = sorted(allowed)
+    unknown = sorted(k for k in options if k not in allowed)
+    if unknown:
+        raise TypeError(f"estimator {estimator!r}: unknown option(s) {unknown}; valid options: {allowed}")
+
+
+def _seq_estimator(name: str, batch: CreditBatch, default_norm: bool, options: dict[str, Any]) -> CreditResult:
+    check_options(name, options, ("norm_by_std", "eps"))
+    norm = bool(options.get("norm_by_std", default_norm))
+    eps = float(options.get("eps", 1e-6))
+    seq = grpo_advantages(batch.rewards, batch.group_ids, norm_by_std=norm, eps=eps)
+    return CreditResult(token_advantages=broadcast_seq(seq, batch.response_mask), seq_advantages=seq, weights=None)
+
+
+@register_estimator("grpo")
+def grpo_estimator(batch: CreditBatch, **options: Any) -> CreditResult:
+    """GRPO: group-normalized outcome advantage on every response token. Options: ``norm_by_std``
+    (default True), ``eps`` (default 1e-6)."""
+    return _seq_estimator("grpo", batch, True, options)
+
+
+@register_estimator("drgrpo")
+def drgrpo_estimator(batch: CreditBatch, **options: Any) -> CreditResult:
+    """Dr. GRPO: like GRPO without the std division. Options: ``norm_by_std`` (default False),
+    ``eps`` (default 1e-6)."""
+    return _seq_estimator("drgrpo", batch, False, options)
