@@ -230,3 +230,5 @@ def test_synthetic_entry_point():
         load_benchmark("synthetic-test", None, n=5)
     with pytest.raises(ValueError, match="source"):
         load_benchmark("synthetic-test", "x.jsonl", n=5, seed=0)
+    with pytest.raises(TypeError, match="split"):
+        load_benchmark("synthetic-test", None, n=5, seed=0, split="train")

@@ -284,6 +284,8 @@ def load_benchmark(
     if name in SYNTHETIC_BENCHMARKS:
         if source is not None:
             raise ValueError(f"benchmark {name!r} is generated, its source must be None, got {source!r}")
+        if split is not None or subset is not None:
+            raise TypeError(f"benchmark {name!r} is generated; 'split'/'subset' do not apply (the name picks the split)")
         if "n" not in options or "seed" not in options:
             raise TypeError(f"benchmark {name!r} needs the options 'n' and 'seed'")
         n, seed = options.pop("n"), options.pop("seed")
