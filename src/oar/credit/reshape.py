@@ -1,0 +1,117 @@
+"""Bi-Level (dual-tier) reshaping of token importance scores into advantage weights (METHODS.md 4.4).
+
+Per response (row) over its ``L`` scored tokens (the mask, normally the reasoning tokens):
+
+- ``l_t = log1p(s_t)``; ``n_t = (l_t - min l) / (max l - min l)`` (divide by 1 when the range is 0);
+- ``tau = quantile(n, q)`` with linear interpolation, exactly as ``torch.quantile``;
+- suppress ``n_t < tau``: ``w_t = max(n_t / (tau + eps), floor)``;
+  boost ``n_t >= tau``: ``w_t = 1 + beta (n_t - tau) / (1 - tau + eps)``;
+- preserve mass: ``w <- w L / sum(w)`` (if ``sum(w) <= 0``, all ones).
+
+Token advantages are then ``A_i * w_{i,t}``; the weights are positive, so the sign of ``A_i`` is kept.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["bilevel_weights", "masked_row_quantile"]
+
+
+def masked_row_quantile(values: torch.Tensor, mask: torch.Tensor, q: float) -> torch.Tensor:
+    """Per-row ``q``-quantile over the masked entries, linear interpolation like ``torch.quantile``.
+
+    Vectorized: masked values are sorted with ``+inf`` padding and interpolated at ``q * (L - 1)``.
+
+    Args:
+        values: ``(B, T)`` float.
+        mask: ``(B, T)`` bool.
+        q: quantile in ``[0, 1]``.
+
+    Returns:
+        ``(B,)`` quantiles; NaN for rows with no masked entry.
+    """
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"oar.credit.reshape: quantile must be in [0, 1], got {q!r}")
+    padded = torch.where(mask, values, torch.full_like(values, torch.inf))
+    srt, _ = torch.sort(padded, dim=-1)
+    n = mask.sum(dim=-1)
+    # Same arithmetic as torch.quantile: rank in the values' dtype, lerp between neighbours.
+    rank = q * (n - 1).clamp(min=0).to(values.dtype)
+    lo = rank.floor().long()
+    hi = rank.ceil().long()
+    w = rank - lo.to(values.dtype)
+    below = srt.gather(-1, lo[:, None]).squeeze(-1)
+    above = srt.gather(-1, hi[:, None]).squeeze(-1)
+    out = torch.lerp(below, above, w)
+    return torch.where(n > 0, out, torch.full_like(out, torch.nan))
+
+
+def bilevel_weights(
+    scores: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    quantile: float = 0.25,
+    beta: float = 1.0,
+    floor: float = 0.1,
+    preserve_mass: bool = True,
+    eps: float = 1e-8,
+) -> torch.Tensor:
+    """Bi-Level weights from raw token importance scores (METHODS.md 4.4).
+
+    Args:
+        scores: ``(B, T)`` raw non-negative importance scores ``s_t`` (values > -1 are accepted;
+            entries outside the mask are ignored and may be anything, even NaN).
+        mask: ``(B, T)`` positions to reweight (nonzero = scored token, e.g. reasoning tokens).
+        quantile: ``q`` of the per-row threshold ``tau``.
+        beta: boost strength (weights of boosted tokens lie in ``[1, 1 + beta]`` before mass
+            preservation).
+        floor: minimum weight of suppressed tokens.
+        preserve_mass: rescale each row so its masked weights average 1.
+        eps: the small constant in the suppress/boost denominators.
+
+    Returns:
+        ``(B, T)`` float weights: the reshaped weights on masked positions, exactly 1.0 elsewhere
+        (and on every position of a row with no masked entry). Inputs are not modified.
+    """
+    if scores.dim() != 2 or mask.shape != scores.shape:
+        raise ValueError(
+            f"oar.credit.reshape.bilevel_weights: scores and mask must both be (B, T), got "
+            f"{tuple(scores.shape)} and {tuple(mask.shape)}"
+        )
+    if not 0.0 <= quantile <= 1.0:
+        raise ValueError(f"oar.credit.reshape.bilevel_weights: quantile must be in [0, 1], got {quantile!r}")
+    for name, v in (("beta", beta), ("floor", floor), ("eps", eps)):
+        if not math.isfinite(v) or v < 0:
+            raise ValueError(f"oar.credit.reshape.bilevel_weights: {name} must be finite and >= 0, got {v!r}")
+    dtype = scores.dtype if scores.dtype.is_floating_point else torch.float32
+    m = mask.bool()
+    s = scores.detach().to(dtype)
+    ones = torch.ones(s.shape, dtype=dtype, device=s.device)
+    if s.numel() == 0:
+        return ones
+    s_in = torch.where(m, s, torch.zeros_like(s))
+    if not bool(torch.isfinite(s_in).all()) or bool((s_in <= -1).any()):
+        raise ValueError("oar.credit.reshape.bilevel_weights: masked scores must be finite and > -1")
+    lg = torch.log1p(s_in)
+    lmin = torch.where(m, lg, torch.full_like(lg, torch.inf)).amin(dim=-1, keepdim=True)
+    lmax = torch.where(m, lg, torch.full_like(lg, -torch.inf)).amax(dim=-1, keepdim=True)
+    rng = lmax - lmin
+    has = m.any(dim=-1, keepdim=True)
+    rng = torch.where(has & (rng > 0), rng, torch.ones_like(rng))
+    lmin = torch.where(has, lmin, torch.zeros_like(lmin))
+    nrm = torch.where(m, (lg - lmin) / rng, torch.zeros_like(lg))
+    tau = masked_row_quantile(nrm, m, quantile)[:, None]
+    tau = torch.where(has, tau, torch.zeros_like(tau))
+    suppress = torch.clamp(nrm / (tau + eps), min=floor)
+    boost = 1.0 + beta * (nrm - tau) / (1.0 - tau + eps)
+    w = torch.where(nrm < tau, suppress, boost)
+    w = torch.where(m, w, torch.zeros_like(w))
+    if preserve_mass:
+        total = w.sum(dim=-1, keepdim=True)
+        length = m.sum(dim=-1, keepdim=True).to(dtype)
+        ok = total > 0
+        w = torch.where(ok, w * length / torch.where(ok, total, torch.ones_like(total)), torch.ones_like(w))
+    return torch.where(m, w, ones)

@@ -1,0 +1,70 @@
+"""Credit-concentration metrics (METHODS.md 4.5)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from oar.credit.metrics import ess_ratio, top_mass
+
+
+def test_ess_hand_values():
+    w = torch.tensor([[1.0, 3.0, 7.0], [2.0, 2.0, 2.0], [5.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 1, 0], [1, 1, 1]])
+    got = ess_ratio(w, mask)
+    # row 0: (1+3)^2 / (2 * (1+9)) = 0.8; row 1: uniform -> 1; row 2: 25 / (2 * 25) = 0.5; row 3: all zero -> 0
+    torch.testing.assert_close(got, torch.tensor([0.8, 1.0, 0.5, 0.0]))
+
+
+def test_ess_empty_row_is_one():
+    got = ess_ratio(torch.rand(2, 4), torch.tensor([[0, 0, 0, 0], [1, 1, 0, 0]]))
+    assert got[0].item() == 1.0
+
+
+def test_top_mass_hand_values():
+    a = torch.tensor([[1.0, -4.0, 3.0, 2.0, 100.0], [1.0, 1.0, 1.0, 1.0, 1.0]])
+    mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
+    # row 0 (L=4): k = ceil(0.25 * 4) = 1 -> |-4| / 10 = 0.4; row 1 (L=5): k = ceil(1.25) = 2 -> 0.4
+    torch.testing.assert_close(top_mass(a, mask, frac=0.25), torch.tensor([0.4, 0.4]))
+    # frac 0.1, L = 4 -> at least one token
+    torch.testing.assert_close(top_mass(a, mask, frac=0.1)[0], torch.tensor(0.4))
+
+
+@pytest.mark.parametrize("length", [10, 20, 30, 50, 100])
+def test_top_mass_uniform_is_ten_percent(length):
+    a = torch.full((1, length), -0.7)
+    assert top_mass(a, torch.ones(1, length)).item() == pytest.approx(0.1)
+
+
+def test_top_mass_empty_and_zero_rows():
+    a = torch.tensor([[1.0, 2.0], [0.0, 0.0]])
+    mask = torch.tensor([[0, 0], [1, 1]])
+    assert torch.equal(top_mass(a, mask), torch.zeros(2))
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="frac"):
+        top_mass(torch.ones(1, 3), torch.ones(1, 3), frac=0.0)
+    with pytest.raises(ValueError, match="\\(B, T\\)"):
+        ess_ratio(torch.ones(2, 3), torch.ones(2, 4))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 10_000), st.integers(1, 8), st.integers(1, 40), st.floats(0.05, 1.0))
+def test_ranges_and_inputs_untouched(seed, b, t, frac):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.rand(b, t, generator=gen) + 0.01
+    mask = (torch.rand(b, t, generator=gen) < 0.7).float()
+    w0, m0 = w.clone(), mask.clone()
+    ess = ess_ratio(w, mask)
+    tm = top_mass(w - 0.5, mask, frac=frac)
+    assert torch.equal(w, w0) and torch.equal(mask, m0)
+    lens = mask.sum(1)
+    has = lens > 0
+    assert bool((ess[has] <= 1 + 1e-6).all()) and bool((ess[has] >= 1 / lens[has] - 1e-6).all())
+    assert bool((tm >= 0).all()) and bool((tm <= 1 + 1e-6).all())
+    # scaling weights or advantages does not change either metric
+    torch.testing.assert_close(ess_ratio(3 * w, mask), ess)
+    torch.testing.assert_close(top_mass(-2 * (w - 0.5), mask, frac=frac), tm)
