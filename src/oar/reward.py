@@ -1,0 +1,655 @@
+"""Outcome reward: is the response's final answer equal to the gold answer (math-verify)?
+
+Public API
+----------
+- :func:`score_batch` -- one reward per response (``correct`` or ``wrong``), scored in a
+  module-level :class:`RewardPool` that is created on first use, reused and closed at exit.
+- :class:`RewardPool` -- the persistent pool of worker processes; also a context manager.
+- :func:`overlong_penalty` -- DAPO overlong reward shaping (METHODS.md section 2).
+- :func:`extracted_answer` -- the answer that was read from a response, for logging.
+
+How answers are read (our choices; math-verify 0.9 API)
+-------------------------------------------------------
+*Gold.* A gold answer is a final-answer string such as ``"40"``, ``"\\frac{1}{2}"`` or
+``"(3, 4)"``; ints and floats (amc23 stores ``27.0``) are converted with ``str``. If it already
+contains a ``\\boxed{}``, only the content of the last one is used. It is wrapped as
+``"\\boxed{<gold>}"`` and parsed with ``[LatexExtractionConfig(boxed_match_priority=0),
+ExprExtractionConfig()]``: math-verify's LaTeX extraction needs a delimiter (``$..$`` or
+``\\boxed``) and the bare string fails for about 9% of MATH answers (``\\sqrt{51}``, ``6 - 5i``,
+``\\pi``, ...), while the boxed wrapping parsed all 1,998 MATH-500/MATH-train answers we tried,
+and each verified against itself. Parsed golds are cached in every worker.
+
+*Response.* If the response has a complete ``\\boxed{...}`` (:func:`oar.answer.extract_boxed`),
+only the content of the LAST box is scored: it is wrapped and parsed exactly like the gold.
+A box whose content does not parse scores ``wrong``; the text around it is not searched.
+Otherwise (no box, or a box cut off before its closing brace) the whole response goes through
+math-verify's default extraction (``parse(response)``: "final answer is" anchors first, then the
+last LaTeX expression or number) -- unless ``require_boxed=True``, in which case it scores
+``wrong``. ``None``, empty or whitespace-only responses score ``wrong`` without reaching a worker.
+Then ``verify(gold, pred)`` (math-verify defaults: ``float_rounding=6``, ``strict=True``), so
+``\\frac12`` = ``0.5`` = ``1/2``, ``27`` = ``27.0``, ``10\\%`` = ``10``, ``x=5`` = ``5``.
+
+Safety model
+------------
+Model outputs are untrusted and sympy can run for a very long time (huge powers, deep nesting),
+also inside C code where no Python signal handler runs. So parsing happens in separate worker
+PROCESSES. Each worker scores its items in its own main thread, so math-verify's own
+``signal.alarm`` timeouts work (``inner_timeout_s`` per parse/verify call). On top, the parent
+enforces a wall-clock limit of ``timeout_s`` per item: a worker that has not answered an item in
+time is killed (SIGKILL) and replaced, that item scores ``wrong``, and the rest of its chunk goes
+back to the queue. A worker that crashes is handled the same way.
+
+How workers start (``start_method``). ``fork`` is never used: the parent has torch (threads)
+loaded. The default ``"subprocess"`` runs ``python -c "...oar.reward._subprocess_main..."`` with
+a socket to the parent (the parent's ``sys.path`` goes along in ``PYTHONPATH``); the worker
+imports only math-verify and this module. ``"forkserver"`` and ``"spawn"`` (multiprocessing)
+also work but, like every multiprocessing child, re-import the parent's main module in each
+worker (Python 3.11's fork server does not preload it): with a training script that imports
+torch that costs ~2 s per worker start (measured: cold start of 2 workers ~4-5 s vs ~1-2 s for
+``"subprocess"``; see benchmarks/bench_reward.py), and the script needs an
+``if __name__ == "__main__":`` guard.
+
+Scores that hit a timeout depend on machine load, so under heavy load the same input can score
+differently in two runs; :attr:`RewardPool.stats` counts the timeouts so they can be logged.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import functools
+import logging
+import math
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection, wait
+from typing import TYPE_CHECKING, Any
+
+from oar.answer import extract_boxed
+
+if TYPE_CHECKING:  # torch is imported lazily so that worker processes never load it
+    import torch
+
+__all__ = [
+    "DEFAULT_MAX_WORKERS",
+    "RewardPool",
+    "extracted_answer",
+    "overlong_penalty",
+    "score_batch",
+    "score_one",
+]
+
+logger = logging.getLogger(__name__)
+
+#: ``workers=None`` means: the number of usable CPUs, but at most this many.
+DEFAULT_MAX_WORKERS: int = 4
+
+#: What a worker (and the test hook) is called with: ``(response, gold) -> is_correct``.
+WorkFn = Callable[[str, str], bool]
+
+
+# --------------------------------------------------------------------------------------------
+# Scoring one item (runs inside a worker process)
+# --------------------------------------------------------------------------------------------
+
+
+def _extraction_config() -> list[Any]:
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig
+
+    return [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_gold(gold: str, parsing_timeout: int) -> list[Any]:
+    from math_verify import parse
+
+    inner = extract_boxed(gold)
+    text = inner if inner is not None else gold
+    parsed = parse("\\boxed{" + text + "}", extraction_config=_extraction_config(), parsing_timeout=parsing_timeout)
+    if not parsed:
+        logger.warning("oar.reward: gold answer %r could not be parsed; every response to it scores wrong", gold[:200])
+    return parsed
+
+
+def score_one(response: str | None, gold: str, *, parsing_timeout: int = 2, require_boxed: bool = False) -> bool:
+    """Whether ``response``'s final answer equals ``gold``, in THIS process (no pool, no wall clock).
+
+    The reading rules are in the module docstring. ``parsing_timeout`` is math-verify's own
+    per-call limit (``signal.alarm``, whole seconds, main thread only). Never raises on odd
+    model output: anything that fails to parse is simply not correct. Use :func:`score_batch` for
+    untrusted text; this function can still hang in C code that ignores signals.
+    """
+    if not response or response.isspace():
+        return False
+    from math_verify import parse, verify
+
+    box = extract_boxed(response)
+    if box is not None:
+        pred = parse("\\boxed{" + box + "}", extraction_config=_extraction_config(), parsing_timeout=parsing_timeout)
+    elif require_boxed:
+        return False
+    else:
+        pred = parse(response, parsing_timeout=parsing_timeout)
+    if not pred:
+        return False
+    gold_parsed = _parse_gold(gold, parsing_timeout)
+    if not gold_parsed:
+        return False
+    return bool(verify(gold_parsed, pred, timeout_seconds=parsing_timeout))
+
+
+#: Responses containing these strings make :func:`_hang_for_test` hang / crash (test hook only).
+_TEST_HANG_MARKER = "<<oar-test-hang>>"
+_TEST_CRASH_MARKER = "<<oar-test-crash>>"
+
+
+def _hang_for_test(response: str, gold: str, *, seconds: float = 3600.0) -> bool:
+    """TEST HOOK, not for real use: like :func:`score_one`, but sleeps ``seconds`` in a loop
+    (ignoring signals, as C code would) when the response contains ``_TEST_HANG_MARKER``, and
+    exits the process at once when it contains ``_TEST_CRASH_MARKER``."""
+    if _TEST_CRASH_MARKER in response:
+        os._exit(3)
+    if _TEST_HANG_MARKER in response:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            time.sleep(0.05)
+        return True  # a "correct" verdict that must never be seen: the parent kills us first
+    return score_one(response, gold)
+
+
+def _worker_main(conn: Connection, work_fn: WorkFn) -> None:
+    """Worker loop: receive a chunk ``[(key, response, gold), ...]``, answer ``(key, ok)`` per item.
+
+    ``None`` (or a closed pipe) ends the loop. The first message is ``("ready", pid)`` after a
+    warm-up item, so imports do not count against the first item's timeout.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # it logs whole inputs on timeouts
+    try:
+        work_fn("\\boxed{1}", "1")
+    except Exception:  # noqa: BLE001 - a failing warm-up shows up on real items
+        pass
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            chunk = conn.recv()
+        except (EOFError, OSError):
+            return
+        if chunk is None:
+            return
+        for key, response, gold in chunk:
+            try:
+                ok = bool(work_fn(response, gold))
+            except Exception:  # noqa: BLE001 - untrusted input: any failure is "not correct"
+                ok = False
+            conn.send((key, ok))
+
+
+#: What a "subprocess" worker runs: ``python -c _SUBPROCESS_BOOT <fd>``.
+_SUBPROCESS_BOOT = "import sys; from oar.reward import _subprocess_main; _subprocess_main(int(sys.argv[1]))"
+
+
+def _subprocess_main(fd: int) -> None:
+    """Entry point of a ``"subprocess"`` worker: the first message on the socket is ``work_fn``."""
+    conn = Connection(fd)
+    try:
+        work_fn = conn.recv()
+    except (EOFError, OSError):
+        os._exit(0)
+    _worker_main(conn, work_fn)
+    sys.stderr.flush()
+    os._exit(0)  # skip interpreter teardown (about 1.5 s with sympy's caches); nothing to flush
+
+
+class _PopenProcess:
+    """The part of the ``multiprocessing.Process`` interface the pool uses, for a ``Popen``."""
+
+    sentinel = None  # the pool sees the death of a worker as EOF on its socket
+
+    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
+        self.popen = popen
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def kill(self) -> None:
+        self.popen.kill()
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.poll()
+
+
+# --------------------------------------------------------------------------------------------
+# The pool (parent side)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Worker:
+    proc: Any  # multiprocessing.process.BaseProcess
+    conn: Connection
+    started: float
+    ready: bool = False
+    chunk: list[int] | None = None  # keys in flight, in the order the worker handles them
+    pos: int = 0  # how many of ``chunk`` have been answered
+    deadline: float = math.inf
+
+
+@dataclasses.dataclass
+class PoolStats:
+    """Counters since the pool was created (for logging)."""
+
+    items: int = 0  #: items passed to :meth:`RewardPool.score` (before deduplication)
+    scored: int = 0  #: items sent to a worker (unique, non-empty)
+    timeouts: int = 0  #: items that ran past ``timeout_s`` (scored wrong, worker killed)
+    crashes: int = 0  #: items whose worker died while scoring them (scored wrong)
+    restarts: int = 0  #: workers started to replace a killed or dead one
+
+    def as_dict(self) -> dict[str, int]:
+        """The counters as a plain dict (for a metrics logger)."""
+        return dataclasses.asdict(self)
+
+
+_START_METHODS = ("subprocess", "forkserver", "spawn")
+
+
+def _default_workers() -> int:
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        n = os.cpu_count() or 1
+    return max(1, min(n, DEFAULT_MAX_WORKERS))
+
+
+class RewardPool:
+    """A persistent pool of worker processes that score (response, gold) pairs with math-verify.
+
+    Args:
+        workers: number of worker processes; None = usable CPUs, at most ``DEFAULT_MAX_WORKERS``.
+        timeout_s: wall-clock limit per item, enforced by the parent (kill and replace).
+        inner_timeout_s: math-verify's own per-call limit inside the worker, whole seconds >= 1;
+            None = ``max(1, int(timeout_s / 3))`` so that parse + verify normally give up by
+            themselves before the parent has to kill the worker.
+        require_boxed: responses without a complete ``\\boxed{}`` score wrong.
+        chunk_size: most items sent to a worker in one message (fewer when a batch is small, so
+            that all workers get work).
+        start_method: ``"subprocess"`` (default), ``"forkserver"`` or ``"spawn"`` (see the
+            module docstring); ``"fork"`` is refused because the parent may hold threads (torch).
+        start_timeout_s: how long a new worker may take to import math-verify and report ready.
+        work_fn: TEST HOOK: a picklable module-level ``(response, gold) -> bool`` run instead of
+            :func:`score_one`.
+
+    Workers are started on first use (or by :meth:`start` / ``with``) and stay until
+    :meth:`close`. Not thread-safe: use one pool per thread.
+
+    >>> with RewardPool(workers=1) as pool:  # doctest: +SKIP
+    ...     pool.score(["so \\\\boxed{0.5}", "I give up"], ["\\\\frac{1}{2}", "3"])
+    [1.0, 0.0]
+    """
+
+    def __init__(
+        self,
+        workers: int | None = None,
+        timeout_s: float = 5.0,
+        *,
+        inner_timeout_s: int | None = None,
+        require_boxed: bool = False,
+        chunk_size: int = 16,
+        start_method: str = "subprocess",
+        start_timeout_s: float = 120.0,
+        work_fn: WorkFn | None = None,
+    ) -> None:
+        if workers is None:
+            workers = _default_workers()
+        if not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"oar.reward.RewardPool: workers must be an int >= 1, got {workers!r}")
+        if not timeout_s > 0:
+            raise ValueError(f"oar.reward.RewardPool: timeout_s must be > 0, got {timeout_s!r}")
+        if inner_timeout_s is None:
+            inner_timeout_s = max(1, int(timeout_s / 3))
+        if not isinstance(inner_timeout_s, int) or inner_timeout_s < 1:
+            raise ValueError(f"oar.reward.RewardPool: inner_timeout_s must be an int >= 1, got {inner_timeout_s!r}")
+        if chunk_size < 1:
+            raise ValueError(f"oar.reward.RewardPool: chunk_size must be >= 1, got {chunk_size!r}")
+        if start_method not in _START_METHODS:
+            raise ValueError(f"oar.reward.RewardPool: start_method must be one of {_START_METHODS}, got {start_method!r}")
+        self.workers = workers
+        self.timeout_s = float(timeout_s)
+        self.inner_timeout_s = inner_timeout_s
+        self.require_boxed = require_boxed
+        self.chunk_size = chunk_size
+        self.start_method = start_method
+        self.start_timeout_s = float(start_timeout_s)
+        self.work_fn: WorkFn = (
+            work_fn
+            if work_fn is not None
+            else functools.partial(score_one, parsing_timeout=inner_timeout_s, require_boxed=require_boxed)
+        )
+        self.stats = PoolStats()
+        self._ctx: Any = None
+        self._workers: list[_Worker] = []
+        self._closed = False
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> RewardPool:
+        """Start the worker processes (no-op when running). Returns ``self``."""
+        if self._closed:
+            raise RuntimeError("oar.reward.RewardPool: the pool is closed")
+        if self._ctx is None and self.start_method != "subprocess":
+            self._ctx = mp.get_context(self.start_method)
+            if self.start_method == "forkserver":
+                # Takes effect only if this process's fork server is not running yet.
+                self._ctx.set_forkserver_preload(["math_verify", "oar.reward"])
+        while len(self._workers) < self.workers:
+            self._workers.append(self._spawn())
+        return self
+
+    def _spawn(self) -> _Worker:
+        if self.start_method == "subprocess":
+            parent_conn, child_conn = mp.Pipe(duplex=True)
+            fd = child_conn.fileno()
+            env = dict(os.environ)
+            env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
+            popen = subprocess.Popen(
+                [sys.executable, "-c", _SUBPROCESS_BOOT, str(fd)],
+                pass_fds=(fd,),
+                stdin=subprocess.DEVNULL,
+                env=env,
+            )
+            child_conn.close()
+            parent_conn.send(self.work_fn)
+            proc: Any = _PopenProcess(popen)
+        else:
+            parent_conn, child_conn = self._ctx.Pipe(duplex=True)
+            proc = self._ctx.Process(
+                target=_worker_main, args=(child_conn, self.work_fn), name="oar-reward-worker", daemon=True
+            )
+            proc.start()
+            child_conn.close()
+        now = time.monotonic()
+        return _Worker(proc=proc, conn=parent_conn, started=now, deadline=now + self.start_timeout_s)
+
+    @staticmethod
+    def _kill(w: _Worker) -> None:
+        if w.proc.is_alive():
+            w.proc.kill()
+        w.proc.join(timeout=10)
+        w.conn.close()
+
+    def close(self) -> None:
+        """Stop all workers (politely, then by SIGKILL). Safe to call twice."""
+        self._closed = True
+        workers, self._workers = self._workers, []
+        for w in workers:
+            if not w.ready:  # still importing: no need to wait for it
+                w.proc.kill()
+                continue
+            try:
+                w.conn.send(None)
+            except (OSError, ValueError):
+                pass
+        end = time.monotonic() + 2.0
+        for w in workers:
+            w.proc.join(timeout=max(0.0, end - time.monotonic()))
+            self._kill(w)
+
+    def __enter__(self) -> RewardPool:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- scoring -----------------------------------------------------------------------------
+
+    def score(
+        self,
+        responses: Sequence[str | None],
+        golds: Sequence[str | int | float],
+        correct: float = 1.0,
+        wrong: float = 0.0,
+    ) -> list[float]:
+        """``correct`` or ``wrong`` for each response (see :func:`score_batch`)."""
+        return [correct if ok else wrong for ok in self.verdicts(responses, golds)]
+
+    def verdicts(self, responses: Sequence[str | None], golds: Sequence[str | int | float]) -> list[bool]:
+        """True/False for each (response, gold) pair; identical pairs are scored once."""
+        if len(responses) != len(golds):
+            raise ValueError(
+                f"oar.reward: got {len(responses)} responses but {len(golds)} gold answers; they must pair up"
+            )
+        gold_strs = [_gold_str(g, i) for i, g in enumerate(golds)]
+        self.stats.items += len(responses)
+        key_of: dict[tuple[str, str], int] = {}
+        unique: list[tuple[str, str]] = []
+        keys: list[int | None] = []
+        for i, (r, g) in enumerate(zip(responses, gold_strs)):
+            if r is None:
+                keys.append(None)
+                continue
+            if not isinstance(r, str):
+                raise TypeError(f"oar.reward: response {i} is a {type(r).__name__}, expected str or None")
+            if not r or r.isspace():
+                keys.append(None)
+                continue
+            k = key_of.get((r, g))
+            if k is None:
+                k = key_of[(r, g)] = len(unique)
+                unique.append((r, g))
+            keys.append(k)
+        results = self._run(unique) if unique else []
+        return [False if k is None else results[k] for k in keys]
+
+    def _run(self, items: list[tuple[str, str]]) -> list[bool]:
+        """Score unique items in the workers; the wall-clock rules are in the module docstring."""
+        self.start()
+        self.stats.scored += len(items)
+        n = len(items)
+        verdict = [False] * n
+        size = max(1, min(self.chunk_size, math.ceil(n / (4 * self.workers))))
+        queue: deque[list[int]] = deque(list(range(s, min(s + size, n))) for s in range(0, n, size))
+        try:
+            while queue or any(w.chunk is not None for w in self._workers):
+                now = time.monotonic()
+                for w in self._workers:
+                    if w.ready and w.chunk is None and queue:
+                        chunk = queue.popleft()
+                        try:
+                            w.conn.send([(k, items[k][0], items[k][1]) for k in chunk])
+                        except OSError:  # died while idle: nothing was in flight
+                            queue.appendleft(chunk)
+                            w.deadline = -math.inf  # replaced below
+                            continue
+                        w.chunk, w.pos, w.deadline = chunk, 0, now + self.timeout_s
+                next_deadline = min(w.deadline for w in self._workers)
+                wait(
+                    [w.conn for w in self._workers] + [w.proc.sentinel for w in self._workers if w.proc.sentinel is not None],
+                    timeout=None if next_deadline == math.inf else max(0.0, next_deadline - time.monotonic()),
+                )
+                for idx, w in enumerate(self._workers):
+                    self._workers[idx] = self._service(w, verdict, queue)
+        except BaseException:
+            # Interrupted (Ctrl-C) or broken: items may be in flight, so start over next time.
+            self.close()
+            self._closed = False
+            raise
+        return verdict
+
+    def _service(self, w: _Worker, verdict: list[bool], queue: deque[list[int]]) -> _Worker:
+        """Read what worker ``w`` sent; replace it if it died or ran past its deadline."""
+        dead = False
+        try:
+            while w.conn.poll():
+                msg = w.conn.recv()
+                if msg[0] == "ready":
+                    w.ready, w.deadline = True, math.inf
+                    continue
+                key, ok = msg
+                if w.chunk is None or w.pos >= len(w.chunk) or w.chunk[w.pos] != key:
+                    raise RuntimeError(f"oar.reward: worker answered item {key} out of order (bug)")
+                verdict[key] = ok
+                w.pos += 1
+                if w.pos == len(w.chunk):
+                    w.chunk, w.deadline = None, math.inf
+                else:
+                    w.deadline = time.monotonic() + self.timeout_s
+        except (EOFError, OSError):
+            dead = True
+        dead = dead or not w.proc.is_alive()
+        late = time.monotonic() > w.deadline
+        if not (dead or late):
+            return w
+        if not w.ready:
+            self._kill(w)
+            why = f"exit code {w.proc.exitcode}" if dead else f"not ready after {self.start_timeout_s:g} s"
+            raise RuntimeError(
+                f"oar.reward: a worker process failed to start ({why}; its traceback, if any, is on stderr). "
+                "math-verify and oar must be importable by a fresh interpreter; with start_method "
+                "forkserver/spawn the main script also needs an `if __name__ == '__main__':` guard."
+            )
+        if w.chunk is not None:
+            lost = w.chunk[w.pos]
+            verdict[lost] = False
+            rest = w.chunk[w.pos + 1 :]
+            if rest:
+                queue.appendleft(rest)
+            if dead:
+                self.stats.crashes += 1
+                logger.warning("oar.reward: a worker died while scoring an item; scored wrong")
+            else:
+                self.stats.timeouts += 1
+                logger.warning("oar.reward: an item ran past %.3g s; scored wrong, worker replaced", self.timeout_s)
+        self._kill(w)
+        self.stats.restarts += 1
+        return self._spawn()
+
+
+def _gold_str(g: object, i: int) -> str:
+    if isinstance(g, bool) or not isinstance(g, (str, int, float)):
+        raise TypeError(
+            f"oar.reward: gold answer {i} is a {type(g).__name__} ({g!r:.80}); expected str (or int/float); "
+            "join multi-part answers (e.g. olympiadbench's lists) yourself"
+        )
+    s = str(g).strip()
+    if not s:
+        raise ValueError(f"oar.reward: gold answer {i} is empty; drop that record or fix the data")
+    return s
+
+
+# --------------------------------------------------------------------------------------------
+# Module-level pool and the public functions
+# --------------------------------------------------------------------------------------------
+
+_default_pool: RewardPool | None = None
+_default_lock = threading.Lock()
+
+
+def _close_default_pool() -> None:
+    global _default_pool
+    if _default_pool is not None:
+        _default_pool.close()
+        _default_pool = None
+
+
+atexit.register(_close_default_pool)
+
+
+def score_batch(
+    responses: Sequence[str | None],
+    golds: Sequence[str | int | float],
+    *,
+    correct: float = 1.0,
+    wrong: float = 0.0,
+    timeout_s: float = 5.0,
+    workers: int | None = None,
+) -> list[float]:
+    """Outcome reward per response: ``correct`` if its final answer equals the gold, else ``wrong``.
+
+    Args:
+        responses: (B,) model outputs; None or empty -> ``wrong``.
+        golds: (B,) gold final answers (str; ints/floats are converted with ``str``).
+        correct, wrong: reward values (GRPO: 1/0, DAPO: +1/-1; config ``reward.correct/wrong``).
+        timeout_s: wall-clock limit per item; past it the item scores ``wrong``.
+        workers: worker processes (None: usable CPUs, at most ``DEFAULT_MAX_WORKERS``).
+
+    Returns:
+        (B,) list of floats, in the order of ``responses``.
+
+    Raises:
+        ValueError: ``len(responses) != len(golds)`` or an empty gold answer.
+        TypeError: a response that is not str/None, or a gold that is not str/int/float.
+
+    Uses a module-level :class:`RewardPool`, created on the first call and reused; a call with a
+    different ``timeout_s`` or ``workers`` replaces it. Closed at interpreter exit.
+    """
+    global _default_pool
+    with _default_lock:
+        want = workers if workers is not None else _default_workers()
+        pool = _default_pool
+        if pool is None or pool.workers != want or pool.timeout_s != float(timeout_s):
+            if pool is not None:
+                pool.close()
+            pool = _default_pool = RewardPool(workers=want, timeout_s=timeout_s)
+        return pool.score(responses, golds, correct=correct, wrong=wrong)
+
+
+def extracted_answer(response: str | None) -> str | None:
+    """The answer read from ``response`` for logging: the last ``\\boxed{}`` content, else None."""
+    return extract_boxed(response)
+
+
+def overlong_penalty(
+    lengths: torch.Tensor,
+    *,
+    max_length: int,
+    cache_length: int,
+    penalty_factor: float = 1.0,
+) -> torch.Tensor:
+    """DAPO overlong reward shaping (METHODS.md section 2; verl recipe/dapo), added to the score.
+
+    ``penalty_i = min(-(len_i - (max_length - cache_length)) / cache_length * penalty_factor, 0)``:
+    0 up to ``max_length - cache_length`` tokens, then falling linearly to ``-penalty_factor`` at
+    ``max_length`` (and further below for longer responses, which truncation normally prevents).
+
+    Args:
+        lengths: (B,) response lengths in tokens (integer or float tensor; not modified).
+        max_length: the maximum response length ``L_max`` (> 0).
+        cache_length: the buffer ``L_cache``; ``<= 0`` disables the shaping and returns zeros.
+            Must not exceed ``max_length``.
+        penalty_factor: the penalty at ``max_length`` (>= 0).
+
+    Returns:
+        (B,) tensor of penalties ``<= 0``, dtype float32 (or ``lengths``' dtype if floating).
+    """
+    import torch
+
+    if not isinstance(lengths, torch.Tensor) or lengths.dim() != 1:
+        raise ValueError(f"oar.reward.overlong_penalty: lengths must be a 1-D (B,) tensor, got {lengths!r:.80}")
+    if max_length <= 0:
+        raise ValueError(f"oar.reward.overlong_penalty: max_length must be > 0, got {max_length}")
+    if cache_length > max_length:
+        raise ValueError(
+            f"oar.reward.overlong_penalty: cache_length ({cache_length}) must not exceed max_length ({max_length})"
+        )
+    if penalty_factor < 0:
+        raise ValueError(f"oar.reward.overlong_penalty: penalty_factor must be >= 0, got {penalty_factor}")
+    dtype = lengths.dtype if lengths.is_floating_point() else torch.float32
+    if cache_length <= 0:
+        return torch.zeros(lengths.shape, dtype=dtype, device=lengths.device)
+    expected = max_length - cache_length
+    exceed = lengths.to(dtype) - expected
+    return torch.clamp(-exceed / cache_length * penalty_factor, max=0.0)

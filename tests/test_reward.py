@@ -1,0 +1,214 @@
+"""Tests for oar.reward: answer checking with math-verify in worker processes, DAPO overlong shaping."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import oar.reward as R
+from oar.reward import RewardPool, extracted_answer, overlong_penalty, score_batch, score_one
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with RewardPool(workers=2, timeout_s=5.0) as p:
+        yield p
+
+
+# ----------------------------------------------------------------------------- reading rules
+
+
+@pytest.mark.parametrize(
+    ("response", "gold"),
+    [
+        ("so \\boxed{0.5}", "\\frac12"),
+        ("\\boxed{\\frac12}", "0.5"),
+        ("\\boxed{1/2}", "\\frac{1}{2}"),
+        ("\\boxed{27.0}", "27"),
+        ("\\boxed{27}", 27.0),  # amc23 stores float golds
+        ("The answer is \\boxed{40}.", "40"),
+        ("\\boxed{(3,4)}", "(3, 4)"),
+        ("\\boxed{10\\%}", "10"),
+        ("\\boxed{x = 5}", "5"),
+        ("23 + 17 = 40. The final answer is 40", "40"),  # no box: math-verify's default extraction
+        ("\\boxed{3} first, but then \\boxed{4}", "4"),  # the last box counts
+        ("\\boxed{\\frac{\\pi}{2}}", "\\boxed{\\frac{\\pi}{2}}"),  # a boxed gold is unwrapped
+    ],
+)
+def test_score_one_equivalent_forms(response, gold):
+    assert score_one(response, str(gold)) is True
+
+
+@pytest.mark.parametrize(
+    ("response", "gold"),
+    [
+        ("\\boxed{41}", "40"),
+        ("\\boxed{3} first, but then \\boxed{4}", "3"),  # an earlier box does not count
+        ("\\boxed{(4,3)}", "(3, 4)"),
+        ("I do not know.", "40"),
+        ("", "40"),
+        (None, "40"),
+        ("   \n", "40"),
+        ("the sum is 40 so \\boxed{}", "40"),  # an empty box is the answer; no search around it
+        ("the sum is 40 so \\boxed{forty}", "40"),  # a box that does not parse scores wrong
+    ],
+)
+def test_score_one_wrong(response, gold):
+    assert score_one(response, gold) is False
+
+
+def test_truncated_box_falls_back_to_default_extraction_unless_required():
+    text = "we get 40 and so \\boxed{4"  # cut off before the closing brace
+    assert score_one(text, "40") is True  # math-verify's default extraction reads the 40
+    assert score_one(text, "4") is False
+    assert score_one(text, "40", require_boxed=True) is False
+    assert score_one("The answer is 40", "40", require_boxed=True) is False
+    assert score_one("so \\boxed{40}", "40", require_boxed=True) is True
+
+
+def test_extracted_answer():
+    assert extracted_answer("a \\boxed{1} b \\boxed{\\frac{1}{2}} c") == "\\frac{1}{2}"
+    assert extracted_answer("no box, 40") is None
+    assert extracted_answer(None) is None
+    assert extracted_answer("\\boxed{4") is None
+
+
+# ----------------------------------------------------------------------------- the pool
+
+
+def test_pool_scores_in_order_with_reward_values(pool):
+    responses = ["\\boxed{0.5}", "\\boxed{41}", "", None, "\\boxed{27.0}", "no answer here", "\\boxed{1/2}"]
+    golds = ["\\frac12", "40", "1", "1", "27", "40", "\\frac{1}{2}"]
+    assert pool.score(responses, golds) == [1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0]
+    assert pool.score(responses, golds, correct=1.0, wrong=-1.0) == [1.0, -1.0, -1.0, -1.0, 1.0, -1.0, 1.0]
+    assert pool.score([], []) == []
+
+
+def test_pool_deduplicates_and_skips_empty(pool):
+    before = pool.stats.scored
+    responses = ["\\boxed{4}"] * 5 + ["\\boxed{5}"] * 3 + ["", None]
+    golds = ["4"] * 5 + ["4"] * 3 + ["4", "4"]
+    assert pool.score(responses, golds) == [1.0] * 5 + [0.0] * 3 + [0.0, 0.0]
+    assert pool.stats.scored - before == 2  # two unique, non-empty pairs reached a worker
+    # the same response against a different gold is a different pair
+    assert pool.score(["\\boxed{4}", "\\boxed{4}"], ["4", "5"]) == [1.0, 0.0]
+
+
+def test_pool_many_items_across_chunks(pool):
+    n = 200
+    responses = [f"{i} + 1 = {i + 1}, so \\boxed{{{i + 1 if i % 3 else i}}}" for i in range(n)]
+    golds = [str(i + 1) for i in range(n)]
+    assert pool.score(responses, golds) == [0.0 if i % 3 == 0 else 1.0 for i in range(n)]
+
+
+def test_bad_input_errors(pool):
+    with pytest.raises(ValueError, match="2 responses but 1 gold"):
+        pool.score(["a", "b"], ["1"])
+    with pytest.raises(ValueError, match="gold answer 1 is empty"):
+        pool.score(["a", "b"], ["1", " "])
+    with pytest.raises(TypeError, match="gold answer 0 is a list"):
+        pool.score(["a"], [["1", "2"]])
+    with pytest.raises(TypeError, match="response 1 is a int"):
+        pool.score(["a", 3], ["1", "2"])
+    with pytest.raises(ValueError, match="workers"):
+        RewardPool(workers=0)
+    with pytest.raises(ValueError, match="start_method"):
+        RewardPool(start_method="fork")
+
+
+def test_hung_item_scores_wrong_and_pool_recovers():
+    with RewardPool(workers=1, timeout_s=0.5, work_fn=R._hang_for_test, chunk_size=8) as p:
+        responses = ["\\boxed{3}", R._TEST_HANG_MARKER + " \\boxed{3}", "\\boxed{3}", "\\boxed{2}"]
+        # the hung item would score "correct" if its verdict were ever read
+        assert p.score(responses, ["3"] * 4) == [1.0, 0.0, 1.0, 0.0]
+        assert p.stats.timeouts == 1
+        assert p.stats.restarts == 1
+        assert p.score(["\\boxed{7}", "\\boxed{8}"], ["7", "7"]) == [1.0, 0.0]
+        assert p.stats.timeouts == 1
+
+
+def test_crashed_worker_scores_wrong_and_pool_recovers():
+    with RewardPool(workers=2, timeout_s=5.0, work_fn=R._hang_for_test) as p:
+        responses = ["\\boxed{1}", R._TEST_CRASH_MARKER, "\\boxed{1}"]
+        assert p.score(responses, ["1"] * 3) == [1.0, 0.0, 1.0]
+        assert p.stats.crashes == 1
+        assert p.stats.timeouts == 0
+        assert p.score(["\\boxed{2}"], ["2"]) == [1.0]
+
+
+def test_pathological_inputs_score_wrong(pool):
+    responses = [
+        "\\boxed{" + "{" * 5000,
+        "\\boxed{9^{9^{9^{9}}}}",
+        "\\boxed{(10^{10^{8}})!}",
+        "x" * 200_000 + " \\boxed{5}",
+        "\\boxed{5}",
+    ]
+    assert pool.score(responses, ["5"] * 5) == [0.0, 0.0, 0.0, 1.0, 1.0]
+
+
+def test_score_batch_reuses_one_module_pool():
+    out = score_batch(["\\boxed{2}", "\\boxed{3}"], ["2", "2"], correct=1.0, wrong=-1.0, workers=1)
+    assert out == [1.0, -1.0]
+    first = R._default_pool
+    assert first is not None
+    assert score_batch(["\\boxed{2}"], ["2"], workers=1) == [1.0]
+    assert R._default_pool is first
+    assert score_batch(["\\boxed{2}"], ["2"], workers=1, timeout_s=3.0) == [1.0]
+    assert R._default_pool is not first and R._default_pool.timeout_s == 3.0
+    R._close_default_pool()
+    assert R._default_pool is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_multiprocessing_start_methods(method):
+    with RewardPool(workers=1, timeout_s=0.5, start_method=method, work_fn=R._hang_for_test) as p:
+        assert p.score(["\\boxed{1}", R._TEST_HANG_MARKER, "\\boxed{2}"], ["1", "1", "1"]) == [1.0, 0.0, 0.0]
+        assert p.stats.timeouts == 1
+        assert p.score(["\\boxed{2}"], ["2"]) == [1.0]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (DATA / "math500" / "test.jsonl").exists(), reason="shared data not present")
+def test_math500_golds_verify_against_themselves(pool):
+    golds = [json.loads(line)["answer"] for line in (DATA / "math500" / "test.jsonl").open()]
+    assert len(golds) == 500
+    ok = pool.score(["The answer is \\boxed{" + g + "}" for g in golds], golds)
+    assert sum(ok) == 500
+    # ... and a different problem's answer is (almost always) wrong
+    shifted = pool.score(["\\boxed{" + g + "}" for g in golds[1:] + golds[:1]], golds)
+    assert sum(shifted) < 25
+
+
+# ----------------------------------------------------------------------------- overlong penalty
+
+
+def test_overlong_penalty_hand_values():
+    lengths = torch.tensor([10, 16, 17, 18, 20, 22])
+    before = lengths.clone()
+    # expected length 20 - 4 = 16; -(len - 16) / 4 * factor, capped at 0
+    out = overlong_penalty(lengths, max_length=20, cache_length=4)
+    torch.testing.assert_close(out, torch.tensor([0.0, 0.0, -0.25, -0.5, -1.0, -1.5]))
+    out2 = overlong_penalty(lengths, max_length=20, cache_length=4, penalty_factor=2.0)
+    torch.testing.assert_close(out2, torch.tensor([0.0, 0.0, -0.5, -1.0, -2.0, -3.0]))
+    assert out.dtype == torch.float32 and out.shape == (6,)
+    assert torch.equal(lengths, before)
+    assert (out <= 0).all()
+
+
+def test_overlong_penalty_disabled_and_errors():
+    lengths = torch.tensor([5.0, 100.0], dtype=torch.float64)
+    z = overlong_penalty(lengths, max_length=50, cache_length=0)
+    assert torch.equal(z, torch.zeros(2, dtype=torch.float64))
+    with pytest.raises(ValueError, match="1-D"):
+        overlong_penalty(torch.ones(2, 2), max_length=10, cache_length=2)
+    with pytest.raises(ValueError, match="must not exceed"):
+        overlong_penalty(lengths, max_length=10, cache_length=11)
+    with pytest.raises(ValueError, match="max_length"):
+        overlong_penalty(lengths, max_length=0, cache_length=0)
