@@ -231,37 +231,51 @@ def ktae_scores_batch(
     tok_t = torch.zeros(ng, dtype=torch.float64, device=device).index_add_(0, gidx, lens * correct.double())
     tok_f = torch.zeros(ng, dtype=torch.float64, device=device).index_add_(0, gidx, lens) - tok_t
 
-    rows, cols = m.nonzero(as_tuple=True)
-    toks = token_ids[rows, cols].long()
+    # Masked positions in row-major order (masked_select / masked_scatter order).
+    toks = token_ids.masked_select(m).long()
+    rows = torch.repeat_interleave(torch.arange(bsz, device=device), m.sum(dim=1))
     if bool((toks < 0).any()):
         raise ValueError("oar.credit.ktae: token_ids inside the mask must be >= 0")
-    vocab = int(toks.max()) + 1
+    vocab_bits = max(int(toks.max()).bit_length(), 1)
+    row_bits = max((bsz - 1).bit_length(), 1)
+    if max(ng - 1, 1).bit_length() + vocab_bits + row_bits > 62:
+        raise ValueError("oar.credit.ktae: groups x vocabulary x batch too large for int64 sort keys")
 
-    # (response, token) pairs with occurrence counts; then (group, token) keys.
-    pair_key, pos_to_pair, pair_count = torch.unique(rows * vocab + toks, return_inverse=True, return_counts=True)
-    pair_row = torch.div(pair_key, vocab, rounding_mode="floor")
-    pair_tok = pair_key - pair_row * vocab
-    grp_key, pair_to_key = torch.unique(gidx[pair_row] * vocab + pair_tok, return_inverse=True)
+    # One sort by (group, token, response) packed into an int64: runs of equal (group, token) are
+    # the keys whose statistics we need; a new (group, token, response) inside a run is one more
+    # response that contains the token.
+    n_pos = rows.numel()
+    gt_key = (gidx[rows] << vocab_bits) | toks
+    skey, order = torch.sort((gt_key << row_bits) | rows)
+    srow = skey & ((1 << row_bits) - 1)
+    sgt = skey >> row_bits
+    new_key = torch.ones(n_pos, dtype=torch.bool, device=device)
+    torch.ne(sgt[1:], sgt[:-1], out=new_key[1:])
+    new_pair = torch.ones(n_pos, dtype=torch.bool, device=device)
+    torch.ne(skey[1:], skey[:-1], out=new_pair[1:])
+    key_id = torch.cumsum(new_key, dim=0) - 1
+    grp_key = sgt[new_key]
     n_keys = grp_key.numel()
-    key_group = torch.div(grp_key, vocab, rounding_mode="floor")
-    key_tok = grp_key - key_group * vocab
+    key_group = grp_key >> vocab_bits
+    key_tok = grp_key & ((1 << vocab_bits) - 1)
 
-    pc = correct[pair_row].double()
-    zeros_k = torch.zeros(n_keys, dtype=torch.float64, device=device)
-    a = zeros_k.clone().index_add_(0, pair_to_key, pc)
-    b = zeros_k.clone().index_add_(0, pair_to_key, 1.0 - pc)
-    cnt = pair_count.double()
-    f_t = zeros_k.clone().index_add_(0, pair_to_key, cnt * pc)
-    f_f = zeros_k.clone().index_add_(0, pair_to_key, cnt * (1.0 - pc))
+    pos_correct = correct[srow]
+    a = torch.bincount(key_id, weights=(new_pair & pos_correct).double(), minlength=n_keys)
+    b = torch.bincount(key_id, weights=new_pair.double(), minlength=n_keys) - a
+    f_t = torch.bincount(key_id, weights=pos_correct.double(), minlength=n_keys)
+    f_f = torch.bincount(key_id, minlength=n_keys).double() - f_t
     nt_k = n_t[key_group]
     nf_k = n_f[key_group]
-    c = nt_k - a
-    d = nf_k - b
 
     # Table-only terms (F, IG, h) once per distinct table (a, b, n_T, n_F).
     side = int(max(n_t.max(), n_f.max())) + 1
     code = ((a.long() * side + b.long()) * side + nt_k.long()) * side + nf_k.long()
-    ucode, code_inv = torch.unique(code, return_inverse=True)
+    if side**4 <= 4 * n_keys + 2**20:  # small table space: find the present tables without a sort
+        present = torch.bincount(code, minlength=side**4) > 0
+        ucode = present.nonzero().squeeze(1)
+        code_inv = (torch.cumsum(present, dim=0) - 1)[code]
+    else:
+        ucode, code_inv = torch.unique(code, return_inverse=True)
     ua = torch.div(ucode, side**3, rounding_mode="floor")
     ub = torch.div(ucode, side**2, rounding_mode="floor") % side
     unt = torch.div(ucode, side, rounding_mode="floor") % side
@@ -296,7 +310,9 @@ def ktae_scores_batch(
         ign = torch.isin(key_tok, torch.tensor(ignore, dtype=key_tok.dtype, device=device))
         k = torch.where(ign, torch.zeros_like(k), k)
 
-    out[rows, cols] = k[pair_to_key[pos_to_pair]].to(out_dtype)
+    vals = torch.empty(n_pos, dtype=out_dtype, device=device)
+    vals[order] = k.to(out_dtype)[key_id]
+    out.masked_scatter_(m, vals)
     return out
 
 

@@ -35,7 +35,7 @@ def masked_row_quantile(values: torch.Tensor, mask: torch.Tensor, q: float) -> t
     """
     if not 0.0 <= q <= 1.0:
         raise ValueError(f"oar.credit.reshape: quantile must be in [0, 1], got {q!r}")
-    padded = torch.where(mask, values, torch.full_like(values, torch.inf))
+    padded = torch.where(mask, values, torch.inf)
     srt, _ = torch.sort(padded, dim=-1)
     n = mask.sum(dim=-1)
     # Same arithmetic as torch.quantile: rank in the values' dtype, lerp between neighbours.
@@ -46,7 +46,7 @@ def masked_row_quantile(values: torch.Tensor, mask: torch.Tensor, q: float) -> t
     below = srt.gather(-1, lo[:, None]).squeeze(-1)
     above = srt.gather(-1, hi[:, None]).squeeze(-1)
     out = torch.lerp(below, above, w)
-    return torch.where(n > 0, out, torch.full_like(out, torch.nan))
+    return torch.where(n > 0, out, torch.nan)
 
 
 def bilevel_weights(
@@ -89,29 +89,28 @@ def bilevel_weights(
     dtype = scores.dtype if scores.dtype.is_floating_point else torch.float32
     m = mask.bool()
     s = scores.detach().to(dtype)
-    ones = torch.ones(s.shape, dtype=dtype, device=s.device)
     if s.numel() == 0:
-        return ones
-    s_in = torch.where(m, s, torch.zeros_like(s))
-    if not bool(torch.isfinite(s_in).all()) or bool((s_in <= -1).any()):
+        return torch.ones(s.shape, dtype=dtype, device=s.device)
+    lg = torch.log1p(torch.where(m, s, 0.0))
+    # log1p maps s <= -1, inf and NaN to non-finite values: one check covers all bad scores.
+    if not bool(torch.isfinite(lg).all()):
         raise ValueError("oar.credit.reshape.bilevel_weights: masked scores must be finite and > -1")
-    lg = torch.log1p(s_in)
-    lmin = torch.where(m, lg, torch.full_like(lg, torch.inf)).amin(dim=-1, keepdim=True)
-    lmax = torch.where(m, lg, torch.full_like(lg, -torch.inf)).amax(dim=-1, keepdim=True)
-    rng = lmax - lmin
+    lmin = torch.where(m, lg, torch.inf).amin(dim=-1, keepdim=True)
+    lmax = torch.where(m, lg, -torch.inf).amax(dim=-1, keepdim=True)
     has = m.any(dim=-1, keepdim=True)
-    rng = torch.where(has & (rng > 0), rng, torch.ones_like(rng))
-    lmin = torch.where(has, lmin, torch.zeros_like(lmin))
-    nrm = torch.where(m, (lg - lmin) / rng, torch.zeros_like(lg))
+    rng = lmax - lmin
+    rng = torch.where(has & (rng > 0), rng, 1.0)
+    lmin = torch.where(has, lmin, 0.0)
+    nrm = torch.where(m, (lg - lmin) / rng, 0.0)
     tau = masked_row_quantile(nrm, m, quantile)[:, None]
-    tau = torch.where(has, tau, torch.zeros_like(tau))
+    tau = torch.where(has, tau, 0.0)
     suppress = torch.clamp(nrm / (tau + eps), min=floor)
-    boost = 1.0 + beta * (nrm - tau) / (1.0 - tau + eps)
-    w = torch.where(nrm < tau, suppress, boost)
-    w = torch.where(m, w, torch.zeros_like(w))
+    boost = (nrm - tau).mul_(beta / (1.0 - tau + eps)).add_(1.0)
+    w = torch.where(m & (nrm < tau), suppress, boost).masked_fill_(~m, 0.0)
     if preserve_mass:
         total = w.sum(dim=-1, keepdim=True)
         length = m.sum(dim=-1, keepdim=True).to(dtype)
         ok = total > 0
-        w = torch.where(ok, w * length / torch.where(ok, total, torch.ones_like(total)), torch.ones_like(w))
-    return torch.where(m, w, ones)
+        scale = torch.where(ok, length / torch.where(ok, total, 1.0), 1.0)
+        w = torch.where(ok, w * scale, 1.0)
+    return torch.where(m, w, 1.0)
