@@ -452,6 +452,10 @@ def _oar_estimator(name: str, batch: CreditBatch, options: dict[str, Any]) -> Cr
                 generator=gen,
                 chunk_size=None if cs is None else int(cs),
             )
+        if mode == "answer_joint":
+            # phi differences are signed; the reshaping uses the size of the influence
+            # (our choice, like the KL modes and OAR-G's |.|; bilevel_weights needs s > -1).
+            s = s.abs()
         rows = active.nonzero().flatten()
         scores[rows, scores.shape[1] - s.shape[1] :] = s
     seconds = time.perf_counter() - t0
@@ -491,7 +495,7 @@ def oar_p_estimator(batch: CreditBatch, **options: Any) -> CreditResult:
     (:data:`oar.credit.probe.DEFAULT_CONCLUDE`), ``chunk_size`` (128).
 
     Weights are 1 on response tokens of rows without an answer or with ``A_i == 0`` (not
-    scored), 0 on padding. Stats: ``importance_s``, ``probe_fraction`` (share of responses with
+    scored), 0 on padding. In ``answer_joint`` mode the reshaping uses ``|phi_orig - phi_masked|``. Stats: ``importance_s``, ``probe_fraction`` (share of responses with
     an answer), ``scored_fraction`` (share actually scored).
     """
     return _oar_estimator("oar_p", batch, options)
