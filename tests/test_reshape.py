@@ -105,6 +105,21 @@ def test_quantile_matches_torch_quantile_per_row(q):
 
 
 @settings(max_examples=40, deadline=None)
+@given(st.integers(0, 10_000), st.floats(0.0, 1.0))
+def test_quantile_with_ties_matches_torch_quantile(seed, q):
+    gen = torch.Generator().manual_seed(seed)
+    v = torch.randint(0, 4, (16, 25), generator=gen).float()  # many ties
+    lens = torch.randint(0, 26, (16,), generator=gen)
+    m = torch.rand(16, 25, generator=gen).argsort(dim=1) < lens[:, None]  # scattered masks
+    got = masked_row_quantile(v, m, q)
+    for i in range(16):
+        if m[i].any():
+            assert got[i].item() == torch.quantile(v[i][m[i]], q).item()
+        else:
+            assert math.isnan(got[i].item())
+
+
+@settings(max_examples=40, deadline=None)
 @given(st.integers(0, 10_000), st.integers(1, 12), st.integers(1, 30), st.floats(0.0, 1.0), st.floats(0.0, 3.0))
 def test_invariants(seed, b, t, q, beta):
     s, mask = _random_rows(seed, b, t)

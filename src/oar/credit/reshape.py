@@ -23,10 +23,15 @@ __all__ = ["bilevel_weights", "masked_row_quantile"]
 def masked_row_quantile(values: torch.Tensor, mask: torch.Tensor, q: float) -> torch.Tensor:
     """Per-row ``q``-quantile over the masked entries, linear interpolation like ``torch.quantile``.
 
-    Vectorized: masked values are sorted with ``+inf`` padding and interpolated at ``q * (L - 1)``.
+    Row ``i`` with ``L_i`` masked values interpolates between its order statistics ``lo_i =
+    floor(q (L_i - 1))`` and ``hi_i = ceil(q (L_i - 1))`` with ``torch.lerp``, the same arithmetic
+    as ``torch.quantile``, so results are bit-identical to it. Vectorized without a full sort: one
+    ``torch.kthvalue`` over all rows (each row gets ``max(lo) - lo_i`` extra ``-inf`` entries, so the
+    same ``k`` selects every row's ``lo_i``-th value; unmasked entries are ``+inf``), then the next
+    order statistic from a count and a masked min.
 
     Args:
-        values: ``(B, T)`` float.
+        values: ``(B, T)`` float, finite on masked entries.
         mask: ``(B, T)`` bool.
         q: quantile in ``[0, 1]``.
 
@@ -35,17 +40,33 @@ def masked_row_quantile(values: torch.Tensor, mask: torch.Tensor, q: float) -> t
     """
     if not 0.0 <= q <= 1.0:
         raise ValueError(f"oar.credit.reshape: quantile must be in [0, 1], got {q!r}")
-    padded = torch.where(mask, values, torch.inf)
-    srt, _ = torch.sort(padded, dim=-1)
+    if values.dim() != 2 or mask.shape != values.shape:
+        raise ValueError(
+            f"oar.credit.reshape.masked_row_quantile: values and mask must both be (B, T), got "
+            f"{tuple(values.shape)} and {tuple(mask.shape)}"
+        )
+    mask = mask.bool()
     n = mask.sum(dim=-1)
+    if values.shape[0] == 0 or values.shape[-1] == 0:
+        return torch.full(n.shape, torch.nan, dtype=values.dtype, device=values.device)
     # Same arithmetic as torch.quantile: rank in the values' dtype, lerp between neighbours.
     rank = q * (n - 1).clamp(min=0).to(values.dtype)
     lo = rank.floor().long()
     hi = rank.ceil().long()
-    w = rank - lo.to(values.dtype)
-    below = srt.gather(-1, lo[:, None]).squeeze(-1)
-    above = srt.gather(-1, hi[:, None]).squeeze(-1)
-    out = torch.lerp(below, above, w)
+    weight = rank - lo.to(values.dtype)
+    k = int(lo.max())
+    shift = k - lo
+    padded = torch.where(mask, values, torch.inf)
+    width = int(shift.max())
+    if width > 0:
+        cols = torch.arange(width, device=values.device)[None, :]
+        extra = torch.where(cols < shift[:, None], -torch.inf, torch.inf).to(values.dtype)
+        padded = torch.cat([padded, extra], dim=-1)
+    below = torch.kthvalue(padded, k + 1, dim=-1).values
+    n_le = (mask & (values <= below[:, None])).sum(dim=-1)
+    next_up = torch.where(mask & (values > below[:, None]), values, torch.inf).amin(dim=-1)
+    above = torch.where(n_le >= hi + 1, below, next_up)
+    out = torch.lerp(below, above, weight)
     return torch.where(n > 0, out, torch.nan)
 
 
