@@ -27,9 +27,12 @@ term (the release only switches it on/off); the Fisher p-value counts tables who
 divides by zero). Tokens a token stream contains only in one class make ``tf_F = 0`` and so
 ``x ~ 1e5 tf_T``: ``K`` saturates to exactly ``+-top`` in floating point, as in the release.
 
-Statistics are computed only over the token ids that occur (``torch.unique`` with inverse
-indices over ``(response, token)`` and ``(group, token)`` keys), never a dense ``(vocab,)`` array,
-and vectorized across groups; Fisher p-values are computed once per distinct table.
+Statistics are computed only over the token ids that occur, never a dense ``(vocab,)`` array, and
+vectorized across groups: one sort of packed ``(group, token, response)`` int64 keys gives the
+distinct ``(group, token)`` keys with inverse indices (like ``torch.unique(return_inverse=True)``)
+and, from its runs, the presence counts ``a``, ``b`` and occurrence counts ``f_T``, ``f_F`` (via
+``bincount``). The table-only terms (Fisher, IG, direction) are computed once per distinct table
+``(a, b, n_T, n_F)``, of which there are at most a few hundred.
 """
 
 from __future__ import annotations
