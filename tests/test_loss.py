@@ -147,3 +147,11 @@ def test_k3_non_negative_for_tiny_log_ratios():
     logp = torch.zeros(400)
     ref = torch.cat([d, -d])
     assert bool((k3_kl(logp, ref) >= 0).all())
+
+
+def test_policy_loss_inputs_not_modified():
+    adv, logp, old, mask = _hand_tokens()
+    copies = [t.clone() for t in (adv, logp, old, mask)]
+    policy_loss(logp, old, adv, mask, clip_ratio_c=3.0, agg="seq-mean-token-mean")
+    for t, c in zip((adv, logp, old, mask), copies):
+        assert torch.equal(t, c)
