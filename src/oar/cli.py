@@ -30,6 +30,17 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_evaluate(args: argparse.Namespace) -> int:
+    from oar.config import load_config
+    from oar.evaluate import evaluate_from_config
+
+    out = evaluate_from_config(load_config(args.config), args.model, args.output, seed=args.seed)
+    for name, r in out["benchmarks"].items():
+        print(f"{name:20s} n={r['n']:5d} pass@1={r['pass@1']} avg@k={r['avg@k']}")
+    print(f"{'average':20s} {out['average']}")
+    return 0
+
+
 def _cmd_init_tracking(args: argparse.Namespace) -> int:
     from oar.config import load_config
     from oar.tracking import ensure_experiment
@@ -69,6 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--steps", type=int, default=None, help="override train.steps")
     s.add_argument("--no-progress", action="store_true")
     s.set_defaults(fn=_cmd_train)
+
+    s = sub.add_parser("evaluate", help="evaluate a checkpoint on the config's eval benchmarks")
+    s.add_argument("--config", required=True)
+    s.add_argument("--model", default=None, help="checkpoint folder (default: the config's model)")
+    s.add_argument("--output", required=True, help="folder for <bench>.jsonl, <bench>.json and summary.json")
+    s.add_argument("--seed", type=int, default=0, help="sampling seed for avg@k")
+    s.set_defaults(fn=_cmd_evaluate)
 
     s = sub.add_parser("init-tracking", help="create the MLflow store and experiment (once, before parallel jobs)")
     s.add_argument("--config", required=True)
