@@ -1,0 +1,182 @@
+# Helpers shared by every rule: config loading and validation, paths, resources, fingerprints.
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+
+import yaml
+from snakemake.exceptions import WorkflowError
+from snakemake.utils import validate
+
+from oar.config import ConfigError, deep_merge, resolve_methods, validate_config
+from oar.io import atomic_write_text
+
+
+# ---------------------------------------------------------------------------------------- config
+# config/config.yaml is the embedded default. A --configfile replaces it instead of being merged
+# into it (so a config's `methods` are exactly the ones it lists); --config KEY=VALUE overrides
+# apply on top of either.
+DEFAULT_CONFIGFILE = "config/config.yaml"
+
+if not workflow.overwrite_configfiles:
+    if not os.path.exists(DEFAULT_CONFIGFILE):
+        raise WorkflowError(
+            f"no --configfile given and the default {DEFAULT_CONFIGFILE} does not exist "
+            f"(working directory {os.getcwd()}); run snakemake from the repository root"
+        )
+    with open(DEFAULT_CONFIGFILE, encoding="utf-8") as _f:
+        _merged = deep_merge(yaml.safe_load(_f) or {}, dict(config))
+    config.clear()
+    config.update(_merged)
+
+CONFIG_SOURCE = ", ".join(map(str, workflow.overwrite_configfiles)) or DEFAULT_CONFIGFILE
+
+validate(config, "../schemas/config.schema.yaml")
+try:
+    validate_config(config, source=CONFIG_SOURCE)
+except ConfigError as e:
+    raise WorkflowError(str(e))
+
+METHODS = resolve_methods(config, source=CONFIG_SOURCE)
+SEEDS = [int(s) for s in config["seeds"]]
+BENCHMARKS = [b["name"] for b in config["eval"]["benchmarks"]]
+SFT = bool(config["sft"]["enabled"])
+ATTRIBUTION = bool(config["attribution"]["enabled"])
+
+# R: every output of this config lives below it
+R = f"{config['results_dir']}/{config['name']}"
+# the resolved config (defaults filled, --config overrides applied) that every `oar` command reads;
+# written by `onstart` (not in dry runs)
+CONFIG_FILE = f"{R}/config.yaml"
+
+# results/<name>/<x>/ is used by the workflow itself for these, so no method may take the name
+RESERVED_NAMES = {"base", "sft", "data", "attribution", "tables", "figures", "logs", "benchmarks", "config"}
+_clash = sorted(RESERVED_NAMES & set(METHODS))
+if _clash:
+    raise WorkflowError(f"{CONFIG_SOURCE}: key methods: reserved name(s) {_clash} (they are result folders)")
+if not BENCHMARKS:
+    raise WorkflowError(f"{CONFIG_SOURCE}: key eval.benchmarks: empty; the tables need at least one benchmark")
+
+
+wildcard_constraints:
+    method="|".join(re.escape(m) for m in METHODS),
+    seed="|".join(str(s) for s in SEEDS),
+
+
+# ------------------------------------------------------------------------------------- resources
+# Defaults per rule; config["resources"][<rule>] overrides any key (gpu, mem_mb, runtime in
+# minutes, threads). On SLURM, `gpu` becomes --gpus=N (snakemake-executor-plugin-slurm).
+DEFAULT_RESOURCES = {
+    "data": {"gpu": 0, "mem_mb": 2000, "runtime": 30, "threads": 1},
+    "sft": {"gpu": 0, "mem_mb": 4000, "runtime": 120, "threads": 2},
+    "train": {"gpu": 0, "mem_mb": 8000, "runtime": 240, "threads": 1},
+    "evaluate": {"gpu": 0, "mem_mb": 4000, "runtime": 60, "threads": 1},
+    "attribution": {"gpu": 0, "mem_mb": 4000, "runtime": 60, "threads": 1},
+    "report": {"gpu": 0, "mem_mb": 2000, "runtime": 15, "threads": 1},
+}
+
+
+def res(rule, key):
+    """Resource ``key`` of ``rule``: config["resources"][rule][key], else the default above."""
+    return (config.get("resources") or {}).get(rule, {}).get(key, DEFAULT_RESOURCES[rule][key])
+
+
+# ---------------------------------------------------------------------------------- fingerprints
+def fingerprint(*parts):
+    """Short hash of config sections; a rule's params carry it, so changing them reruns the rule."""
+    blob = json.dumps(parts, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def section(*keys):
+    return {k: config.get(k) for k in keys}
+
+
+def method_fingerprint(method):
+    m = METHODS[method]
+    return fingerprint(
+        section("model", "task", "sft", "rollout", "train", "reward"),
+        {"recipe": m.recipe, "credit": m.credit, "options": m.credit_options, "sft": SFT},
+    )
+
+
+def eval_fingerprint():
+    ev = {k: v for k, v in config["eval"].items() if k != "bootstrap"}
+    return fingerprint(ev, section("reward"), config["task"].get("template"), config["task"].get("seed"),
+                       config["task"].get("synthetic"))
+
+
+# drops a run folder's partial state when its fingerprint changed (see the script)
+# (a path relative to the working directory: params are compared between runs, so they must be stable)
+RESET_SCRIPT = os.path.relpath(os.path.join(workflow.basedir, "scripts", "reset_if_changed.sh"))
+
+
+# ------------------------------------------------------------------------------------------ paths
+MANIFEST = f"{R}/data/manifest.json"
+SFT_DIR = f"{R}/sft/model"
+SFT_SUMMARY = f"{SFT_DIR}/sft_summary.json"
+
+
+def start_model():
+    """The model RL starts from (and the base row evaluates): the SFT output, else train.init, else model.source."""
+    if SFT:
+        return SFT_DIR
+    return config["train"].get("init") or config["model"]["source"]
+
+
+def start_model_param(wildcards, input):
+    """:func:`start_model` as a rule param (derived from the input when it is the SFT output)."""
+    return os.path.dirname(input.start) if SFT else start_model()
+
+
+def start_inputs():
+    """Inputs of rules that read the starting model."""
+    return {"manifest": MANIFEST, **({"start": SFT_SUMMARY} if SFT else {})}
+
+
+def run_dir(method, seed):
+    return f"{R}/{method}/seed{seed}"
+
+
+def train_summaries():
+    return [f"{run_dir(m, s)}/train_summary.json" for m in METHODS for s in SEEDS]
+
+
+def eval_summaries():
+    return [f"{R}/base/eval/summary.json"] + [f"{run_dir(m, s)}/eval/summary.json" for m in METHODS for s in SEEDS]
+
+
+REPORT_OUTPUTS = {
+    "main": f"{R}/tables/main.csv",
+    "md": f"{R}/tables/main.md",
+    "tex": f"{R}/tables/main.tex",
+    "efficiency": f"{R}/tables/efficiency.csv",
+    "curves": f"{R}/figures/training_curves.png",
+    "concentration": f"{R}/figures/credit_concentration.png",
+}
+
+
+def final_targets():
+    targets = list(REPORT_OUTPUTS.values())
+    if ATTRIBUTION:
+        targets += [f"{R}/attribution/fidelity.csv", f"{R}/attribution/fidelity.png"]
+    return targets
+
+
+# ---------------------------------------------------------------------------------------- onstart
+def write_resolved_config():
+    """Write CONFIG_FILE (only when its content changed, so its mtime means something)."""
+    text = (
+        f"# resolved by the workflow from {CONFIG_SOURCE} (defaults filled, --config overrides applied)\n"
+        + yaml.safe_dump(json.loads(json.dumps(dict(config))), sort_keys=False)
+    )
+    path = Path(CONFIG_FILE)
+    if not path.exists() or path.read_text(encoding="utf-8") != text:
+        atomic_write_text(path, text)
+
+
+onstart:
+    write_resolved_config()
+    shell(f"oar init-tracking --config {CONFIG_FILE}")

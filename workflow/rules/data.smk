@@ -1,0 +1,23 @@
+# Load every data set the config names (training set, evaluation benchmarks) once, fail early on a
+# missing file or an offline hub id, and record provenance (resolved path, sha256, record counts).
+
+
+rule data:
+    output:
+        MANIFEST,
+    params:
+        config=CONFIG_FILE,
+        fingerprint=fingerprint(section("task"), config["eval"]["benchmarks"]),
+    log:
+        f"{R}/logs/data.log",
+    benchmark:
+        f"{R}/benchmarks/data.tsv"
+    threads: res("data", "threads")
+    resources:
+        gpu=res("data", "gpu"),
+        mem_mb=res("data", "mem_mb"),
+        runtime=res("data", "runtime"),
+    conda:
+        "../../environment.yml"
+    shell:
+        "(oar data --config {params.config} --output {output}) > {log} 2>&1"

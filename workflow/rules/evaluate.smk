@@ -1,0 +1,62 @@
+# Evaluation (greedy pass@1, sampled avg@k) on every benchmark of eval.benchmarks: the starting
+# model ("base" row) and every trained method and seed. The fingerprint of an eval folder includes
+# a checksum of the rule's inputs (the model's summary), so cached per-benchmark results of an
+# older model are dropped (scripts/reset_if_changed.sh) instead of being reused.
+
+
+rule evaluate_base:
+    input:
+        **start_inputs(),
+    output:
+        summary=f"{R}/base/eval/summary.json",
+    params:
+        config=CONFIG_FILE,
+        model=start_model_param,
+        out_dir=lambda wc, output: os.path.dirname(output.summary),
+        fingerprint=fingerprint(eval_fingerprint(), start_model()),
+        reset=RESET_SCRIPT,
+    log:
+        f"{R}/logs/evaluate/base.log",
+    benchmark:
+        f"{R}/benchmarks/evaluate/base.tsv"
+    threads: res("evaluate", "threads")
+    resources:
+        gpu=res("evaluate", "gpu"),
+        mem_mb=res("evaluate", "mem_mb"),
+        runtime=res("evaluate", "runtime"),
+    conda:
+        "../../environment.yml"
+    shell:
+        "(bash {params.reset} {params.out_dir} {params.fingerprint}-$(cat {input} | cksum | cut -d' ' -f1)"
+        " '*.json' '*.jsonl'"
+        " && oar evaluate --config {params.config} --model {params.model} --output {params.out_dir}"
+        ") > {log} 2>&1"
+
+
+rule evaluate:
+    input:
+        train=f"{R}/{{method}}/seed{{seed}}/train_summary.json",
+    output:
+        summary=f"{R}/{{method}}/seed{{seed}}/eval/summary.json",
+    params:
+        config=CONFIG_FILE,
+        model=lambda wc, input: os.path.join(os.path.dirname(input.train), "model"),
+        out_dir=lambda wc, output: os.path.dirname(output.summary),
+        fingerprint=eval_fingerprint(),
+        reset=RESET_SCRIPT,
+    log:
+        f"{R}/logs/evaluate/{{method}}/seed{{seed}}.log",
+    benchmark:
+        f"{R}/benchmarks/evaluate/{{method}}/seed{{seed}}.tsv"
+    threads: res("evaluate", "threads")
+    resources:
+        gpu=res("evaluate", "gpu"),
+        mem_mb=res("evaluate", "mem_mb"),
+        runtime=res("evaluate", "runtime"),
+    conda:
+        "../../environment.yml"
+    shell:
+        "(bash {params.reset} {params.out_dir} {params.fingerprint}-$(cksum < {input.train} | cut -d' ' -f1)"
+        " '*.json' '*.jsonl'"
+        " && oar evaluate --config {params.config} --model {params.model} --output {params.out_dir}"
+        " --seed {wildcards.seed}) > {log} 2>&1"

@@ -1,0 +1,52 @@
+# Tables (main comparison with bootstrap intervals, efficiency) and figures (training curves,
+# credit concentration) from every evaluation and training run of the config.
+
+
+rule report:
+    input:
+        evals=eval_summaries(),
+        runs=train_summaries(),
+    output:
+        main=report(
+            REPORT_OUTPUTS["main"],
+            caption="../report/main.rst",
+            category="Tables",
+            labels={"table": "main comparison"},
+        ),
+        md=REPORT_OUTPUTS["md"],
+        tex=REPORT_OUTPUTS["tex"],
+        efficiency=report(
+            REPORT_OUTPUTS["efficiency"],
+            caption="../report/efficiency.rst",
+            category="Tables",
+            labels={"table": "efficiency"},
+        ),
+        curves=report(
+            REPORT_OUTPUTS["curves"],
+            caption="../report/training_curves.rst",
+            category="Figures",
+            labels={"figure": "training curves"},
+        ),
+        concentration=report(
+            REPORT_OUTPUTS["concentration"],
+            caption="../report/credit_concentration.rst",
+            category="Figures",
+            labels={"figure": "credit concentration"},
+        ),
+    params:
+        config=CONFIG_FILE,
+        results=lambda wc, output: os.path.dirname(os.path.dirname(output.main)),
+        fingerprint=fingerprint(config["eval"].get("bootstrap"), {m: v.label for m, v in METHODS.items()}),
+    log:
+        f"{R}/logs/report.log",
+    benchmark:
+        f"{R}/benchmarks/report.tsv"
+    threads: res("report", "threads")
+    resources:
+        gpu=res("report", "gpu"),
+        mem_mb=res("report", "mem_mb"),
+        runtime=res("report", "runtime"),
+    conda:
+        "../../environment.yml"
+    shell:
+        "(oar report --config {params.config} --results {params.results}) > {log} 2>&1"

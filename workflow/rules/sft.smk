@@ -1,0 +1,26 @@
+# Warm-start SFT of the (tiny) model on reference solutions; only when sft.enabled.
+# Writes the model (save_pretrained) and sft_summary.json into results/<name>/sft/model/.
+
+
+rule sft:
+    input:
+        manifest=MANIFEST,
+    output:
+        summary=SFT_SUMMARY,
+    params:
+        config=CONFIG_FILE,
+        model_dir=lambda wc, output: os.path.dirname(output.summary),
+        fingerprint=fingerprint(section("model", "task", "sft")),
+    log:
+        f"{R}/logs/sft.log",
+    benchmark:
+        f"{R}/benchmarks/sft.tsv"
+    threads: res("sft", "threads")
+    resources:
+        gpu=res("sft", "gpu"),
+        mem_mb=res("sft", "mem_mb"),
+        runtime=res("sft", "runtime"),
+    conda:
+        "../../environment.yml"
+    shell:
+        "(oar sft --config {params.config} --output {params.model_dir}) > {log} 2>&1"
