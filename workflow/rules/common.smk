@@ -78,9 +78,23 @@ DEFAULT_RESOURCES = {
 }
 
 
+# a rule without its own entry in config["resources"] uses its parent rule's entry
+RESOURCE_FALLBACK = {"evaluate_base": "evaluate"}
+
+
 def res(rule, key):
-    """Resource ``key`` of ``rule``: config["resources"][rule][key], else the default above."""
-    return (config.get("resources") or {}).get(rule, {}).get(key, DEFAULT_RESOURCES[rule][key])
+    """Resource ``key`` of ``rule``: config["resources"][rule][key] (or its fallback rule's), else the default."""
+    table = config.get("resources") or {}
+    for name in (rule, RESOURCE_FALLBACK.get(rule)):
+        if name is not None and key in table.get(name, {}):
+            return table[name][key]
+    return DEFAULT_RESOURCES[RESOURCE_FALLBACK.get(rule, rule)][key]
+
+
+def train_launcher(wildcards, resources):
+    """`oar`, or `accelerate launch` with one process per GPU when a training job has several."""
+    n = int(resources.gpu)
+    return f"accelerate launch --num_processes {n} -m oar.cli" if n > 1 else "oar"
 
 
 # ---------------------------------------------------------------------------------- fingerprints

@@ -19,11 +19,11 @@ rule evaluate_base:
         f"{R}/logs/evaluate/base.log",
     benchmark:
         f"{R}/benchmarks/evaluate/base.tsv"
-    threads: res("evaluate", "threads")
+    threads: res("evaluate_base", "threads")
     resources:
-        gpu=res("evaluate", "gpu"),
-        mem_mb=res("evaluate", "mem_mb"),
-        runtime=res("evaluate", "runtime"),
+        gpu=res("evaluate_base", "gpu"),
+        mem_mb=res("evaluate_base", "mem_mb"),
+        runtime=res("evaluate_base", "runtime"),
     conda:
         "../../environment.yml"
     shell:

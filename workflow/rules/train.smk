@@ -14,6 +14,7 @@ rule train:
         init=lambda wc, input: f"--init {os.path.dirname(input.start)}" if SFT else "",
         fingerprint=lambda wc: method_fingerprint(wc.method),
         reset=RESET_SCRIPT,
+        launcher=train_launcher,
     log:
         f"{R}/logs/train/{{method}}/seed{{seed}}.log",
     benchmark:
@@ -27,5 +28,5 @@ rule train:
         "../../environment.yml"
     shell:
         "(bash {params.reset} {params.run_dir} {params.fingerprint} checkpoint model metrics.jsonl"
-        " && oar train --config {params.config} --method {wildcards.method} --seed {wildcards.seed}"
+        " && {params.launcher} train --config {params.config} --method {wildcards.method} --seed {wildcards.seed}"
         " --output {params.run_dir} {params.init} --no-progress) > {log} 2>&1"
