@@ -1,0 +1,115 @@
+"""Time OAR-P (prefix-KV-cached vs naive full forwards) and OAR-G on the tiny model (CPU).
+
+Batch: ``--batch`` responses (default 64) of about 45 characters = tokens (character tokenizer):
+``--reasoning`` (default 30) reasoning characters, then ``\\boxed{<2-3 digits>}`` and eos; prompts
+of 15-25 characters. The tiny model is ``oar.models.build_tiny`` with its defaults (d=128, 4 layers)
+unless overridden. The probe uses the default conclude text unless ``--conclude`` is given.
+
+Also checks that the cached and naive OAR-P scores agree (max abs difference printed).
+
+Prints per-repeat times, medians, and a final line
+``RATIOS oar_p_cached/naive=<x> oar_g/oar_p=<y>`` where ``oar_p`` is the cached OAR-P median
+(both ratios of median seconds; smaller is cheaper).
+
+    python benchmarks/bench_importance.py [--batch 64] [--reasoning 30] [--repeats 3] [--threads 2]
+        [--mode last] [--chunk-size 128] [--conclude TEXT] [--seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from oar.credit.importance import gradient_importance, perturbation_importance
+from oar.credit.probe import DEFAULT_CONCLUDE, Probe, build_probe
+from oar.models import build_tiny
+
+
+def make_probe(tok, batch: int, reasoning: int, conclude: str, seed: int) -> Probe:
+    rng = random.Random(seed)
+    digits = "0123456789"
+    chars = digits + "+-*= abcdefghijklmnopqrstuvwxyz"
+    prompts, responses = [], []
+    for _ in range(batch):
+        prompts.append("".join(rng.choice(chars) for _ in range(rng.randint(15, 25))))
+        n = max(0, reasoning + rng.randint(-3, 3))
+        ans = "".join(rng.choice(digits) for _ in range(rng.randint(2, 3)))
+        responses.append("".join(rng.choice(chars) for _ in range(n)) + "\\boxed{" + ans + "}")
+    pad, eos = tok.pad_token_id, tok.eos_token_id
+    P = [list(tok(s, add_special_tokens=False)["input_ids"]) for s in prompts]
+    R = [list(tok(s, add_special_tokens=False)["input_ids"]) + [eos] for s in responses]
+    np_, nr = max(map(len, P)), max(map(len, R))
+    p_ids = torch.tensor([[pad] * (np_ - len(p)) + p for p in P])
+    p_mask = torch.tensor([[0] * (np_ - len(p)) + [1] * len(p) for p in P])
+    r_ids = torch.tensor([r + [pad] * (nr - len(r)) for r in R])
+    r_mask = torch.tensor([[1] * len(r) + [0] * (nr - len(r)) for r in R])
+    return build_probe(tok, p_ids, r_ids, conclude=conclude, prompt_mask=p_mask, response_mask=r_mask)
+
+
+def time_it(fn: Callable[[], object], repeats: int) -> list[float]:
+    fn()  # warm-up
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--reasoning", type=int, default=30)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--mode", default="last")
+    ap.add_argument("--g-mode", default="answer_mean")
+    ap.add_argument("--chunk-size", type=int, default=128)
+    ap.add_argument("--conclude", default=DEFAULT_CONCLUDE)
+    ap.add_argument("--hidden-size", type=int, default=128)
+    ap.add_argument("--num-layers", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    model, tok = build_tiny(
+        hidden_size=args.hidden_size, num_layers=args.num_layers, intermediate_size=4 * args.hidden_size, seed=args.seed
+    )
+    probe = make_probe(tok, args.batch, args.reasoning, args.conclude, args.seed)
+    n_reason = int(probe.reasoning_mask.sum())
+    print(
+        f"batch={args.batch} probe_len={probe.input_ids.shape[1]} reasoning_tokens={n_reason} "
+        f"(mean {n_reason / args.batch:.1f}/response) mode={args.mode} chunk_size={args.chunk_size} "
+        f"model=d{args.hidden_size}x{args.num_layers} threads={args.threads}"
+    )
+
+    cached = perturbation_importance(model, probe, mode=args.mode, chunk_size=args.chunk_size)
+    naive = perturbation_importance(model, probe, mode=args.mode, chunk_size=args.chunk_size, naive=True)
+    print(f"max |cached - naive| = {float((cached - naive).abs().max()):.3e} (max score {float(cached.abs().max()):.3e})")
+
+    gen = torch.Generator().manual_seed(args.seed)
+    runs = {
+        "oar_p_cached": lambda: perturbation_importance(model, probe, mode=args.mode, chunk_size=args.chunk_size),
+        "oar_p_naive": lambda: perturbation_importance(
+            model, probe, mode=args.mode, chunk_size=args.chunk_size, naive=True
+        ),
+        "oar_g": lambda: gradient_importance(model, probe, mode=args.g_mode, generator=gen),
+    }
+    med = {}
+    for name, fn in runs.items():
+        ts = time_it(fn, args.repeats)
+        med[name] = statistics.median(ts)
+        print(f"{name}: " + " ".join(f"{t:.3f}" for t in ts) + f" s; median {med[name]:.3f} s")
+    print(
+        f"RATIOS oar_p_cached/naive={med['oar_p_cached'] / med['oar_p_naive']:.3f} "
+        f"oar_g/oar_p={med['oar_g'] / med['oar_p_cached']:.3f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
