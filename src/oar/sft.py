@@ -1,0 +1,451 @@
+"""Warm-start supervised fine-tuning (SFT) on reference solutions, and greedy accuracy.
+
+The RL stage needs a policy that already solves some problems (a policy with zero reward gets no
+learning signal from GRPO-style estimators). For the tiny model this SFT is that warm start.
+
+- :func:`build_sft_batch` -- tokenize prompt + response (+ eos), labels only on response tokens.
+- :func:`run_sft` -- AdamW, linear warmup then cosine decay, gradient clipping, fixed step budget.
+- :func:`greedy_accuracy` -- batched greedy generation (left padding) scored with
+  :func:`oar.reward.score_batch`.
+- :func:`sft_from_config` -- the config-level entry (``oar sft``): build the model, generate the
+  synthetic data, train, evaluate on ``test`` and ``ood``, save atomically.
+
+Loss: the mean token cross-entropy over all response tokens of the batch (prompt and padding
+tokens carry label -100), i.e. Hugging Face's ``labels=`` loss. The response is
+``record["solution"]`` followed by the eos token, so the model learns to stop.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+__all__ = [
+    "IGNORE_INDEX",
+    "build_sft_batch",
+    "lr_lambda",
+    "run_sft",
+    "greedy_accuracy",
+    "sft_from_config",
+]
+
+#: Label of positions that do not count in the loss (prompt and padding).
+IGNORE_INDEX = -100
+
+LogFn = Callable[[int, dict], None]
+
+
+def _render(template: str, question: str, tokenizer) -> str:
+    from oar.data.prompts import render_prompt
+
+    return render_prompt(template, question, tokenizer)
+
+
+def build_sft_batch(
+    tokenizer,
+    prompts: Sequence[str],
+    responses: Sequence[str],
+    *,
+    add_eos: bool = True,
+    max_length: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """Tokenize ``prompt + response (+ eos)`` pairs into a right-padded training batch.
+
+    The prompt is tokenized with the tokenizer's special tokens (as at generation time), the
+    response without, so the boundary between them is exact for any tokenizer.
+
+    Returns a dict of (B, T) tensors: ``input_ids`` (padding = pad id), ``attention_mask``
+    (1 on real tokens), ``labels`` (the token id on response tokens and eos, ``IGNORE_INDEX``
+    on prompt and padding) and ``position_ids`` (0, 1, ... from each sequence's first real token).
+
+    Raises:
+        ValueError: different numbers of prompts and responses, an empty response, or a sequence
+            longer than ``max_length`` (the message gives its index and length).
+    """
+    if len(prompts) != len(responses):
+        raise ValueError(f"got {len(prompts)} prompts but {len(responses)} responses")
+    if add_eos and tokenizer.eos_token_id is None:
+        raise ValueError("add_eos=True but the tokenizer has no eos token")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    rows: list[tuple[list[int], int]] = []
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        p_ids = tokenizer(p, add_special_tokens=True)["input_ids"]
+        r_ids = tokenizer(r, add_special_tokens=False)["input_ids"]
+        if add_eos:
+            r_ids = r_ids + [tokenizer.eos_token_id]
+        if not r_ids:
+            raise ValueError(f"record {i}: empty response")
+        ids = p_ids + r_ids
+        if max_length is not None and len(ids) > max_length:
+            raise ValueError(f"record {i}: {len(ids)} tokens exceed max_length={max_length} (prompt {p!r})")
+        rows.append((ids, len(p_ids)))
+    T = max(len(ids) for ids, _ in rows)
+    B = len(rows)
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    labels = torch.full((B, T), IGNORE_INDEX, dtype=torch.long)
+    attention_mask = torch.zeros((B, T), dtype=torch.long)
+    for b, (ids, n_prompt) in enumerate(rows):
+        t = torch.tensor(ids, dtype=torch.long)
+        input_ids[b, : len(ids)] = t
+        attention_mask[b, : len(ids)] = 1
+        labels[b, n_prompt : len(ids)] = t[n_prompt:]
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels, "position_ids": position_ids}
+
+
+def lr_lambda(step: int, *, warmup_steps: int, total_steps: int, min_ratio: float = 0.0) -> float:
+    """Learning-rate multiplier: linear warmup ``(step+1)/warmup_steps``, then cosine decay to ``min_ratio``.
+
+    ``step`` counts optimizer steps from 0. At ``step = warmup_steps`` the multiplier is 1; at
+    the last step (``total_steps - 1``) it reaches ``min_ratio`` (when there is a decay phase).
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    decay_steps = total_steps - 1 - warmup_steps
+    if decay_steps <= 0:
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / decay_steps)
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices (dim >= 2) only; norms and biases are not decayed."""
+    decay, no_decay = [], []
+    seen: set[int] = set()
+    for p in model.parameters():
+        if not p.requires_grad or id(p) in seen:  # tied weights appear once
+            continue
+        seen.add(id(p))
+        (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def run_sft(
+    model,
+    tokenizer,
+    train_records: Sequence[Mapping[str, Any]],
+    *,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    weight_decay: float,
+    betas: Sequence[float],
+    warmup_steps: int,
+    grad_clip: float,
+    seed: int,
+    template: str = "tiny",
+    eval_records: Sequence[Mapping[str, Any]] | None = None,
+    eval_every: int | None = None,
+    eval_max_new_tokens: int = 96,
+    progress: bool = True,
+    log_fn: LogFn | None = None,
+    min_lr_ratio: float = 0.0,
+) -> dict:
+    """Supervised fine-tuning on ``prompt + solution + eos`` with the loss on response tokens only.
+
+    Each step draws ``batch_size`` records without replacement from a seeded shuffle of
+    ``train_records`` (reshuffled each pass). AdamW (``lr``, ``betas``, ``weight_decay`` on
+    matrices only), learning rate :func:`lr_lambda` (linear warmup over ``warmup_steps``, cosine
+    decay to ``min_lr_ratio * lr`` at the last step), gradients clipped to norm ``grad_clip``.
+    The model is trained in place and left in eval mode.
+
+    Args:
+        train_records: dicts with ``question`` and ``solution``.
+        eval_records: optional dicts with ``question`` and ``answer``; greedy accuracy on them
+            every ``eval_every`` steps and after the last step (needs ``eval_every``).
+        log_fn: called as ``log_fn(step, metrics)`` after every step (``sft/loss``, ``sft/lr``,
+            ``sft/grad_norm``; 1-based step) and after every evaluation (``sft/eval_accuracy``).
+
+    Returns:
+        ``{"steps", "batch_size", "loss_curve": [(step, loss), ...] (every step, 1-based),
+        "final_loss" (last step), "final_loss_mean10" (mean of the last 10 steps), "seconds" (wall,
+        evaluations included), "train_seconds" (wall, evaluations excluded), "steps_per_s" (from
+        train_seconds), "cpu_seconds" (process CPU time, all threads; less sensitive to other load on
+        the machine), "response_tokens" (trained on), "eval_curve": [(step, accuracy), ...]}``.
+    """
+    if steps < 1 or batch_size < 1:
+        raise ValueError(f"sft: steps and batch_size must be >= 1 (got steps={steps}, batch_size={batch_size})")
+    if not train_records:
+        raise ValueError("sft: no training records")
+    for i, r in enumerate(train_records[:1]):
+        for k in ("question", "solution"):
+            if k not in r:
+                raise ValueError(f"sft: training record {i} has no {k!r} key (keys: {sorted(r)})")
+    if eval_records is not None and eval_every is None:
+        eval_every = steps
+    device = next(model.parameters()).device
+
+    prompts = [_render(template, r["question"], tokenizer) for r in train_records]
+    solutions = [r["solution"] for r in train_records]
+
+    optimizer = torch.optim.AdamW(_param_groups(model, weight_decay), lr=lr, betas=tuple(betas))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: lr_lambda(s, warmup_steps=warmup_steps, total_steps=steps, min_ratio=min_lr_ratio),
+    )
+    gen = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(train_records), generator=gen).tolist()
+    cursor = 0
+
+    loss_curve: list[tuple[int, float]] = []
+    eval_curve: list[tuple[int, float]] = []
+    n_tokens = 0
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=steps, desc="sft", unit="step", dynamic_ncols=True)
+    t0 = time.perf_counter()
+    c0 = time.process_time()
+    eval_seconds = 0.0
+    model.train()
+    try:
+        for step in range(1, steps + 1):
+            idx: list[int] = []
+            while len(idx) < batch_size:
+                if cursor >= len(order):
+                    order = torch.randperm(len(train_records), generator=gen).tolist()
+                    cursor = 0
+                take = order[cursor : cursor + batch_size - len(idx)]
+                idx.extend(take)
+                cursor += len(take)
+            batch = build_sft_batch(tokenizer, [prompts[i] for i in idx], [solutions[i] for i in idx])
+            batch = {k: v.to(device) for k, v in batch.items()}
+            n_tokens += int((batch["labels"] != IGNORE_INDEX).sum())
+            out = model(**batch)
+            loss = out.loss
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"sft: loss is {loss.item()} at step {step}")
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
+            cur_lr = optimizer.param_groups[0]["lr"]
+            optimizer.step()
+            scheduler.step()
+            loss_v = float(loss.detach())
+            loss_curve.append((step, loss_v))
+            if log_fn is not None:
+                log_fn(step, {"sft/loss": loss_v, "sft/lr": cur_lr, "sft/grad_norm": grad_norm})
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss_v:.4f}", lr=f"{cur_lr:.2e}", refresh=False)
+            if eval_records is not None and (step % eval_every == 0 or step == steps):
+                te = time.perf_counter()
+                acc, _ = greedy_accuracy(model, tokenizer, eval_records, template=template,
+                                         max_new_tokens=eval_max_new_tokens)
+                eval_seconds += time.perf_counter() - te
+                eval_curve.append((step, acc))
+                if log_fn is not None:
+                    log_fn(step, {"sft/eval_accuracy": acc})
+                if bar is not None:
+                    bar.write(f"sft step {step}: eval accuracy {acc:.3f}")
+                model.train()
+    finally:
+        model.eval()
+        if bar is not None:
+            bar.close()
+    seconds = time.perf_counter() - t0
+    cpu_seconds = time.process_time() - c0
+    train_seconds = seconds - eval_seconds
+    last = [v for _, v in loss_curve[-10:]]
+    return {
+        "steps": steps,
+        "batch_size": batch_size,
+        "loss_curve": loss_curve,
+        "final_loss": loss_curve[-1][1],
+        "final_loss_mean10": sum(last) / len(last),
+        "seconds": seconds,
+        "train_seconds": train_seconds,
+        "steps_per_s": steps / train_seconds if train_seconds > 0 else float("inf"),
+        "cpu_seconds": cpu_seconds,
+        "response_tokens": n_tokens,
+        "eval_curve": eval_curve,
+    }
+
+
+@torch.no_grad()
+def greedy_accuracy(
+    model,
+    tokenizer,
+    records: Sequence[Mapping[str, Any]],
+    *,
+    template: str,
+    max_new_tokens: int,
+    batch_size: int = 256,
+    correct: float = 1.0,
+    wrong: float = 0.0,
+    timeout_s: float = 5.0,
+    workers: int | None = None,
+) -> tuple[float, list[str]]:
+    """Share of ``records`` whose greedy response has the right final answer.
+
+    Prompts are rendered with ``template``, tokenized with left padding (the tokenizer's special
+    tokens included, as in :func:`build_sft_batch`) and decoded greedily in batches of
+    ``batch_size``; only the new tokens are decoded (special tokens skipped). Each response is
+    scored by :func:`oar.reward.score_batch` against ``record["answer"]``; a record counts as
+    solved when its reward equals ``correct``.
+
+    Returns:
+        ``(accuracy, responses)``, responses in the order of ``records``.
+    """
+    from oar.reward import score_batch
+
+    if not records:
+        raise ValueError("greedy_accuracy: no records")
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    old_side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    responses: list[str] = []
+    try:
+        for start in range(0, len(records), batch_size):
+            chunk = records[start : start + batch_size]
+            prompts = [_render(template, r["question"], tokenizer) for r in chunk]
+            enc = tokenizer(prompts, return_tensors="pt", padding=True).to(device)
+            out = model.generate(
+                **enc,
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+            )
+            new = out[:, enc["input_ids"].shape[1] :]
+            responses.extend(tokenizer.batch_decode(new, skip_special_tokens=True))
+    finally:
+        tokenizer.padding_side = old_side
+        if was_training:
+            model.train()
+    golds = [r["answer"] for r in records]
+    scores = score_batch(responses, golds, correct=correct, wrong=wrong, timeout_s=timeout_s, workers=workers)
+    accuracy = sum(1 for s in scores if s == correct) / len(scores)
+    return accuracy, responses
+
+
+def _section(config: Mapping[str, Any], name: str) -> Mapping[str, Any]:
+    sec = config.get(name)
+    if not isinstance(sec, Mapping):
+        raise ValueError(f"config: missing or malformed section {name!r}")
+    return sec
+
+
+def _key(sec: Mapping[str, Any], section: str, key: str) -> Any:
+    if key not in sec:
+        raise ValueError(f"config: missing key {section}.{key}")
+    return sec[key]
+
+
+def sft_from_config(
+    config: Mapping[str, Any],
+    output_dir: str | os.PathLike,
+    *,
+    progress: bool = True,
+    log_fn: LogFn | None = None,
+    n_examples: int = 5,
+) -> dict:
+    """Warm-start SFT as the config says; save the model to ``output_dir`` atomically.
+
+    Steps: build the policy from ``config["model"]`` (for ``source: tiny`` the initialisation
+    seed is ``sft.seed``); generate ``task.train_size`` synthetic training records (seed
+    ``task.seed``, options ``task.synthetic``); :func:`run_sft` with ``config["sft"]``; greedy
+    accuracy on ``sft.eval_size`` records of the ``test`` and ``ood`` splits (``sft.max_new_tokens``
+    new tokens, reward settings from ``config["reward"]`` when present); then write model,
+    tokenizer and ``sft_summary.json`` into a temporary folder beside ``output_dir`` and rename it
+    onto ``output_dir`` (:func:`oar.io.atomic_path`), so ``output_dir`` is either complete or absent.
+
+    Returns:
+        The summary written to ``sft_summary.json``: ``accuracy`` (``{"test", "ood"}``),
+        ``seconds`` (whole call), ``sft`` (the :func:`run_sft` result incl. ``loss_curve``),
+        ``examples`` (first ``n_examples`` test questions with response and gold), the ``sft``
+        config section used, and model facts (parameters, attention implementation, threads).
+    """
+    from oar.data.synthetic import generate
+    from oar.io import atomic_path, atomic_write_json
+    from oar.models import load_policy
+
+    t0 = time.perf_counter()
+    model_spec = dict(_section(config, "model"))
+    task = _section(config, "task")
+    sft = _section(config, "sft")
+    reward = config.get("reward") or {}
+    kind = task.get("kind", "synthetic")
+    if kind != "synthetic":
+        raise ValueError(f"config: task.kind={kind!r}: sft_from_config supports only 'synthetic'")
+    template = task.get("template", "tiny")
+    options = dict(task.get("synthetic") or {})
+    task_seed = int(_key(task, "task", "seed"))
+    sft_seed = int(_key(sft, "sft", "seed"))
+    eval_size = int(_key(sft, "sft", "eval_size"))
+    max_new_tokens = int(sft.get("max_new_tokens", 96))
+
+    if model_spec.get("source") == "tiny":
+        model_spec["tiny"] = {"seed": sft_seed, **dict(model_spec.get("tiny") or {})}
+    model, tokenizer = load_policy(model_spec)
+    device = config.get("device", "cpu")
+    model.to(device)
+
+    train_records = generate("train", int(_key(task, "task", "train_size")), seed=task_seed, **options)
+    result = run_sft(
+        model,
+        tokenizer,
+        train_records,
+        steps=int(_key(sft, "sft", "steps")),
+        batch_size=int(_key(sft, "sft", "batch_size")),
+        lr=float(_key(sft, "sft", "lr")),
+        weight_decay=float(_key(sft, "sft", "weight_decay")),
+        betas=[float(b) for b in _key(sft, "sft", "betas")],
+        warmup_steps=int(_key(sft, "sft", "warmup_steps")),
+        grad_clip=float(_key(sft, "sft", "grad_clip")),
+        seed=sft_seed,
+        template=template,
+        progress=progress,
+        log_fn=log_fn,
+    )
+    reward_kw = {
+        "correct": float(reward.get("correct", 1.0)),
+        "wrong": float(reward.get("wrong", 0.0)),
+        "timeout_s": float(reward.get("timeout_s", 5.0)),
+        "workers": reward.get("workers"),
+    }
+    accuracy: dict[str, float] = {}
+    examples: list[dict] = []
+    for split in ("test", "ood"):
+        recs = generate(split, eval_size, seed=task_seed, **options)
+        acc, responses = greedy_accuracy(model, tokenizer, recs, template=template,
+                                         max_new_tokens=max_new_tokens, **reward_kw)
+        accuracy[split] = acc
+        if log_fn is not None:
+            log_fn(result["steps"], {f"sft/accuracy_{split}": acc})
+        if split == "test":
+            examples = [
+                {"question": r["question"], "response": resp, "answer": r["answer"]}
+                for r, resp in zip(recs[:n_examples], responses[:n_examples])
+            ]
+    summary = {
+        "accuracy": accuracy,
+        "eval_size": eval_size,
+        "seconds": None,  # filled below
+        "sft": result,
+        "examples": examples,
+        "config_sft": dict(sft),
+        "model": {
+            "source": model_spec.get("source"),
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "attn_implementation": getattr(model.config, "_attn_implementation", None),
+            "torch_threads": torch.get_num_threads(),
+        },
+        "train_size": len(train_records),
+        "template": template,
+    }
+    with atomic_path(output_dir) as tmp:
+        tmp.mkdir()
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        summary["seconds"] = time.perf_counter() - t0
+        atomic_write_json(Path(tmp) / "sft_summary.json", summary)
+    return summary

@@ -1,0 +1,266 @@
+"""Tests for oar.sft: batch building, LR schedule, SFT training, greedy accuracy, config entry."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from oar.models import build_tiny, build_tiny_tokenizer, load_policy
+from oar.sft import IGNORE_INDEX, build_sft_batch, greedy_accuracy, lr_lambda, run_sft, sft_from_config
+
+SMALL = dict(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_position_embeddings=128)
+OPT = dict(weight_decay=0.0, betas=(0.9, 0.98), grad_clip=1.0)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tiny_tokenizer()
+
+
+def _ids(tok, s):
+    return tok(s, add_special_tokens=False)["input_ids"]
+
+
+# ---------------------------------------------------------------------------------------------
+# build_sft_batch
+# ---------------------------------------------------------------------------------------------
+
+
+def test_build_sft_batch_layout(tok):
+    prompts = ["Compute 1+2.\n", "Compute 10+20+3.\n"]
+    responses = ["1+2=3. \\boxed{3}", "10+20=30, 30+3=33. \\boxed{33}"]
+    b = build_sft_batch(tok, prompts, responses)
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+    lens = [len(p) + len(r) + 1 for p, r in zip(prompts, responses)]  # one id per char, + eos
+    assert b["input_ids"].shape == (2, max(lens))
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        L, P = lens[i], len(p)
+        row = b["input_ids"][i].tolist()
+        assert row[:L] == _ids(tok, p) + _ids(tok, r) + [eos]
+        assert row[L:] == [pad] * (max(lens) - L)  # right padding
+        assert b["attention_mask"][i].tolist() == [1] * L + [0] * (max(lens) - L)
+        lab = b["labels"][i].tolist()
+        assert lab[:P] == [IGNORE_INDEX] * P  # no loss on the prompt
+        assert lab[P:L] == _ids(tok, r) + [eos]  # loss on the response and eos
+        assert lab[L:] == [IGNORE_INDEX] * (max(lens) - L)
+        assert b["position_ids"][i, :L].tolist() == list(range(L))
+
+
+def test_build_sft_batch_without_eos_and_errors(tok):
+    b = build_sft_batch(tok, ["a\n"], ["bc"], add_eos=False)
+    assert b["labels"].tolist() == [[IGNORE_INDEX, IGNORE_INDEX] + _ids(tok, "bc")]
+    with pytest.raises(ValueError, match="2 prompts but 1 responses"):
+        build_sft_batch(tok, ["a", "b"], ["c"])
+    with pytest.raises(ValueError, match="record 0: empty response"):
+        build_sft_batch(tok, ["a"], [""], add_eos=False)
+    with pytest.raises(ValueError, match="record 1: 7 tokens exceed max_length=5"):
+        build_sft_batch(tok, ["a", "abc"], ["b", "def"], max_length=5)
+
+
+def test_build_sft_batch_loss_counts_response_tokens_only(tok):
+    """HF's labels= loss on this batch equals a hand-computed mean CE over response tokens."""
+    model, _ = build_tiny(**SMALL, seed=0)
+    b = build_sft_batch(tok, ["Compute 1+2.\n", "Compute 5-3+1.\n"], ["\\boxed{3}", "5-3=2, 2+1=3. \\boxed{3}"])
+    with torch.no_grad():
+        out = model(**b)
+        logp = torch.log_softmax(out.logits[:, :-1].float(), -1)
+        target = b["labels"][:, 1:]
+        keep = target != IGNORE_INDEX
+        nll = -logp.gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        expected = (nll * keep).sum() / keep.sum()
+    assert keep.sum() == len("\\boxed{3}") + 1 + len("5-3=2, 2+1=3. \\boxed{3}") + 1
+    torch.testing.assert_close(out.loss, expected)
+
+
+# ---------------------------------------------------------------------------------------------
+# learning-rate schedule
+# ---------------------------------------------------------------------------------------------
+
+
+def test_lr_lambda_values():
+    f = lambda s: lr_lambda(s, warmup_steps=4, total_steps=15)  # noqa: E731
+    assert [f(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert f(4) == 1.0  # decay starts at full lr
+    assert math.isclose(f(9), 0.5)  # half-way from step 4 to the last step 14: cos(pi/2)
+    assert math.isclose(f(14), 0.0, abs_tol=1e-12)  # the last step reaches min_ratio
+    vals = [f(s) for s in range(4, 15)]
+    assert all(a > b for a, b in zip(vals, vals[1:]))
+    assert math.isclose(lr_lambda(14, warmup_steps=4, total_steps=15, min_ratio=0.1), 0.1)
+    assert lr_lambda(0, warmup_steps=0, total_steps=1) == 1.0
+
+
+# ---------------------------------------------------------------------------------------------
+# greedy_accuracy with a scripted model (exact expected responses)
+# ---------------------------------------------------------------------------------------------
+
+
+class ScriptedModel(torch.nn.Module):
+    """Greedy 'model' that answers each prompt with a fixed text, then eos, then padding."""
+
+    def __init__(self, tok, answers: dict[str, str]):
+        super().__init__()
+        self.tok = tok
+        self.answers = answers
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.seen_padding_side = []
+
+    def generate(self, input_ids, attention_mask, max_new_tokens, **kw):
+        assert kw["do_sample"] is False
+        rows = []
+        for ids, m in zip(input_ids, attention_mask):
+            # left padding: real tokens are at the end of the row
+            assert m[-1] == 1
+            prompt = self.tok.decode(ids[m.bool()])
+            new = _ids(self.tok, self.answers[prompt])[: max_new_tokens - 1] + [self.tok.eos_token_id]
+            rows.append(new)
+        T = max(len(r) for r in rows)
+        new = torch.full((len(rows), T), self.tok.pad_token_id)
+        for i, r in enumerate(rows):
+            new[i, : len(r)] = torch.tensor(r)
+        return torch.cat([input_ids, new], dim=1)
+
+
+def test_greedy_accuracy_scripted(tok):
+    records = [
+        {"question": "Compute 1+2.", "answer": "3"},
+        {"question": "Compute 10+20+3.", "answer": "33"},
+        {"question": "Compute 7-9.", "answer": "-2"},
+        {"question": "Compute 50+50.", "answer": "100"},
+    ]
+    texts = ["1+2=3. \\boxed{3}", "10+20=30, 30+3=33. \\boxed{34}", "7-9=-2. \\boxed{-2}", "no box here"]
+    model = ScriptedModel(tok, {r["question"] + "\n": t for r, t in zip(records, texts)})
+    acc, responses = greedy_accuracy(model, tok, records, template="tiny", max_new_tokens=64, batch_size=3)
+    assert responses == texts  # only new tokens, eos/pad stripped, order kept across batches
+    assert acc == pytest.approx(2 / 4)
+    # max_new_tokens is passed through: the scripted model truncates to it
+    _, resp2 = greedy_accuracy(model, tok, records[:1], template="tiny", max_new_tokens=14)
+    assert resp2 == ["1+2=3. \\boxed"]
+
+
+# ---------------------------------------------------------------------------------------------
+# run_sft
+# ---------------------------------------------------------------------------------------------
+
+
+def _records(n, seed=0):
+    from oar.data.synthetic import generate
+
+    return generate("train", n, seed=seed, operands=[2], long_share=0.0, filler_prob=0.0)
+
+
+def test_run_sft_bad_args(tok):
+    model, tok = build_tiny(**SMALL)
+    with pytest.raises(ValueError, match="steps"):
+        run_sft(model, tok, _records(4), steps=0, batch_size=2, lr=1e-3, warmup_steps=0, seed=0, **OPT)
+    with pytest.raises(ValueError, match="no training records"):
+        run_sft(model, tok, [], steps=1, batch_size=2, lr=1e-3, warmup_steps=0, seed=0, **OPT)
+    with pytest.raises(ValueError, match="'solution'"):
+        run_sft(model, tok, [{"question": "x"}], steps=1, batch_size=2, lr=1e-3, warmup_steps=0, seed=0, **OPT)
+
+
+def test_run_sft_logging_schedule_and_determinism():
+    recs = _records(20)
+    logs = []
+    m1, tok = build_tiny(**SMALL, seed=0)
+    r1 = run_sft(m1, tok, recs, steps=6, batch_size=8, lr=1e-3, warmup_steps=2, seed=3, progress=False,
+                 log_fn=lambda s, met: logs.append((s, met)), **OPT)
+    assert [s for s, _ in r1["loss_curve"]] == [1, 2, 3, 4, 5, 6]
+    assert [s for s, _ in logs] == [1, 2, 3, 4, 5, 6]
+    lrs = [met["sft/lr"] for _, met in logs]
+    expected = [1e-3 * lr_lambda(i, warmup_steps=2, total_steps=6) for i in range(6)]
+    assert lrs == pytest.approx(expected)
+    assert all(met["sft/loss"] == loss for (_, met), (_, loss) in zip(logs, r1["loss_curve"]))
+    assert r1["final_loss"] == r1["loss_curve"][-1][1]
+    assert r1["response_tokens"] > 6 * 8 * 5  # every record has >= 5 response tokens
+    assert not m1.training
+    # same seeds -> identical run; another batch seed -> a different one
+    m2, _ = build_tiny(**SMALL, seed=0)
+    r2 = run_sft(m2, tok, recs, steps=6, batch_size=8, lr=1e-3, warmup_steps=2, seed=3, progress=False, **OPT)
+    assert r2["loss_curve"] == r1["loss_curve"]
+    m3, _ = build_tiny(**SMALL, seed=0)
+    r3 = run_sft(m3, tok, recs, steps=6, batch_size=8, lr=1e-3, warmup_steps=2, seed=4, progress=False, **OPT)
+    assert r3["loss_curve"] != r1["loss_curve"]
+
+
+@pytest.mark.slow
+def test_run_sft_memorises_few_records():
+    """Overfitting 4 solutions end to end: masking, eos and left-padded greedy decoding agree."""
+    recs = _records(4, seed=7)
+    model, tok = build_tiny(**SMALL, seed=0)
+    evals = []
+    r = run_sft(model, tok, recs, steps=150, batch_size=4, lr=1e-2, warmup_steps=5, seed=0, progress=False,
+                eval_records=recs, eval_every=75, eval_max_new_tokens=40,
+                log_fn=lambda s, met: evals.append(s) if "sft/eval_accuracy" in met else None, **OPT)
+    assert r["final_loss"] < 0.05 < r["loss_curve"][0][1]
+    assert [s for s, _ in r["eval_curve"]] == [75, 150] and evals == [75, 150]
+    acc, responses = greedy_accuracy(model, tok, recs, template="tiny", max_new_tokens=40)
+    assert responses == [x["solution"] for x in recs]  # stops at eos: nothing after the box
+    assert acc == 1.0 and r["eval_curve"][-1][1] == 1.0
+
+
+# ---------------------------------------------------------------------------------------------
+# sft_from_config
+# ---------------------------------------------------------------------------------------------
+
+
+def _small_config():
+    return {
+        "device": "cpu",
+        "model": {"source": "tiny", "gguf_file": None, "trust_remote_code": False, "dtype": "float32",
+                  "tiny": SMALL},
+        "task": {"kind": "synthetic", "template": "tiny", "train_size": 300, "seed": 11,
+                 "synthetic": {"operands": [2], "long_operands": 3, "long_share": 0.1, "ood_operands": 3,
+                               "digits": 1, "operators": ["+"], "filler_prob": 0.0}},
+        "sft": {"steps": 30, "batch_size": 16, "lr": 3e-3, "weight_decay": 0.01, "betas": [0.9, 0.98],
+                "warmup_steps": 3, "grad_clip": 1.0, "eval_size": 6, "max_new_tokens": 24, "seed": 5},
+        "reward": {"correct": 1.0, "wrong": 0.0, "timeout_s": 5.0, "workers": 1},
+    }
+
+
+@pytest.mark.slow
+def test_sft_from_config_writes_reloadable_checkpoint(tmp_path):
+    out = tmp_path / "sft"
+    logs = []
+    summary = sft_from_config(_small_config(), out, progress=False, log_fn=lambda s, m: logs.append((s, m)))
+    curve = [loss for _, loss in summary["sft"]["loss_curve"]]
+    assert len(curve) == 30
+    assert sum(curve[-5:]) / 5 < 0.8 * sum(curve[:5]) / 5  # the loss goes down
+    assert set(summary["accuracy"]) == {"test", "ood"}
+    assert all(0.0 <= a <= 1.0 for a in summary["accuracy"].values())
+    assert (30, {"sft/accuracy_test": summary["accuracy"]["test"]}) in logs
+    assert len(summary["examples"]) == 5 and summary["model"]["parameters"] > 0
+    # the folder is complete and nothing temporary is left beside it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sft"]
+    on_disk = json.loads((out / "sft_summary.json").read_text())
+    assert on_disk["accuracy"] == summary["accuracy"]
+    assert on_disk["sft"]["loss_curve"] == [list(x) for x in summary["sft"]["loss_curve"]]
+    # reloads with the Auto classes and with load_policy; same weights either way
+    m = AutoModelForCausalLM.from_pretrained(out)
+    t = AutoTokenizer.from_pretrained(out)
+    assert t.padding_side == "left"
+    m2, t2 = load_policy(str(out))
+    enc = t(["Compute 1+2.\n", "Compute 3+4+5.\n"], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        torch.testing.assert_close(m(**enc).logits, m2(**enc).logits)
+    # the initial weights differ from the trained ones (training happened and was saved)
+    fresh, _ = build_tiny(**SMALL, seed=5)
+    assert not torch.equal(fresh.model.embed_tokens.weight, m.model.embed_tokens.weight)
+    # running again replaces the folder atomically
+    sft_from_config(_small_config(), out, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sft"]
+
+
+def test_sft_from_config_rejects_bad_config(tmp_path):
+    cfg = _small_config()
+    cfg["task"]["kind"] = "benchmark"
+    with pytest.raises(ValueError, match="task.kind"):
+        sft_from_config(cfg, tmp_path / "x", progress=False)
+    cfg = _small_config()
+    del cfg["sft"]["seed"]
+    with pytest.raises(ValueError, match="sft.seed"):
+        sft_from_config(cfg, tmp_path / "x", progress=False)
+    assert not (tmp_path / "x").exists()
