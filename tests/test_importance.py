@@ -162,7 +162,7 @@ def test_oar_p_zero_outside_reasoning_and_rows_without_answer(tiny, probe, mode)
 def test_oar_p_chunked_equals_unchunked(tiny, probe, naive):
     model, _ = tiny
     big = perturbation_importance(model, probe, mode="answer_mean", chunk_size=10_000, naive=naive)
-    for cs in (1, 3, 16):
+    for cs in (1, 3, 16) if not naive else (5,):  # naive: one size (many full forwards)
         small = perturbation_importance(model, probe, mode="answer_mean", chunk_size=cs, naive=naive)
         torch.testing.assert_close(small, big, atol=1e-5, rtol=1e-5)
 
@@ -355,7 +355,7 @@ def test_estimator_signs_mass_and_no_answer_rows(tiny, name):
     torch.testing.assert_close(adv, A[:, None] * w)
     assert res.stats["probe_fraction"] == pytest.approx(0.75)
     assert res.stats["scored_fraction"] == pytest.approx(0.75)
-    assert res.stats["importance_s"] >= 0
+    assert res.stats["importance_s"] >= 0 and res.stats["probe_s"] >= 0
 
 
 def test_oar_p_estimator_composes_probe_importance_and_bilevel(tiny):

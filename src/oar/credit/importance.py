@@ -420,6 +420,7 @@ def _oar_estimator(name: str, batch: CreditBatch, options: dict[str, Any]) -> Cr
     )
     rmask = batch.response_mask
     B, T = batch.response_ids.shape
+    t_probe = time.perf_counter()
     probe = build_probe(
         batch.tokenizer,
         batch.prompt_ids,
@@ -432,6 +433,7 @@ def _oar_estimator(name: str, batch: CreditBatch, options: dict[str, Any]) -> Cr
     active = probe.has_answer & (A.to(probe.has_answer.device) != 0)
     scores = torch.zeros_like(probe.input_ids, dtype=torch.float32)
     t0 = time.perf_counter()
+    probe_seconds = t0 - t_probe
     if bool(active.any()):
         sub = probe.select(active)
         if name == "oar_p":
@@ -480,6 +482,7 @@ def _oar_estimator(name: str, batch: CreditBatch, options: dict[str, Any]) -> Cr
         weights=weights,
         stats={
             "importance_s": float(seconds),
+            "probe_s": float(probe_seconds),
             "probe_fraction": float(probe.has_answer.float().mean()) if B else 0.0,
             "scored_fraction": float(active.float().mean()) if B else 0.0,
         },
@@ -495,8 +498,10 @@ def oar_p_estimator(batch: CreditBatch, **options: Any) -> CreditResult:
     (:data:`oar.credit.probe.DEFAULT_CONCLUDE`), ``chunk_size`` (128).
 
     Weights are 1 on response tokens of rows without an answer or with ``A_i == 0`` (not
-    scored), 0 on padding. In ``answer_joint`` mode the reshaping uses ``|phi_orig - phi_masked|``. Stats: ``importance_s``, ``probe_fraction`` (share of responses with
-    an answer), ``scored_fraction`` (share actually scored).
+    scored), 0 on padding. In ``answer_joint`` mode the reshaping uses
+    ``|phi_orig - phi_masked|``. Stats: ``importance_s`` (model time), ``probe_s`` (probe
+    construction), ``probe_fraction`` (share of responses with an answer), ``scored_fraction``
+    (share actually scored).
     """
     return _oar_estimator("oar_p", batch, options)
 
