@@ -33,11 +33,13 @@ if not workflow.overwrite_configfiles:
 
 CONFIG_SOURCE = ", ".join(map(str, workflow.overwrite_configfiles)) or DEFAULT_CONFIGFILE
 
-validate(config, "../schemas/config.schema.yaml")
+# oar's validation first: it names the file and the key path of the first problem, fills nested
+# defaults and resolves every method; snakemake's validate then checks the same schema again
 try:
     validate_config(config, source=CONFIG_SOURCE)
 except ConfigError as e:
     raise WorkflowError(str(e))
+validate(config, "../schemas/config.schema.yaml")
 
 METHODS = resolve_methods(config, source=CONFIG_SOURCE)
 SEEDS = [int(s) for s in config["seeds"]]
