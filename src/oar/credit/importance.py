@@ -157,12 +157,12 @@ def outcome(
     pred_tail = pred[:, tail_start:].to(logits_tail.device)
     n = pred_tail.sum(-1).clamp(min=1)
     if mode == "answer_mean":
-        mean_logits = (logits_tail * pred_tail.unsqueeze(-1)).sum(1) / n.unsqueeze(-1)
+        mean_logits = torch.einsum("nk,nkv->nv", pred_tail.to(logits_tail.dtype), logits_tail) / n.unsqueeze(-1)
         return F.log_softmax(mean_logits, dim=-1)
     if mode == "answer_joint":
-        logp = F.log_softmax(logits_tail[:, :-1], dim=-1)
+        lg = logits_tail[:, :-1]
         targets = input_ids[:, tail_start + 1 :].to(logits_tail.device)
-        lp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        lp = lg.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(lg, dim=-1)
         return (lp * pred_tail[:, :-1]).sum(-1) / n
     raise ValueError(f"oar.credit.importance.outcome: unknown mode {mode!r}; use one of {list(MODES)}")
 
