@@ -216,21 +216,29 @@ def _missing_subcommands() -> list[str]:
 
 @pytest.mark.slow
 def test_smoke_dag_end_to_end(tmp_path):
-    """The whole smoke DAG on 2 cores in a temporary folder; then a rerun has nothing to do."""
+    """The whole smoke DAG on 2 cores in a temporary folder; the HTML report; a rerun has nothing
+    to do; changing an evaluation setting reruns only the evaluations and the report."""
     missing = _missing_subcommands()
     if missing:
         pytest.skip(f"`oar` lacks the subcommand(s) {missing} the workflow calls")
+    check_smoke_dag(tmp_path)
+
+
+def check_smoke_dag(tmp_path: Path, *, attribution: bool = True) -> None:
     cfg = _config("smoke.yaml")
     cfg["results_dir"] = str(tmp_path / "results")
     cfg["tracking"]["uri"] = f"sqlite:///{tmp_path}/mlflow.db"
+    cfg["attribution"]["enabled"] = attribution
     path = tmp_path / "smoke.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    args = ["--snakefile", str(SNAKEFILE), "--directory", str(tmp_path), "--configfile", str(path), "--cores", "2"]
-    snakemake(*args)
+    args = ["--snakefile", str(SNAKEFILE), "--directory", str(tmp_path), "--configfile", str(path)]
+    snakemake(*args, "--cores", "2")
     R = tmp_path / "results" / "smoke"
-    for rel in ("tables/main.csv", "tables/main.md", "tables/main.tex", "tables/efficiency.csv",
-                "figures/training_curves.png", "figures/credit_concentration.png",
-                "attribution/fidelity.csv", "attribution/fidelity.png", "data/manifest.json", "config.yaml"):
+    expected = ["tables/main.csv", "tables/main.md", "tables/main.tex", "tables/efficiency.csv",
+                "figures/training_curves.png", "figures/credit_concentration.png", "data/manifest.json", "config.yaml"]
+    if attribution:
+        expected += ["attribution/fidelity.csv", "attribution/fidelity.png"]
+    for rel in expected:
         assert (R / rel).stat().st_size > 0, rel
     import pandas as pd
 
@@ -241,6 +249,12 @@ def test_smoke_dag_end_to_end(tmp_path):
     eff = pd.read_csv(R / "tables" / "efficiency.csv")
     assert set(eff["method"]) == set(cfg["methods"]) and (eff["time_step"] > 0).all()
     assert eff.loc[eff["method"] == "grpo", "overhead"].item() == pytest.approx(1.0)
+
+    snakemake(*args, "--report", str(tmp_path / "report.html"))
+    assert (tmp_path / "report.html").stat().st_size > 0
     again = snakemake(*args, "-n")
     assert "Nothing to be done" in again.stdout + again.stderr
-    shutil.rmtree(tmp_path / ".snakemake", ignore_errors=True)
+    cfg["eval"]["temperature"] = cfg["eval"]["temperature"] + 0.1
+    path.write_text(yaml.safe_dump(cfg))
+    counts, _ = dry_run(*args, results=tmp_path / "results")
+    assert counts == Counter({"evaluate": len(cfg["methods"]), "evaluate_base": 1, "report": 1, "all": 1})

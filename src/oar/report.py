@@ -498,6 +498,7 @@ def _curves(metrics, key: str):
 def _plot_panels(path: Path, metrics, panels: Sequence[tuple[str, str]], labels: Mapping[str, str], title: str) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     fig = Figure(figsize=(5.0 * len(panels) + 1.5, 3.8), layout="constrained")
     FigureCanvasAgg(fig)
@@ -507,6 +508,7 @@ def _plot_panels(path: Path, metrics, panels: Sequence[tuple[str, str]], labels:
             (line,) = ax.plot(x, mean, label=labels.get(m, m), linewidth=1.4)
             ax.fill_between(x, mean - std, mean + std, color=line.get_color(), alpha=0.15, linewidth=0)
         ax.set_xlabel("training step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
     handles, names = axes[0].get_legend_handles_labels()
