@@ -158,7 +158,7 @@ def test_build_report_writes_everything_deterministically(tree):
 
 def test_efficiency_table(tree):
     cfg, root = tree
-    eff = efficiency_table(cfg, root).set_index("method")
+    eff = efficiency_table(cfg, root, skip_steps=0).set_index("method")
     assert eff.loc["grpo", "time_step"] == pytest.approx(2.0)
     assert eff.loc["oar_g", "time_step"] == pytest.approx(4.0)
     assert eff.loc["grpo", "overhead"] == pytest.approx(1.0)
@@ -167,7 +167,20 @@ def test_efficiency_table(tree):
     assert eff.loc["oar_g", "importance_share"] == pytest.approx(0.25)
     assert eff.loc["oar_g", "time_rollout"] == pytest.approx(0.5)
     assert eff.loc["grpo", "step_std"] == pytest.approx(0.0)
-    assert eff.loc["grpo", "steps"] == 2
+    assert eff.loc["grpo", "steps"] == 2 and eff.loc["grpo", "timed_steps"] == 2
+
+
+def test_efficiency_table_skips_warmup_steps(tree):
+    cfg, root = tree
+    eff = efficiency_table(cfg, root).set_index("method")  # default: the first step is left out
+    # grpo: last steps 3.0 (seed 0) and 2.0 (seed 1) -> 2.5; oar_g: 5.0 and 4.0 -> 4.5
+    assert eff.loc["grpo", "time_step"] == pytest.approx(2.5)
+    assert eff.loc["oar_g", "time_step"] == pytest.approx(4.5)
+    assert eff.loc["oar_g", "overhead"] == pytest.approx(4.5 / 2.5)
+    assert eff.loc["grpo", "step_std"] == pytest.approx(math.sqrt(0.5))
+    assert eff.loc["grpo", "timed_steps"] == 1 and eff.loc["grpo", "steps"] == 2
+    # a run with no more steps than skip_steps keeps them all
+    assert efficiency_table(cfg, root, skip_steps=5).set_index("method").loc["grpo", "time_step"] == pytest.approx(2.0)
 
 
 def test_missing_files_are_named(tree):

@@ -446,10 +446,16 @@ def efficiency_table(
     *,
     reference: str = "grpo",
     metrics: Mapping[str, Mapping[int, Any]] | None = None,
+    skip_steps: int = 1,
 ) -> "pd.DataFrame":  # noqa: F821
     """Seconds per training step by phase (mean over steps, then over seeds) and overhead ratios.
 
-    Columns: ``method``, ``label``, ``n_seeds``, ``steps`` (rows per seed, mean), ``time_<phase>``
+    The first ``skip_steps`` steps of each run are left out of the means when the run has more
+    steps than that: they carry one-off costs (worker pools starting, caches warming up) that would
+    otherwise dominate short runs. A resumed run's first step after the restart is kept.
+
+    Columns: ``method``, ``label``, ``n_seeds``, ``steps`` (rows per seed, mean), ``timed_steps``
+    (rows per seed in the means, mean), ``time_<phase>``
     for each of :data:`PHASES` (a phase a run did not time counts as 0 s), ``step_std`` (std over
     seeds of the per-seed mean step time), ``overhead`` (mean step time / the reference's; NaN when
     the config has no ``reference``) and ``importance_share`` (importance time / step time).
@@ -463,12 +469,17 @@ def efficiency_table(
     for m, per_seed in metrics.items():
         means = {p: [] for p in PHASES}
         steps = []
+        timed = []
         for s, df in per_seed.items():
             steps.append(len(df))
+            if len(df) > skip_steps:
+                df = df.iloc[skip_steps:]
+            timed.append(len(df))
             for p in PHASES:
                 col = f"time_{p}"
                 means[p].append(float(df[col].fillna(0.0).mean()) if col in df else 0.0)
-        rec = {"method": m, "label": labels.get(m, m), "n_seeds": len(per_seed), "steps": float(np.mean(steps))}
+        rec = {"method": m, "label": labels.get(m, m), "n_seeds": len(per_seed), "steps": float(np.mean(steps)),
+               "timed_steps": float(np.mean(timed))}
         for p in PHASES:
             rec[f"time_{p}"] = float(np.mean(means[p]))
         rec["step_std"] = float(np.std(means["step"], ddof=1)) if len(means["step"]) > 1 else math.nan
@@ -542,6 +553,7 @@ def build_report(
     n_boot: int | None = None,
     confidence: float = 0.95,
     metric: str = "pass@1",
+    skip_steps: int = 1,
 ) -> dict[str, Path]:
     """Write the tables and figures of a finished results tree (see the module docstring).
 
@@ -553,6 +565,7 @@ def build_report(
         n_boot: bootstrap resamples (default ``eval.bootstrap``).
         confidence: interval coverage.
         metric: ``pass@1`` (greedy) or ``avg@k`` (sampled).
+        skip_steps: warm-up steps left out of the efficiency means (see :func:`efficiency_table`).
 
     Returns:
         ``{"main_csv", "main_md", "main_tex", "efficiency_csv", "training_curves",
@@ -567,7 +580,7 @@ def build_report(
     table = main_table(config, root, reference=reference, n_boot=n_boot, seed=seed, confidence=confidence,
                        metric=metric)
     metrics = _all_metrics(config, root)
-    eff = efficiency_table(config, root, reference=reference, metrics=metrics)
+    eff = efficiency_table(config, root, reference=reference, metrics=metrics, skip_steps=skip_steps)
     ref_label = labels.get(reference, reference)
     out = {
         "main_csv": root / "tables" / "main.csv",
