@@ -41,6 +41,35 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_data(args: argparse.Namespace) -> int:
+    from oar.config import load_config
+    from oar.report import write_data_manifest
+
+    manifest = write_data_manifest(load_config(args.config), args.output)
+    print(json.dumps(manifest, indent=2, default=str))
+    return 0
+
+
+def _cmd_attribution(args: argparse.Namespace) -> int:
+    from oar.attribution import attribution_from_config
+    from oar.config import load_config
+
+    df = attribution_from_config(load_config(args.config), args.model, args.output)
+    print(df.to_string(index=False))
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from oar.config import load_config
+    from oar.report import build_report
+
+    paths = build_report(load_config(args.config), args.results, reference=args.reference, seed=args.seed,
+                         metric=args.metric)
+    for name, path in paths.items():
+        print(f"{name}: {path}")
+    return 0
+
+
 def _cmd_init_tracking(args: argparse.Namespace) -> int:
     from oar.config import load_config
     from oar.tracking import ensure_experiment
@@ -87,6 +116,25 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--output", required=True, help="folder for <bench>.jsonl, <bench>.json and summary.json")
     s.add_argument("--seed", type=int, default=0, help="sampling seed for avg@k")
     s.set_defaults(fn=_cmd_evaluate)
+
+    s = sub.add_parser("data", help="load every data set the config names; write a manifest (paths, sha256, counts)")
+    s.add_argument("--config", required=True)
+    s.add_argument("--output", required=True, help="manifest JSON path")
+    s.set_defaults(fn=_cmd_data)
+
+    s = sub.add_parser("attribution", help="attribution-fidelity benchmark of OAR-P, OAR-G, KTAE and random scores")
+    s.add_argument("--config", required=True)
+    s.add_argument("--model", required=True, help="warm-started model folder (e.g. results/tiny/sft/model)")
+    s.add_argument("--output", required=True, help="folder for fidelity.csv, per_response.csv, fidelity.png")
+    s.set_defaults(fn=_cmd_attribution)
+
+    s = sub.add_parser("report", help="comparison tables (main, efficiency) and figures from a results folder")
+    s.add_argument("--config", required=True)
+    s.add_argument("--results", default=None, help="results folder of the config (default results_dir/name)")
+    s.add_argument("--reference", default="grpo", help="method the paired differences are taken against")
+    s.add_argument("--seed", type=int, default=0, help="bootstrap seed")
+    s.add_argument("--metric", default="pass@1", choices=["pass@1", "avg@k"])
+    s.set_defaults(fn=_cmd_report)
 
     s = sub.add_parser("init-tracking", help="create the MLflow store and experiment (once, before parallel jobs)")
     s.add_argument("--config", required=True)

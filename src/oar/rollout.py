@@ -238,7 +238,8 @@ class VLLMEngine:
 
     The engine is created from a saved checkpoint folder; after every policy update the trainer
     calls :meth:`sync_weights`, which loads the policy's current state dict into vLLM's model in
-    place (tensor parallel size 1) and resets the prefix cache.
+    place (``LLM.apply_model`` + ``load_weights``) and resets the prefix cache. The engine core runs
+    in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless set otherwise).
 
     Args:
         model_path: a folder written by ``save_pretrained`` (model and tokenizer).
@@ -256,6 +257,9 @@ class VLLMEngine:
             ) from e
         from vllm import LLM
 
+        # colocated: run vLLM's engine core in this process, so weights are pushed by reference
+        # (with a separate engine process the weights would have to be serialised at every sync)
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         self.tokenizer = tokenizer
         self.pad_id = int(tokenizer.pad_token_id)
         self.eos_id = tokenizer.eos_token_id
@@ -263,29 +267,22 @@ class VLLMEngine:
         kwargs.update(llm_kwargs)
         self.llm = LLM(**kwargs)
 
-    def _vllm_model(self) -> Any:
-        engine = self.llm.llm_engine
-        for path in (
-            ("model_executor", "driver_worker", "worker", "model_runner", "model"),
-            ("model_executor", "driver_worker", "model_runner", "model"),
-        ):
-            obj: Any = engine
-            try:
-                for attr in path:
-                    obj = getattr(obj, attr)
-                return obj
-            except AttributeError:
-                continue
-        return None
-
     def sync_weights(self, model: torch.nn.Module) -> None:
-        """Push the policy's weights into the colocated vLLM model."""
-        state = {k: v.detach() for k, v in model.state_dict().items()}
-        target = self._vllm_model()
-        if target is not None:
-            target.load_weights(weights=state.items())
-        else:  # multiprocess executor: run the load inside each worker
-            self.llm.apply_model(lambda m: m.load_weights(weights=state.items()))
+        """Push the policy's weights into the colocated vLLM model.
+
+        vLLM >= 0.11 reloads in place through the workers' ``reload_weights`` (it re-applies the
+        kernel-format processing, e.g. the CPU build's repacked linear layers); older releases load
+        through ``LLM.apply_model`` and the model's ``load_weights``.
+        """
+        state = [(k, v.detach()) for k, v in model.state_dict().items()]
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(state)})
+        except (AttributeError, NotImplementedError):
+
+            def load(vllm_model: Any) -> None:
+                vllm_model.load_weights(weights=state)
+
+            self.llm.apply_model(load)
         if hasattr(self.llm, "reset_prefix_cache"):
             self.llm.reset_prefix_cache()
 
