@@ -5,7 +5,8 @@ Batch: ``--batch`` responses (default 64) of about 45 characters = tokens (chara
 of 15-25 characters. The tiny model is ``oar.models.build_tiny`` with its defaults (d=128, 4 layers)
 unless overridden. The probe uses the default conclude text unless ``--conclude`` is given.
 
-Also checks that the cached and naive OAR-P scores agree (max abs difference printed).
+Also checks that the cached and naive OAR-P scores agree (max abs difference printed), and prints
+a machine-independent cost proxy: the number of query token positions each OAR-P variant runs.
 
 Prints per-repeat times, medians, and a final line
 ``RATIOS oar_p_cached/naive=<x> oar_g/oar_p=<y>`` where ``oar_p`` is the cached OAR-P median
@@ -87,6 +88,16 @@ def main() -> None:
         f"(mean {n_reason / args.batch:.1f}/response) mode={args.mode} chunk_size={args.chunk_size} "
         f"model=d{args.hidden_size}x{args.num_layers} threads={args.threads}"
     )
+
+    # Deterministic cost proxy (query token positions run through the model), mirroring the
+    # library's chunking: perturbations sorted by position t, chunks of chunk_size, each chunk runs
+    # positions >= its smallest t; plus the one unperturbed forward of every row.
+    B, L = probe.input_ids.shape
+    t_sorted = probe.reasoning_mask.nonzero()[:, 1].sort().values
+    cs = args.chunk_size
+    cached_pos = B * L + sum(int(c.numel()) * (L - int(c.min())) for c in t_sorted.split(cs))
+    naive_pos = B * L + int(t_sorted.numel()) * L
+    print(f"token positions run: cached {cached_pos} naive {naive_pos} ratio {cached_pos / naive_pos:.3f}")
 
     cached = perturbation_importance(model, probe, mode=args.mode, chunk_size=args.chunk_size)
     naive = perturbation_importance(model, probe, mode=args.mode, chunk_size=args.chunk_size, naive=True)
