@@ -122,6 +122,16 @@ def response_mask_from_ids(response_ids: torch.Tensor, eos_ids: Sequence[int]) -
     return (~after).long(), is_eos.any(dim=1)
 
 
+def prompt_add_special_tokens(tokenizer: Any, prompts: Sequence[str]) -> bool:
+    """Whether prompts get the tokenizer's special tokens (e.g. BOS) when encoded.
+
+    Yes, as in training (``oar.sft.build_sft_batch``), unless every prompt already starts with the
+    BOS text because a chat template put it there.
+    """
+    bos = getattr(tokenizer, "bos_token", None)
+    return not (bos and all(p.startswith(bos) for p in prompts))
+
+
 class RolloutEngine(Protocol):
     """Interface of a rollout engine."""
 
@@ -190,7 +200,9 @@ class HFEngine:
             order = [i for i in range(len(prompts)) for _ in range(n_eff)]
             for start in range(0, len(order), self.batch_size):
                 idx = order[start : start + self.batch_size]
-                enc = tok([prompts[i] for i in idx], return_tensors="pt", padding=True, add_special_tokens=False)
+                batch_prompts = [prompts[i] for i in idx]
+                enc = tok(batch_prompts, return_tensors="pt", padding=True,
+                          add_special_tokens=prompt_add_special_tokens(tok, batch_prompts))
                 input_ids = enc["input_ids"].to(device)
                 attn = enc["attention_mask"].to(device)
                 gen_kwargs: dict[str, Any] = dict(
@@ -308,7 +320,8 @@ class VLLMEngine:
             logprobs=0,
             seed=seed,
         )
-        enc = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        special = prompt_add_special_tokens(self.tokenizer, prompts)
+        enc = [self.tokenizer(p, add_special_tokens=special)["input_ids"] for p in prompts]
         outs = self.llm.generate([{"prompt_token_ids": ids} for ids in enc], sp, use_tqdm=False)
         P = max(len(e) for e in enc)
         rows_p, rows_pm, rows_r, rows_lp, texts, pidx, trunc = [], [], [], [], [], [], []
