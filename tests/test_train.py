@@ -168,3 +168,28 @@ def test_nonfinite_losses_stop_with_checkpoint_intact(tmp_path, monkeypatch):
     assert all(torch.equal(before[k], after[k]) for k in before)
     rows = _rows(out / "metrics.jsonl")
     assert rows[-1]["nonfinite_updates"] > 0
+
+
+@pytest.mark.slow
+def test_accelerate_ddp_on_two_cpu_processes(tmp_path):
+    """The same script under `accelerate launch` (DDP with gloo on CPU): each process samples its share."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from oar.config import deep_merge
+
+    cfg = deep_merge(yaml.safe_load((ROOT / "config" / "config.yaml").read_text()),
+                     small_overrides(tmp_path, train={"steps": 2}))
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "oar.cli", "train", "--config", str(path),
+           "--method", "grpo", "--seed", "0", "--output", str(out), "--no-progress"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _rows(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1]  # written once, by the main process
+    assert (out / "model" / "model.safetensors").exists()
