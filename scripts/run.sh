@@ -7,4 +7,5 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/setup.sh"
 cd "$ROOT"
-exec snakemake --profile workflow/profiles/default "$@"
+# workflow/profiles/default (2 cores, resumable) applies automatically
+exec snakemake "$@"
