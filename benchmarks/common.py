@@ -27,6 +27,14 @@ DEFAULT_CACHE = ROOT / "results" / "bench_cache"
 #: SmolLM2 benchmark shape: generation dominates the step, feasible on 2 CPU cores.
 SMOLLM2_SHAPE = {"prompts_per_step": 2, "n": 4, "max_new_tokens": 64}
 
+#: Three worked examples put before each SmolLM2 question, and sampling at temperature 0.6:
+#: SmolLM2-135M-Instruct alone never wrote a non-empty ``\\boxed{}`` answer within 64 tokens in our
+#: tries, with one long worked example 1 of 8 (empty), with these three examples at temperature
+#: 0.6 4 of 16, so OAR's probe (which needs the boxed answer) has something to score.
+SMOLLM2_SHOTS = ("Compute 12+5.\nAnswer: \\boxed{17}\n\nCompute 9-4.\nAnswer: \\boxed{5}\n\n"
+                 "Compute 30+41.\nAnswer: \\boxed{71}\n\n")
+SMOLLM2_TEMPERATURE = 0.6
+
 
 def smollm2_path() -> Path:
     """Path of the SmolLM2-135M GGUF file, or exit with the install command."""
@@ -56,18 +64,47 @@ def smollm2_model(cache: Path) -> Path:
     return out
 
 
+def smollm2_task_file(cache: Path, *, n: int = 1000, seed: int = 1234) -> Path:
+    """A local ``math500``-style JSONL of ``n`` two-operand, two-digit synthetic problems, each
+    preceded by :data:`SMOLLM2_SHOTS` and followed by ``"\\nAnswer:"`` (gold: the synthetic answer)."""
+    from oar.data.synthetic import generate
+
+    out = cache / f"smollm2_3shot_{n}_{seed}.jsonl"
+    if out.exists():
+        return out
+    cache.mkdir(parents=True, exist_ok=True)
+    recs = generate("train", n, seed=seed, operands=[2], long_share=0.0, digits=2, operators=["+", "-"], filler_prob=0.0)
+    tmp = out.with_suffix(".tmp")
+    with open(tmp, "w") as f:
+        for i, r in enumerate(recs):
+            f.write(json.dumps({"unique_id": f"3shot-{i}", "problem": SMOLLM2_SHOTS + r["question"] + "\nAnswer:",
+                                "answer": r["answer"]}) + "\n")
+    tmp.replace(out)
+    return out
+
+
 def bench_config(model: str, workdir: Path, *, steps: int, seed_task: int = 1234, cache: Path | None = None,
                  **train_over: Any) -> dict:
-    """Validated config for a benchmark of ``model`` (``tiny`` | ``smollm2``).
+    """Validated config for a benchmark of ``model``: :func:`bench_overrides` applied to
+    ``config/config.yaml``."""
+    from oar.config import load_config
+
+    return load_config(CONFIG, bench_overrides(model, workdir, steps=steps, seed_task=seed_task, cache=cache,
+                                               **train_over))
+
+
+def bench_overrides(model: str, workdir: Path, *, steps: int, seed_task: int = 1234, cache: Path | None = None,
+                    **train_over: Any) -> dict:
+    """Config overrides for a benchmark of ``model`` (``tiny`` | ``smollm2``).
 
     ``tiny``: the default config (16 prompts x 8 samples, 64 new tokens) with a 1,000-record
     training set (only the prompts of the first steps are used). ``smollm2``: SmolLM2-135M
-    (:func:`smollm2_model`, cached in ``cache``), ``qwen_boxed`` prompts, :data:`SMOLLM2_SHAPE`. Both: tracking off, ``train.steps = steps``,
+    (:func:`smollm2_model`, cached in ``cache``), ``qwen_boxed`` prompts of 3-shot synthetic
+    problems (:func:`smollm2_task_file`), :data:`SMOLLM2_SHAPE`, temperature
+    :data:`SMOLLM2_TEMPERATURE`. Both: tracking off, ``train.steps = steps``,
     a checkpoint every step (the benchmarks interleave methods by resuming), warmup 0 (constant
     learning rate), plus ``train_over`` overrides of the ``train`` section.
     """
-    from oar.config import load_config
-
     over: dict[str, Any] = {
         "task": {"train_size": 1000, "seed": seed_task},
         "train": {"steps": steps, "save_every": 1, "warmup_steps": 0, **train_over},
@@ -76,17 +113,19 @@ def bench_config(model: str, workdir: Path, *, steps: int, seed_task: int = 1234
     }
     if model == "smollm2":
         over["model"] = {"source": str(smollm2_model(cache or DEFAULT_CACHE)), "gguf_file": None}
-        over["task"]["template"] = "qwen_boxed"
+        over["task"].update({"template": "qwen_boxed", "kind": "benchmark", "benchmark": {
+            "name": "math500", "source": str(smollm2_task_file(cache or DEFAULT_CACHE, seed=seed_task))}})
         over["train"]["prompts_per_step"] = SMOLLM2_SHAPE["prompts_per_step"]
         over["train"]["mini_batch_size"] = SMOLLM2_SHAPE["prompts_per_step"] * SMOLLM2_SHAPE["n"]
         over["train"]["micro_batch_size"] = SMOLLM2_SHAPE["prompts_per_step"] * SMOLLM2_SHAPE["n"]
-        over["rollout"] = {"n": SMOLLM2_SHAPE["n"], "max_new_tokens": SMOLLM2_SHAPE["max_new_tokens"]}
+        over["rollout"] = {"n": SMOLLM2_SHAPE["n"], "max_new_tokens": SMOLLM2_SHAPE["max_new_tokens"],
+                           "temperature": SMOLLM2_TEMPERATURE}
     elif model != "tiny":
         raise ValueError(f"--model: unknown model {model!r}; valid: tiny, smollm2")
-    return load_config(CONFIG, over)
+    return over
 
 
-def tiny_sft_model(cache: Path, *, steps: int = 300, progress: bool = False) -> Path:
+def tiny_sft_model(cache: Path, *, steps: int = 900, progress: bool = False) -> Path:
     """Folder of the warm-started tiny model (``oar.sft.sft_from_config`` with ``steps`` SFT
     steps and the default config otherwise), trained once and cached in ``cache/tiny_sft<steps>``."""
     from oar.config import load_config
