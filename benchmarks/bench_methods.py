@@ -17,7 +17,9 @@ next call resumes), with the order rotated every round, so that machine-speed dr
 method alike. The first ``--warmup`` rounds are discarded. Reported per method: mean seconds per
 step and per phase (``time_*`` of ``metrics.jsonl``: rollout, reward, importance, update), mean
 ``gen_batches``, the share of responses with a boxed answer (OAR's probe) and the share actually
-scored, the step time as a ratio to GRPO's, and the peak RSS of the process during the method's
+scored, the step time as a ratio to GRPO's (``x_grpo``; the ``RATIOS`` line), GRPO's step plus
+the method's own importance time as a ratio to GRPO's step (``x_grpo_imp``: less noisy for KTAE
+and OAR, whose other phases do GRPO's work), and the peak RSS of the process during the method's
 calls (Linux ``VmHWM`` reset before each call; it includes the process baseline and the checkpoint
 load; the reward workers are separate processes and not counted). ``--conclude`` sets the OAR
 probe's conclude text for the OAR methods. The last line is
@@ -105,6 +107,8 @@ def run_model(model: str, args: argparse.Namespace) -> dict[str, dict]:
                 rows[m].append(row)
     if not reset_ok:
         print("[bench] note: /proc/self/clear_refs not writable; peak RSS is the process-wide maximum")
+    if not args.keep:  # checkpoints: ~1.6 GB per method for SmolLM2
+        shutil.rmtree(work, ignore_errors=True)
 
     agg: dict[str, dict] = {}
     for m in args.methods:
@@ -119,14 +123,20 @@ def run_model(model: str, args: argparse.Namespace) -> dict[str, dict]:
         a["steps"] = [x["time_step"] for x in rs]
         agg[m] = a
     base = agg["grpo"]["step"] if "grpo" in agg else float("nan")
+    base_imp = agg["grpo"]["importance"] if "grpo" in agg else float("nan")
     table = []
     for m, a in agg.items():
         a["ratio"] = a["step"] / base
-        table.append([m, a["step"], *(a[p] for p in PHASES), a["ratio"], a["gen_batches"], a["response_length"],
+        # GRPO's step plus this method's extra credit time: less noisy than the step ratio for
+        # methods whose rollout, reward and update do GRPO's work (KTAE, OAR); not for DAPO
+        a["ratio_imp"] = (base + a["importance"] - base_imp) / base
+        table.append([m, a["step"], *(a[p] for p in PHASES), a["ratio"], a["ratio_imp"], a["gen_batches"], a["response_length"],
                       a["accuracy"], a["probe"], a["scored"], f"{a['peak_rss_mib']:.0f}"])
     print(f"\n== {model}: mean seconds per step over {args.steps} measured steps (threads {args.threads}) ==")
-    print(fmt_table(["method", "step_s", *[f"{p}_s" for p in PHASES], "x_grpo", "gen_batches", "resp_len",
+    print(fmt_table(["method", "step_s", *[f"{p}_s" for p in PHASES], "x_grpo", "x_grpo_imp", "gen_batches", "resp_len",
                      "acc", "boxed", "scored", "peak_rss_MiB"], table))
+    print("x_grpo = step time / GRPO's; x_grpo_imp = (GRPO step + the method's extra importance time) / GRPO step, "
+          "for methods that otherwise do GRPO's work (KTAE, OAR; not DAPO)")
     print("boxed = share of responses with a \\boxed{} answer (OAR probe), scored = share given importance "
           "(boxed and nonzero advantage); peak RSS = VmHWM of this process during the method's calls")
     for m, a in agg.items():
@@ -144,6 +154,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--sft-steps", type=int, default=900, help="SFT steps of the tiny start model")
     ap.add_argument("--cache", default=str(DEFAULT_CACHE))
+    ap.add_argument("--keep", action="store_true", help="keep the run folders (checkpoints, metrics.jsonl) in --cache")
     ap.add_argument("--conclude", default=None,
                     help="conclude text of the OAR probe (default: the config's, i.e. oar.credit.probe.DEFAULT_CONCLUDE)")
     args = ap.parse_args()

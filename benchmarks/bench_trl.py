@@ -52,6 +52,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--sft-steps", type=int, default=900, help="SFT steps of the tiny start model")
     ap.add_argument("--cache", default=str(DEFAULT_CACHE))
+    ap.add_argument("--keep", action="store_true", help="keep the run folders (checkpoints, metrics.jsonl) in --cache")
     args = ap.parse_args()
     set_threads(args.threads)
     quiet()
@@ -170,6 +171,8 @@ def main() -> None:
         trainer.remove_callback(PrinterCallback)  # no log dict per step
         trainer.train()
 
+    if not args.keep:  # checkpoints of the oar run
+        shutil.rmtree(work, ignore_errors=True)
     trl_m = trl_times[args.warmup :]
     oar_m = [r["time_step"] for r in oar_rows[args.warmup :]]
     trl_len = statistics.fmean(float(x["completions/mean_length"]) for x in trl_logs[args.warmup :]) if trl_logs else float("nan")

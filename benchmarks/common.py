@@ -193,6 +193,7 @@ def quiet() -> None:
     import warnings
 
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TQDM_DISABLE", "1")  # e.g. the GGUF dequantisation bar
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     warnings.filterwarnings("ignore")
     try:
