@@ -88,9 +88,11 @@ def policy_forward(
     input_ids = torch.cat([prompt_ids, response_ids], dim=1).to(device)
     attn = torch.cat([prompt_mask, response_mask], dim=1).to(device)
     position_ids = (attn.long().cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids, use_cache=False).logits
-    P, T = prompt_ids.shape[1], response_ids.shape[1]
-    logits = logits[:, P - 1 : P + T - 1].float()
+    T = response_ids.shape[1]
+    # logits only where they predict response tokens (positions P-1 .. P+T-2)
+    logits = model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids, use_cache=False,
+                   logits_to_keep=T + 1).logits
+    logits = logits[:, :-1].float()
     if temperature != 1.0:
         logits = logits / temperature
     mask = response_mask.to(device).float()
@@ -240,7 +242,7 @@ def train(
     # ---- model, reference, optimizer (restored from the checkpoint when resuming)
     resuming = (ckpt_dir / STATE_FILE).exists()
     start = init if init is not None else tcfg.get("init")
-    spec = dict(config["model"], source=str(ckpt_dir)) if resuming else (
+    spec = dict(config["model"], source=str(ckpt_dir), gguf_file=None) if resuming else (
         dict(config["model"], source=start, gguf_file=None) if start else config["model"]
     )
     model, tokenizer = load_policy(spec)
