@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 from collections.abc import Callable
 
 import torch
@@ -55,14 +57,8 @@ def ktae_inputs(
     return ids, mask, rewards, group_ids
 
 
-def time_it(fn: Callable[[], object], repeats: int) -> list[float]:
-    fn()  # warm-up
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import time_it  # noqa: E402
 
 
 def main() -> None:

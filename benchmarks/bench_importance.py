@@ -21,7 +21,9 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import sys
 import time
+from pathlib import Path
 from collections.abc import Callable
 
 import torch
@@ -52,14 +54,8 @@ def make_probe(tok, batch: int, reasoning: int, conclude: str, seed: int) -> Pro
     return build_probe(tok, p_ids, r_ids, conclude=conclude, prompt_mask=p_mask, response_mask=r_mask)
 
 
-def time_it(fn: Callable[[], object], repeats: int) -> list[float]:
-    fn()  # warm-up
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import time_it  # noqa: E402
 
 
 def main() -> None:

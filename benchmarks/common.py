@@ -18,7 +18,7 @@ import resource
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "config" / "config.yaml"
@@ -205,3 +205,14 @@ def quiet() -> None:
         pass
     for name in ("datasets", "accelerate", "trl"):
         logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def time_it(fn: Callable[[], object], repeats: int) -> list[float]:
+    """Seconds of each of ``repeats`` calls of ``fn`` after one warm-up call."""
+    fn()  # warm-up
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
