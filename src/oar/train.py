@@ -297,6 +297,9 @@ def train(
 
     world, rank = accelerator.num_processes, accelerator.process_index
     n = rcfg["n"]
+    local_prompts = len(range(rank, tcfg["prompts_per_step"], world))  # this process's share of each step
+    # Dr. GRPO's aggregation divides by the generation budget, not the batch's padded length
+    agg_max_len = rcfg["max_new_tokens"] if recipe["loss_agg"] == "seq-mean-token-sum-norm" else None
     phase_totals = {"rollout": 0.0, "reward": 0.0, "importance": 0.0, "update": 0.0}
     last_metrics: dict[str, float] = {}
     bar = tqdm(total=tcfg["steps"], initial=state["step"], desc=f"{method.name} seed{seed}",
@@ -343,14 +346,13 @@ def train(
                 rows = torch.nonzero(keep).squeeze(1)
                 kept.append(StepBatch(ro.select(rows), rewards[rows], correct[rows], group_ids[rows], rounds, 1.0))
                 n_kept_groups += int(torch.unique(group_ids[rows]).numel())
-            local_target = len(range(rank, tcfg["prompts_per_step"], world))
-            if n_kept_groups >= local_target or (max_rounds > 0 and rounds >= max_rounds):
+            if n_kept_groups >= local_prompts or (max_rounds > 0 and rounds >= max_rounds):
                 if not kept:  # nothing mixed at all: train on the last batch (its advantages are zero)
                     kept.append(sb)
                 break
         batch = _merge(kept, tokenizer.pad_token_id)
         if recipe["dynamic_sampling"]:  # truncate to the batch size (first groups kept)
-            first = torch.unique(batch.group_ids)[: len(range(rank, tcfg["prompts_per_step"], world))]
+            first = torch.unique(batch.group_ids)[:local_prompts]
             rows = torch.nonzero(torch.isin(batch.group_ids, first)).squeeze(1)
             batch = StepBatch(batch.rollout.select(rows), batch.rewards[rows], batch.correct[rows],
                               batch.group_ids[rows], rounds, n_kept_groups / max(1, gen_total))
@@ -398,7 +400,7 @@ def train(
                     m = rmask.to(dev)
                     pg, stats = policy_loss(logp, old, adv, m, eps_low=recipe["eps_low"], eps_high=recipe["eps_high"],
                                             clip_ratio_c=recipe["clip_ratio_c"], agg=recipe["loss_agg"],
-                                            max_len=rcfg["max_new_tokens"] if recipe["loss_agg"] == "seq-mean-token-sum-norm" else None)
+                                            max_len=agg_max_len)
                     # weight so that the micro-batches add up to the mini-batch aggregate
                     w = float(m.sum()) / max(n_tok, 1.0) if recipe["loss_agg"] == "token-mean" else len(r) / n_seq
                     loss = pg
@@ -408,7 +410,7 @@ def train(
                             ref_lp, _ = policy_forward(ref_model, ro.prompt_ids[r], ro.prompt_mask[r], resp, rmask,
                                                        temperature=rcfg["temperature"])
                         kl = aggregate(k3_kl(logp, ref_lp), m, recipe["loss_agg"],
-                                       max_len=rcfg["max_new_tokens"] if recipe["loss_agg"] == "seq-mean-token-sum-norm" else None)
+                                       max_len=agg_max_len)
                         loss = loss + recipe["kl_coef"] * kl
                         kl_val = float(kl)
                     accelerator.backward(loss * w)
