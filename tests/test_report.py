@@ -212,6 +212,21 @@ def test_different_problems_cannot_be_paired(tree):
         main_table(cfg, root)
 
 
+def test_bad_evaluation_rows_name_file_and_line(tree):
+    cfg, root = tree
+    path = root / "grpo" / "seed0" / "eval" / "synthetic-test.jsonl"
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines[:1] + ["{not json"] + lines[1:]) + "\n")
+    with pytest.raises(ValueError, match=r"grpo/seed0/eval/synthetic-test.jsonl:2: malformed JSON"):
+        main_table(cfg, root)
+    path.write_text("\n".join(lines[:2] + ['{"correct": true, "sample": -1}'] + lines[2:]) + "\n")
+    with pytest.raises(ValueError, match=r"synthetic-test.jsonl: row 3: bad evaluation row \(KeyError"):
+        main_table(cfg, root)
+    path.write_text("\n".join(lines + lines[:1]) + "\n")
+    with pytest.raises(ValueError, match=rf"synthetic-test.jsonl: row {len(lines) + 1}: second greedy answer"):
+        main_table(cfg, root)
+
+
 def test_paired_bootstrap_hand_values_and_determinism():
     d = np.array([[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 1.0, 1.0]])
     est, lo, hi = paired_bootstrap([d], n_boot=2000, seed=0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -99,46 +100,59 @@ def test_lr_lambda_values():
 
 
 class ScriptedModel(torch.nn.Module):
-    """Greedy 'model' that answers each prompt with a fixed text, then eos, then padding."""
+    """Greedy 'model' that answers each prompt with a fixed text, then eos, then padding.
+
+    Implements what :meth:`oar.rollout.HFEngine.generate` uses: ``generation_config``,
+    ``parameters()`` and ``generate(..., return_dict_in_generate=True, output_logits=True)``.
+    """
 
     def __init__(self, tok, answers: dict[str, str]):
         super().__init__()
         self.tok = tok
         self.answers = answers
         self.w = torch.nn.Parameter(torch.zeros(1))
-        self.seen_padding_side = []
+        self.generation_config = SimpleNamespace(eos_token_id=tok.eos_token_id)
+        self.prompt_ids = []  # token ids of every prompt seen (padding removed)
 
     def generate(self, input_ids, attention_mask, max_new_tokens, **kw):
-        assert kw["do_sample"] is False
+        assert kw["do_sample"] is False and kw["return_dict_in_generate"] and kw["output_logits"]
         rows = []
         for ids, m in zip(input_ids, attention_mask):
             # left padding: real tokens are at the end of the row
             assert m[-1] == 1
-            prompt = self.tok.decode(ids[m.bool()])
+            self.prompt_ids.append(ids[m.bool()].tolist())
+            prompt = self.tok.decode(ids[m.bool()], skip_special_tokens=True)
             new = _ids(self.tok, self.answers[prompt])[: max_new_tokens - 1] + [self.tok.eos_token_id]
             rows.append(new)
         T = max(len(r) for r in rows)
         new = torch.full((len(rows), T), self.tok.pad_token_id)
         for i, r in enumerate(rows):
             new[i, : len(r)] = torch.tensor(r)
-        return torch.cat([input_ids, new], dim=1)
+        logits = tuple(torch.zeros(len(rows), len(self.tok)) for _ in range(T))
+        return SimpleNamespace(sequences=torch.cat([input_ids, new], dim=1), logits=logits)
 
 
 def test_greedy_accuracy_scripted(tok):
     records = [
-        {"question": "Compute 1+2.", "answer": "3"},
-        {"question": "Compute 10+20+3.", "answer": "33"},
-        {"question": "Compute 7-9.", "answer": "-2"},
-        {"question": "Compute 50+50.", "answer": "100"},
+        {"id": "a", "question": "Compute 1+2.", "answer": "3"},
+        {"id": "b", "question": "Compute 10+20+3.", "answer": "33"},
+        {"id": "c", "question": "Compute 7-9.", "answer": "-2"},
+        {"id": "d", "question": "Compute 50+50.", "answer": "100"},
     ]
     texts = ["1+2=3. \\boxed{3}", "10+20=30, 30+3=33. \\boxed{34}", "7-9=-2. \\boxed{-2}", "no box here"]
     model = ScriptedModel(tok, {r["question"] + "\n": t for r, t in zip(records, texts)})
     acc, responses = greedy_accuracy(model, tok, records, template="tiny", max_new_tokens=64, batch_size=3)
     assert responses == texts  # only new tokens, eos/pad stripped, order kept across batches
     assert acc == pytest.approx(2 / 4)
+    # prompts are encoded with the tokenizer's special tokens, as in build_sft_batch
+    assert model.prompt_ids == [tok(r["question"] + "\n")["input_ids"] for r in records]
     # max_new_tokens is passed through: the scripted model truncates to it
     _, resp2 = greedy_accuracy(model, tok, records[:1], template="tiny", max_new_tokens=14)
     assert resp2 == ["1+2=3. \\boxed"]
+    with pytest.raises(ValueError, match="no records"):
+        greedy_accuracy(model, tok, [], template="tiny", max_new_tokens=8)
+    with pytest.raises(ValueError, match=r"record 1 has no \['id'\]"):
+        greedy_accuracy(model, tok, [records[0], {"question": "q", "answer": "1"}], template="tiny", max_new_tokens=8)
 
 
 # ---------------------------------------------------------------------------------------------

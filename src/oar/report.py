@@ -42,7 +42,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from oar.io import atomic_path, atomic_write_json, atomic_write_text
+from oar.io import atomic_path, atomic_write_json, atomic_write_text, read_jsonl
 
 __all__ = [
     "BASE_ROW",
@@ -94,26 +94,30 @@ def _results_root(config: Mapping[str, Any], results: str | Path | None) -> Path
 
 
 def _read_scores_file(path: Path, *, metric: str) -> dict[str, float]:
-    """Per-problem score of one ``<bench>.jsonl``: greedy correctness, or mean sampled correctness."""
+    """Per-problem score of one ``<bench>.jsonl``: greedy correctness, or mean sampled correctness.
+
+    Raises:
+        ReportError: the file is missing.
+        ValueError: a malformed JSON line (``<file>:<line>``, from :func:`oar.io.read_jsonl`), a row
+            without ``id``/``correct`` or with a non-integer ``sample``, a second greedy answer for a
+            problem (``<file>: row <k>``), or no answers of the kind ``metric`` needs.
+    """
     if not path.exists():
         raise ReportError(f"missing evaluation file: {path}")
     greedy: dict[str, float] = {}
     sampled: dict[str, list[float]] = {}
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                pid, sample, correct = str(row["id"]), int(row.get("sample", -1)), float(bool(row["correct"]))
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-                raise ValueError(f"{path}:{lineno}: bad evaluation row ({type(e).__name__}: {e})") from None
-            if sample < 0:
-                if pid in greedy:
-                    raise ValueError(f"{path}:{lineno}: second greedy answer for problem {pid!r}")
-                greedy[pid] = correct
-            else:
-                sampled.setdefault(pid, []).append(correct)
+    # read_jsonl skips blank lines, so row k is line k of the files oar writes (no blank lines)
+    for k, row in enumerate(read_jsonl(path), 1):
+        try:
+            pid, sample, correct = str(row["id"]), int(row.get("sample", -1)), float(bool(row["correct"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{path}: row {k}: bad evaluation row ({type(e).__name__}: {e})") from None
+        if sample < 0:
+            if pid in greedy:
+                raise ValueError(f"{path}: row {k}: second greedy answer for problem {pid!r}")
+            greedy[pid] = correct
+        else:
+            sampled.setdefault(pid, []).append(correct)
     if metric == "pass@1" and greedy:
         return greedy
     if metric in ("pass@1", "avg@k") and sampled:
@@ -416,8 +420,6 @@ def load_metrics(path: str | Path) -> "pd.DataFrame":  # noqa: F821
         ReportError: the file is missing or empty.
     """
     import pandas as pd
-
-    from oar.io import read_jsonl
 
     path = Path(path)
     if not path.exists():

@@ -5,8 +5,8 @@ learning signal from GRPO-style estimators). For the tiny model this SFT is that
 
 - :func:`build_sft_batch` -- tokenize prompt + response (+ eos), labels only on response tokens.
 - :func:`run_sft` -- AdamW, linear warmup then cosine decay, gradient clipping, fixed step budget.
-- :func:`greedy_accuracy` -- batched greedy generation (left padding) scored with
-  :func:`oar.reward.score_batch`.
+- :func:`greedy_accuracy` -- greedy pass@1 through :func:`oar.evaluate.evaluate_records` with an
+  :class:`oar.rollout.HFEngine` on the model.
 - :func:`sft_from_config` -- the config-level entry (``oar sft``): build the model, generate the
   synthetic data, train, evaluate on ``test`` and ``ood``, save atomically.
 
@@ -25,6 +25,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from oar.data.prompts import render_prompt
+
 __all__ = [
     "IGNORE_INDEX",
     "build_sft_batch",
@@ -38,12 +40,6 @@ __all__ = [
 IGNORE_INDEX = -100
 
 LogFn = Callable[[int, dict], None]
-
-
-def _render(template: str, question: str, tokenizer) -> str:
-    from oar.data.prompts import render_prompt
-
-    return render_prompt(template, question, tokenizer)
 
 
 def build_sft_batch(
@@ -156,7 +152,7 @@ def run_sft(
 
     Args:
         train_records: dicts with ``question`` and ``solution``.
-        eval_records: optional dicts with ``question`` and ``answer``; greedy accuracy on them
+        eval_records: optional dicts with ``id``, ``question`` and ``answer``; greedy accuracy on them
             every ``eval_every`` steps and after the last step (needs ``eval_every``).
         log_fn: called as ``log_fn(step, metrics)`` after every step (``sft/loss``, ``sft/lr``,
             ``sft/grad_norm``; 1-based step) and after every evaluation (``sft/eval_accuracy``).
@@ -180,7 +176,7 @@ def run_sft(
         eval_every = steps
     device = next(model.parameters()).device
 
-    prompts = [_render(template, r["question"], tokenizer) for r in train_records]
+    prompts = [render_prompt(template, r["question"], tokenizer) for r in train_records]
     solutions = [r["solution"] for r in train_records]
 
     optimizer = torch.optim.AdamW(_param_groups(model, weight_decay), lr=lr, betas=tuple(betas))
@@ -268,7 +264,6 @@ def run_sft(
     }
 
 
-@torch.no_grad()
 def greedy_accuracy(
     model,
     tokenizer,
@@ -277,54 +272,41 @@ def greedy_accuracy(
     template: str,
     max_new_tokens: int,
     batch_size: int = 256,
-    correct: float = 1.0,
-    wrong: float = 0.0,
     timeout_s: float = 5.0,
     workers: int | None = None,
 ) -> tuple[float, list[str]]:
     """Share of ``records`` whose greedy response has the right final answer.
 
-    Prompts are rendered with ``template``, tokenized with left padding (the tokenizer's special
-    tokens included, as in :func:`build_sft_batch`) and decoded greedily in batches of
-    ``batch_size``; only the new tokens are decoded (special tokens skipped). Each response is
-    scored by :func:`oar.reward.score_batch` against ``record["answer"]``; a record counts as
-    solved when its reward equals ``correct``.
+    The greedy pass of :func:`oar.evaluate.evaluate_records` with an :class:`oar.rollout.HFEngine`
+    on ``model`` (``batch_size`` prompts per ``generate`` call, left padding, prompts rendered with
+    ``template`` and encoded with special tokens as in :func:`build_sft_batch`); responses are the
+    new tokens up to eos, special tokens skipped, scored by :func:`oar.reward.score_batch` against
+    ``record["answer"]``. The global torch RNG is not reseeded (safe to call inside training).
+
+    Args:
+        records: dicts with ``id``, ``question`` and ``answer``.
 
     Returns:
         ``(accuracy, responses)``, responses in the order of ``records``.
+
+    Raises:
+        ValueError: no records, or a record without one of the keys above.
     """
-    from oar.reward import score_batch
+    from oar.evaluate import evaluate_records
+    from oar.rollout import HFEngine
 
     if not records:
         raise ValueError("greedy_accuracy: no records")
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    old_side = tokenizer.padding_side
-    tokenizer.padding_side = "left"
-    responses: list[str] = []
-    try:
-        for start in range(0, len(records), batch_size):
-            chunk = records[start : start + batch_size]
-            prompts = [_render(template, r["question"], tokenizer) for r in chunk]
-            enc = tokenizer(prompts, return_tensors="pt", padding=True).to(device)
-            out = model.generate(
-                **enc,
-                do_sample=False,
-                max_new_tokens=max_new_tokens,
-                pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id,
-            )
-            new = out[:, enc["input_ids"].shape[1] :]
-            responses.extend(tokenizer.batch_decode(new, skip_special_tokens=True))
-    finally:
-        tokenizer.padding_side = old_side
-        if was_training:
-            model.train()
-    golds = [r["answer"] for r in records]
-    scores = score_batch(responses, golds, correct=correct, wrong=wrong, timeout_s=timeout_s, workers=workers)
-    accuracy = sum(1 for s in scores if s == correct) / len(scores)
-    return accuracy, responses
+    for i, r in enumerate(records):
+        missing = [k for k in ("id", "question", "answer") if k not in r]
+        if missing:
+            raise ValueError(f"greedy_accuracy: record {i} has no {missing} key(s) (keys: {sorted(r)})")
+    engine = HFEngine(model, tokenizer, batch_size=batch_size)
+    summary, rows = evaluate_records(
+        engine, tokenizer, records, template=template, greedy=True, samples=0,
+        max_new_tokens=max_new_tokens, seed=None, timeout_s=timeout_s, workers=workers,
+    )
+    return summary["pass@1"], [row["response"] for row in rows]
 
 
 def _section(config: Mapping[str, Any], name: str) -> Mapping[str, Any]:
@@ -407,8 +389,6 @@ def sft_from_config(
         log_fn=log_fn,
     )
     reward_kw = {
-        "correct": float(reward.get("correct", 1.0)),
-        "wrong": float(reward.get("wrong", 0.0)),
         "timeout_s": float(reward.get("timeout_s", 5.0)),
         "workers": reward.get("workers"),
     }
