@@ -304,6 +304,62 @@ def test_oar_g_unreachable_token_has_zero_importance(tiny, probe):
     assert s[2].max() > 1e-2
 
 
+# prompts of different lengths (different left padding), reasoning of different lengths, and a
+# row without reasoning whose long answer puts the kept logits before another row's reasoning
+CACHE_PROMPTS = ["What is 12+7?", "Q", "x", "Compute 2*3 now", "Add 5 and 9, then double it please."]
+CACHE_RESPONSES = [
+    "12+7 = 19 so \\boxed{19}",
+    "3*4=12, \\boxed{12}",
+    "\\boxed{123456789012}",  # with chunk_size 2, in the chunk of the next row
+    "z\\boxed{6}",
+    "5+9=14; 14*2 = 28. The answer: \\boxed{28}",
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("chunk_size", [None, 2])
+def test_oar_g_prefix_cached_equals_naive(tiny, mode, chunk_size):
+    """The prefix-KV-cached noisy forward gives the full forward's scores, with the same noise."""
+    model, tok = tiny
+    p_ids, p_mask, r_ids, r_mask = make_batch(tok, CACHE_PROMPTS, CACHE_RESPONSES)
+    probe = build_probe(tok, p_ids, r_ids, conclude=CONC, prompt_mask=p_mask, response_mask=r_mask)
+    assert int(probe.reasoning_mask.any(0).long().argmax()) > 0  # the cached path has a prefix
+    noise = 0.0 if mode == "answer_joint" else 0.1  # the KL modes need noise to be nonzero
+    kw = dict(mode=mode, noise_std=noise, chunk_size=chunk_size)
+    cached = gradient_importance(model, probe, generator=torch.Generator().manual_seed(5), **kw)
+    naive = gradient_importance(model, probe, generator=torch.Generator().manual_seed(5), naive=True, **kw)
+    scale = float(naive.abs().max())
+    assert scale > 1e-4  # the comparison is not vacuous
+    assert (cached[probe.reasoning_mask] > 0).any() and (cached[~probe.reasoning_mask] == 0).all()
+    torch.testing.assert_close(cached, naive, atol=1e-5 * scale, rtol=1e-5)
+
+
+class NoCacheModel(torch.nn.Module):
+    """The tiny model without a returned cache (stands in for a model whose cache is not a plain
+    DynamicCache)."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.inner.get_input_embeddings()
+
+    def forward(self, **kwargs):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(logits=self.inner(**kwargs).logits)
+
+
+def test_oar_g_without_plain_cache_warns_and_runs_naive(tiny, probe):
+    model, _ = tiny
+    wrapped = NoCacheModel(model)
+    with pytest.warns(UserWarning, match="DynamicCache"):
+        got = gradient_importance(wrapped, probe, generator=torch.Generator().manual_seed(1))
+    ref = gradient_importance(model, probe, generator=torch.Generator().manual_seed(1), naive=True)
+    assert torch.equal(got, ref)
+
+
 # ------------------------------------------------------------------------------------------
 # estimators
 # ------------------------------------------------------------------------------------------

@@ -20,7 +20,11 @@ chunk) and runs only positions ``>= t0``. ``naive=True`` runs every perturbed co
 
 :func:`gradient_importance` (OAR-G) takes gradient x input saliency of the outcome divergence
 with respect to the input embeddings after a small Gaussian perturbation of the reasoning
-embeddings (one clean forward, one noisy forward, one backward).
+embeddings (one clean forward, one noisy forward, one backward). Positions before the first
+reasoning position of a chunk get no noise and no score, so by default the clean forward keeps
+its KV cache and the noisy forward and backward run only from that position on, reusing the
+cached keys/values of the prefix (``naive=True``: full noisy forward; the two agree to float
+rounding).
 
 All model calls use explicit ``position_ids = cumsum(attention_mask) - 1`` (so left padding does
 not shift positions), run in eval mode (the model's train/eval mode is restored afterwards) and
@@ -319,6 +323,21 @@ def _oar_p_group(
 # --------------------------------------------------------------------------------------------
 
 
+def _noise_start(reasoning_mask: torch.Tensor, tail: int) -> int:
+    """First column that OAR-G's noisy forward must run: the first column where any row has a
+    reasoning token (every earlier column gets no noise and no score), at most ``tail`` (the
+    first column whose logits the outcome needs); 0 when no row has a reasoning token.
+
+    Args:
+        reasoning_mask: ``(N, L)`` bool reasoning positions of a probe chunk.
+        tail: first absolute position of the kept logits.
+    """
+    cols = reasoning_mask.any(0)
+    if not bool(cols.any()):
+        return 0
+    return min(int(cols.long().argmax()), tail)
+
+
 def gradient_importance(
     model: torch.nn.Module,
     probe: Probe,
@@ -327,6 +346,7 @@ def gradient_importance(
     noise_std: float = 1e-3,
     generator: torch.Generator | None = None,
     chunk_size: int | None = None,
+    naive: bool = False,
 ) -> torch.Tensor:
     """OAR-G: gradient x input saliency ``s_t = |sum_h dJ/de_{t,h} * e_{t,h}|``.
 
@@ -336,6 +356,13 @@ def gradient_importance(
     3. forward from ``e + noise``; ``J = sum_rows KL(P_0 || P_noisy)`` (``answer_joint``:
        ``phi_0 - phi_noisy``); rows are independent, so each row's gradient is its own;
     4. ``torch.autograd.grad(J, e)`` only: parameters get no ``.grad``.
+
+    Prefix cache: with ``s`` the first column where any row of a chunk has a reasoning token
+    (at most the first column whose logits the outcome needs), columns ``< s`` get no noise and no score and (causal model) their keys/values do not depend
+    on later embeddings. So the clean forward keeps its KV cache, and steps 2-4 run only on
+    columns ``>= s`` with the clean keys/values of columns ``< s`` (detached, which is exact: the
+    gradient at columns ``>= s`` is unchanged). The noise is still drawn for the whole ``(N, L, H)``
+    chunk, so a seeded ``generator`` gives the same scores as ``naive=True`` up to float rounding.
 
     The model runs in eval mode (no dropout) and its train/eval mode is restored afterwards.
     With ``noise_std=0`` the KL modes give exactly zero (the KL gradient vanishes at ``P_0``);
@@ -348,6 +375,9 @@ def gradient_importance(
         noise_std: standard deviation of the embedding noise.
         generator: torch generator for the noise (on the model's device).
         chunk_size: rows per forward/backward (None = all answered rows at once).
+        naive: run the noisy forward over the whole probe instead of reusing the clean prefix's
+            KV cache. The cached path needs a plain full-attention ``DynamicCache``
+            (Llama/Qwen2-like models); for other caches it warns and falls back to the naive path.
 
     Returns:
         ``(B, L)`` float32 scores on the probe's device, 0 where ``probe.reasoning_mask`` is 0.
@@ -368,29 +398,72 @@ def gradient_importance(
         for g0 in range(0, rows_all.numel(), step):
             rows = rows_all[g0 : g0 + step]
             sub = probe.select(rows).to(dev)
-            keep = _keep(sub)
-            tail = sub.input_ids.shape[1] - keep
-            pos = sub.position_ids
-            with torch.no_grad():
-                logits0, _ = _logits_tail(
-                    model, keep, input_ids=sub.input_ids, attention_mask=sub.attention_mask, position_ids=pos
-                )
-                out0 = outcome(logits0, tail, sub.input_ids, sub.answer_mask, sub.last_index, mode)
-                e = embed(sub.input_ids).detach()
-            e.requires_grad_(True)
-            noise_dev = generator.device if generator is not None else e.device
-            noise = torch.randn(e.shape, generator=generator, device=noise_dev, dtype=torch.float32)
-            noise = (noise.to(e.device) * noise_std * sub.reasoning_mask.unsqueeze(-1)).to(e.dtype)
-            with torch.enable_grad():
-                logits1, _ = _logits_tail(
-                    model, keep, inputs_embeds=e + noise, attention_mask=sub.attention_mask, position_ids=pos
-                )
-                out1 = outcome(logits1, tail, sub.input_ids, sub.answer_mask, sub.last_index, mode)
-                J = _divergence(out0, out1, mode).sum()
-                (grad,) = torch.autograd.grad(J, e)
-            s = (grad.float() * e.detach().float()).sum(-1).abs()
+            s = _oar_g_group(model, embed, sub, mode=mode, noise_std=noise_std, generator=generator, naive=naive)
+            # the group's probe may have dropped leading pad columns: align on the right
             scores[rows, scores.shape[1] - s.shape[1] :] = s.to(scores.device)
     return scores * probe.reasoning_mask
+
+
+def _oar_g_group(
+    model: torch.nn.Module,
+    embed: torch.nn.Module,
+    sub: Probe,
+    *,
+    mode: str,
+    noise_std: float,
+    generator: torch.Generator | None,
+    naive: bool,
+) -> torch.Tensor:
+    """OAR-G scores ``(N, L)`` of a probe whose rows all have an answer (on the model device);
+    columns before the noisy forward's first column are 0."""
+    N, L = sub.input_ids.shape
+    keep = _keep(sub)
+    tail = L - keep
+    pos = sub.position_ids
+    with torch.no_grad():
+        logits0, cache = _logits_tail(
+            model,
+            keep,
+            input_ids=sub.input_ids,
+            attention_mask=sub.attention_mask,
+            position_ids=pos,
+            use_cache=not naive,
+        )
+        out0 = outcome(logits0, tail, sub.input_ids, sub.answer_mask, sub.last_index, mode)
+        kv = None
+        if not naive:
+            kv = _plain_cache_layers(cache)
+            if kv is None:
+                warnings.warn(
+                    "oar.credit.importance.gradient_importance: the model's cache is not a plain "
+                    "full-attention DynamicCache; using the naive (no prefix cache) path",
+                    stacklevel=4,
+                )
+        del cache
+        start = _noise_start(sub.reasoning_mask, tail) if kv is not None else 0
+        prefix = [(k[:, :, :start], v[:, :, :start]) for k, v in kv] if start > 0 else None
+        del kv
+        e = embed(sub.input_ids[:, start:]).detach()
+    e.requires_grad_(True)
+    # drawn over the whole chunk (N, L, H) whatever ``start``: the same RNG use as the naive path
+    noise_dev = generator.device if generator is not None else e.device
+    noise = torch.randn((N, L, e.shape[-1]), generator=generator, device=noise_dev, dtype=torch.float32)
+    noise = (noise[:, start:].to(e.device) * noise_std * sub.reasoning_mask[:, start:].unsqueeze(-1)).to(e.dtype)
+    with torch.enable_grad():
+        logits1, _ = _logits_tail(
+            model,
+            keep,
+            inputs_embeds=e + noise,
+            attention_mask=sub.attention_mask,
+            position_ids=pos[:, start:],
+            cache=None if prefix is None else _make_cache(prefix),
+        )
+        out1 = outcome(logits1, tail, sub.input_ids, sub.answer_mask, sub.last_index, mode)
+        J = _divergence(out0, out1, mode).sum()
+        (grad,) = torch.autograd.grad(J, e)
+    out = torch.zeros((N, L), dtype=torch.float32, device=sub.input_ids.device)
+    out[:, start:] = (grad.float() * e.detach().float()).sum(-1).abs()
+    return out
 
 
 # --------------------------------------------------------------------------------------------
