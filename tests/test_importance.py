@@ -334,6 +334,36 @@ def test_oar_g_prefix_cached_equals_naive(tiny, mode, chunk_size):
     torch.testing.assert_close(cached, naive, atol=1e-5 * scale, rtol=1e-5)
 
 
+
+# groups: the responses of one prompt share its prefix cache although their left padding differs
+GROUP_PROMPTS = ["What is 12+7?"] * 3 + ["Add 5 and 9, then double it please."] * 3 + ["x"]
+GROUP_RESPONSES = [
+    "12+7 = 19 so \\boxed{19}",
+    "12+7=20, \\boxed{20}",
+    "it is 12 plus 7, which is 19 in all; \\boxed{19}",
+    "5+9=14; 14*2 = 28. The answer: \\boxed{28}",
+    "28 \\boxed{28}",
+    "5+9=14, 14*2=28 so \\boxed{28}",
+    "\\boxed{7}",
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_oar_g_prefix_shared_across_a_group_equals_naive(tiny, mode):
+    """Rows of one prompt with different left padding gather the prompt's keys from one donor row."""
+    model, tok = tiny
+    p_ids, p_mask, r_ids, r_mask = make_batch(tok, GROUP_PROMPTS, GROUP_RESPONSES)
+    probe = build_probe(tok, p_ids, r_ids, conclude=CONC, prompt_mask=p_mask, response_mask=r_mask)
+    pad = probe.input_ids.shape[1] - probe.attention_mask.sum(-1)
+    assert len(set(pad[:3].tolist())) == 3  # same prompt, three different paddings
+    noise = 0.0 if mode == "answer_joint" else 0.1
+    kw = dict(mode=mode, noise_std=noise)
+    cached = gradient_importance(model, probe, generator=torch.Generator().manual_seed(3), **kw)
+    naive = gradient_importance(model, probe, generator=torch.Generator().manual_seed(3), naive=True, **kw)
+    scale = float(naive.abs().max())
+    assert scale > 1e-4
+    torch.testing.assert_close(cached, naive, atol=1e-5 * scale, rtol=1e-5)
+
 class NoCacheModel(torch.nn.Module):
     """The tiny model without a returned cache (stands in for a model whose cache is not a plain
     DynamicCache)."""

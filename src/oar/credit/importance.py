@@ -338,6 +338,62 @@ def _noise_start(reasoning_mask: torch.Tensor, tail: int) -> int:
     return min(int(cols.long().argmax()), tail)
 
 
+def _shared_prefix_kv(model: torch.nn.Module, probe: Probe, start: int) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """Keys and values of columns ``[0, start)`` of every probe row, computed once per prompt.
+
+    The ``n`` responses of a prompt share its keys and values (position ids count real tokens, so
+    a prompt token's key does not depend on the row's left padding). Rows are grouped by their
+    prompt (the real tokens before their first reasoning token; a row without reasoning is its own
+    group); the prefix forward runs only on the row of each group with the least left padding (the
+    donor, whose window ``[0, start)`` holds the most prompt tokens), and every row gathers its
+    columns from its donor's cache, shifted by the difference in padding. Padding columns take
+    an arbitrary finite value: the attention mask hides them.
+
+    Args:
+        probe: ``(N, L)`` probe on the model's device; ``start``: prefix length, ``> 0`` and at most
+            every row's first reasoning column.
+    Returns:
+        ``[(keys, values)]`` per layer, each ``(N, heads, start, head_dim)``, or None when the
+        model's cache is not a plain full-attention DynamicCache.
+    """
+    N, L = probe.input_ids.shape
+    pad = L - probe.attention_mask.long().sum(-1)  # (N,) left padding of each row
+    has_r = probe.reasoning_mask.any(-1)
+    first_r = torch.where(has_r, probe.reasoning_mask.long().argmax(-1), torch.full_like(pad, L))
+    ids, pads, firsts = probe.input_ids.tolist(), pad.tolist(), first_r.tolist()
+    groups: dict[tuple, int] = {}
+    donor = []
+    for i in range(N):
+        key: tuple = tuple(ids[i][pads[i] : firsts[i]]) if bool(has_r[i]) else ("row", i)
+        d = groups.setdefault(key, i)
+        if pads[i] < pads[d]:  # equal prompts: a row with less padding sees more of it
+            groups[key] = d = i
+        donor.append(key)
+    donors = sorted(set(groups.values()))
+    slot = {d: k for k, d in enumerate(donors)}
+    donor_of = torch.tensor([groups[key] for key in donor], dtype=torch.long, device=pad.device)
+    drows = torch.tensor(donors, dtype=torch.long, device=pad.device)
+    _, cache = _logits_tail(
+        model,
+        1,
+        input_ids=probe.input_ids[drows, :start],
+        attention_mask=probe.attention_mask[drows, :start],
+        position_ids=probe.position_ids[drows, :start],
+        use_cache=True,
+    )
+    kv = _plain_cache_layers(cache)
+    if kv is None:
+        return None
+    which = torch.tensor([slot[int(d)] for d in donor_of.tolist()], dtype=torch.long, device=pad.device)
+    cols = torch.arange(start, device=pad.device).unsqueeze(0)  # (1, start)
+    src = (cols - pad.unsqueeze(1) + pad[donor_of].unsqueeze(1)).clamp(min=0, max=start - 1)  # (N, start)
+    out = []
+    for k, v in kv:
+        idx = src[:, None, :, None].expand(N, k.shape[1], start, k.shape[3])
+        out.append((k.index_select(0, which).gather(2, idx), v.index_select(0, which).gather(2, idx)))
+    return out
+
+
 def gradient_importance(
     model: torch.nn.Module,
     probe: Probe,
@@ -420,29 +476,27 @@ def _oar_g_group(
     keep = _keep(sub)
     tail = L - keep
     pos = sub.position_ids
+    start = 0 if naive else _noise_start(sub.reasoning_mask, tail)
+    prefix = None
     with torch.no_grad():
-        logits0, cache = _logits_tail(
-            model,
-            keep,
-            input_ids=sub.input_ids,
-            attention_mask=sub.attention_mask,
-            position_ids=pos,
-            use_cache=not naive,
-        )
-        out0 = outcome(logits0, tail, sub.input_ids, sub.answer_mask, sub.last_index, mode)
-        kv = None
-        if not naive:
-            kv = _plain_cache_layers(cache)
-            if kv is None:
+        if start > 0:
+            prefix = _shared_prefix_kv(model, sub, start)
+            if prefix is None:
                 warnings.warn(
                     "oar.credit.importance.gradient_importance: the model's cache is not a plain "
                     "full-attention DynamicCache; using the naive (no prefix cache) path",
                     stacklevel=4,
                 )
-        del cache
-        start = _noise_start(sub.reasoning_mask, tail) if kv is not None else 0
-        prefix = [(k[:, :, :start], v[:, :, :start]) for k, v in kv] if start > 0 else None
-        del kv
+                start = 0
+        logits0, _ = _logits_tail(
+            model,
+            keep,
+            input_ids=sub.input_ids[:, start:],
+            attention_mask=sub.attention_mask,
+            position_ids=pos[:, start:],
+            cache=None if prefix is None else _make_cache(prefix),
+        )
+        out0 = outcome(logits0, tail, sub.input_ids, sub.answer_mask, sub.last_index, mode)
         e = embed(sub.input_ids[:, start:]).detach()
     e.requires_grad_(True)
     # drawn over the whole chunk (N, L, H) whatever ``start``: the same RNG use as the naive path
