@@ -53,7 +53,7 @@ def evaluate_records(
     temperature: float = 0.6,
     top_p: float = 1.0,
     max_new_tokens: int = 96,
-    seed: int = 0,
+    seed: int | None = 0,
     timeout_s: float = 5.0,
     workers: int | None = None,
 ) -> tuple[dict, list[dict]]:
