@@ -21,10 +21,10 @@ chunk) and runs only positions ``>= t0``. ``naive=True`` runs every perturbed co
 :func:`gradient_importance` (OAR-G) takes gradient x input saliency of the outcome divergence
 with respect to the input embeddings after a small Gaussian perturbation of the reasoning
 embeddings (one clean forward, one noisy forward, one backward). Positions before the first
-reasoning position of a chunk get no noise and no score, so by default the clean forward keeps
-its KV cache and the noisy forward and backward run only from that position on, reusing the
-cached keys/values of the prefix (``naive=True``: full noisy forward; the two agree to float
-rounding).
+reasoning position of a chunk get no noise and no score, so by default their keys/values are
+computed once per prompt (the ``n`` responses of a prompt share them) and the clean forward, the
+noisy forward and the backward run only from that position on (``naive=True``: full forwards; the
+two agree to float rounding).
 
 All model calls use explicit ``position_ids = cumsum(attention_mask) - 1`` (so left padding does
 not shift positions), run in eval mode (the model's train/eval mode is restored afterwards) and
@@ -200,6 +200,15 @@ def _plain_cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]] |
     return [(layer.keys, layer.values) for layer in layers]
 
 
+def _warn_naive_fallback(where: str, stacklevel: int) -> None:
+    """Warn that ``where`` falls back to its naive path (the model's cache cannot be reused)."""
+    warnings.warn(
+        f"oar.credit.importance.{where}: the model's cache is not a plain full-attention DynamicCache; "
+        "using the naive (no prefix cache) path",
+        stacklevel=stacklevel + 1,
+    )
+
+
 def _make_cache(kv: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
     from transformers.cache_utils import DynamicCache
 
@@ -281,11 +290,7 @@ def _oar_p_group(
     if not naive:
         kv = _plain_cache_layers(cache)
         if kv is None:
-            warnings.warn(
-                "oar.credit.importance.perturbation_importance: the model's cache is not a plain "
-                "full-attention DynamicCache; using the naive (no prefix cache) path",
-                stacklevel=3,
-            )
+            _warn_naive_fallback("perturbation_importance", stacklevel=3)
     del cache
 
     r_idx, t_idx = sub.reasoning_mask.nonzero(as_tuple=True)
@@ -361,18 +366,18 @@ def _shared_prefix_kv(model: torch.nn.Module, probe: Probe, start: int) -> list[
     has_r = probe.reasoning_mask.any(-1)
     first_r = torch.where(has_r, probe.reasoning_mask.long().argmax(-1), torch.full_like(pad, L))
     ids, pads, firsts = probe.input_ids.tolist(), pad.tolist(), first_r.tolist()
-    groups: dict[tuple, int] = {}
-    donor = []
+    groups: dict[tuple, int] = {}  # prompt -> donor row
+    keys: list[tuple] = []
     for i in range(N):
         key: tuple = tuple(ids[i][pads[i] : firsts[i]]) if bool(has_r[i]) else ("row", i)
         d = groups.setdefault(key, i)
         if pads[i] < pads[d]:  # equal prompts: a row with less padding sees more of it
-            groups[key] = d = i
-        donor.append(key)
+            groups[key] = i
+        keys.append(key)
     donors = sorted(set(groups.values()))
     slot = {d: k for k, d in enumerate(donors)}
-    donor_of = torch.tensor([groups[key] for key in donor], dtype=torch.long, device=pad.device)
     drows = torch.tensor(donors, dtype=torch.long, device=pad.device)
+    which = torch.tensor([slot[groups[key]] for key in keys], dtype=torch.long, device=pad.device)  # (N,)
     _, cache = _logits_tail(
         model,
         1,
@@ -384,9 +389,8 @@ def _shared_prefix_kv(model: torch.nn.Module, probe: Probe, start: int) -> list[
     kv = _plain_cache_layers(cache)
     if kv is None:
         return None
-    which = torch.tensor([slot[int(d)] for d in donor_of.tolist()], dtype=torch.long, device=pad.device)
     cols = torch.arange(start, device=pad.device).unsqueeze(0)  # (1, start)
-    src = (cols - pad.unsqueeze(1) + pad[donor_of].unsqueeze(1)).clamp(min=0, max=start - 1)  # (N, start)
+    src = (cols - pad.unsqueeze(1) + pad[drows][which].unsqueeze(1)).clamp(min=0, max=start - 1)  # (N, start)
     out = []
     for k, v in kv:
         idx = src[:, None, :, None].expand(N, k.shape[1], start, k.shape[3])
@@ -414,10 +418,11 @@ def gradient_importance(
     4. ``torch.autograd.grad(J, e)`` only: parameters get no ``.grad``.
 
     Prefix cache: with ``s`` the first column where any row of a chunk has a reasoning token
-    (at most the first column whose logits the outcome needs), columns ``< s`` get no noise and no score and (causal model) their keys/values do not depend
-    on later embeddings. So the clean forward keeps its KV cache, and steps 2-4 run only on
-    columns ``>= s`` with the clean keys/values of columns ``< s`` (detached, which is exact: the
-    gradient at columns ``>= s`` is unchanged). The noise is still drawn for the whole ``(N, L, H)``
+    (at most the first column whose logits the outcome needs), columns ``< s`` get no noise and
+    no score and (causal model) their keys/values do not depend on later embeddings. So they are
+    computed once per prompt (:func:`_shared_prefix_kv`), and steps 1-4 run only on columns
+    ``>= s`` with those keys/values (detached, which is exact: the gradient at columns ``>= s`` is
+    unchanged). The noise is still drawn for the whole ``(N, L, H)``
     chunk, so a seeded ``generator`` gives the same scores as ``naive=True`` up to float rounding.
 
     The model runs in eval mode (no dropout) and its train/eval mode is restored afterwards.
@@ -482,11 +487,7 @@ def _oar_g_group(
         if start > 0:
             prefix = _shared_prefix_kv(model, sub, start)
             if prefix is None:
-                warnings.warn(
-                    "oar.credit.importance.gradient_importance: the model's cache is not a plain "
-                    "full-attention DynamicCache; using the naive (no prefix cache) path",
-                    stacklevel=4,
-                )
+                _warn_naive_fallback("gradient_importance", stacklevel=4)
                 start = 0
         logits0, _ = _logits_tail(
             model,
