@@ -48,9 +48,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
+    add_common_args,
     CONFIG,
-    DEFAULT_CACHE,
-    SMOLLM2_SFT_STEPS,
     bench_overrides,
     fmt_table,
     peak_rss_mib,
@@ -153,13 +152,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="measured steps per method")
     ap.add_argument("--warmup", type=int, default=1, help="warm-up steps per method (discarded)")
     ap.add_argument("--methods", nargs="+", default=METHODS)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--sft-steps", type=int, default=900, help="SFT steps of the tiny start model")
-    ap.add_argument("--smollm2-sft-steps", type=int, default=SMOLLM2_SFT_STEPS,
-                    help="SFT steps of the SmolLM2 warm start (cached; 0 = raw SmolLM2)")
-    ap.add_argument("--cache", default=str(DEFAULT_CACHE))
-    ap.add_argument("--keep", action="store_true", help="keep the run folders (checkpoints, metrics.jsonl) in --cache")
+    add_common_args(ap)
     ap.add_argument("--conclude", default=None,
                     help="conclude text of the OAR probe (default: the config's, i.e. oar.credit.probe.DEFAULT_CONCLUDE)")
     args = ap.parse_args()

@@ -42,8 +42,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
-    DEFAULT_CACHE,
-    SMOLLM2_SFT_STEPS,
+    add_common_args,
     bench_config,
     fmt_table,
     quiet,
@@ -57,13 +56,7 @@ def main() -> None:
     ap.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
     ap.add_argument("--steps", type=int, default=3, help="measured steps of each trainer")
     ap.add_argument("--warmup", type=int, default=1, help="warm-up steps of each trainer (discarded)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--sft-steps", type=int, default=900, help="SFT steps of the tiny start model")
-    ap.add_argument("--smollm2-sft-steps", type=int, default=SMOLLM2_SFT_STEPS,
-                    help="SFT steps of the SmolLM2 warm start (cached; 0 = raw SmolLM2)")
-    ap.add_argument("--cache", default=str(DEFAULT_CACHE))
-    ap.add_argument("--keep", action="store_true", help="keep the run folders (checkpoints, metrics.jsonl) in --cache")
+    add_common_args(ap)
     args = ap.parse_args()
     set_threads(args.threads)
     quiet()

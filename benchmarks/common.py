@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import resource
@@ -203,7 +204,7 @@ def smollm2_sft_model(
 
     The folder is ``cache/smollm2_sft<steps>_<hash>``, the hash covering every setting above (and
     the shots and synthetic options), so a different setting trains a new model; model, tokenizer
-    and summary are written through :func:`oar.io.atomic_path` (complete or absent).
+    and summary are written by :func:`oar.sft.save_sft_model` (complete or absent).
 
     Raises:
         ValueError: ``steps`` or ``train_size`` below 1, ``eval_size`` below 0, or an unknown setting.
@@ -229,9 +230,8 @@ def smollm2_sft_model(
 
     from oar.answer import extract_boxed
     from oar.data.synthetic import generate
-    from oar.io import atomic_path, atomic_write_json
     from oar.models import load_policy
-    from oar.sft import greedy_accuracy, run_sft
+    from oar.sft import greedy_accuracy, run_sft, save_sft_model
 
     base = smollm2_model(cache)
     print(f"[bench] warm-start SFT of SmolLM2-135M ({steps} steps, batch {sft_kw['batch_size']}, lr {sft_kw['lr']}) "
@@ -252,12 +252,7 @@ def smollm2_sft_model(
         summary["boxed"] = sum(bool(extract_boxed(x)) for x in responses) / len(responses)
         summary["examples"] = [{"question": r["question"][len(SMOLLM2_SHOTS):], "response": x, "answer": r["answer"]}
                                for r, x in zip(evals, responses)]
-    with atomic_path(out) as tmp:
-        tmp.mkdir()
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        summary["seconds"] = time.perf_counter() - t0
-        atomic_write_json(Path(tmp) / "sft_summary.json", summary)
+    save_sft_model(out, model, tok, summary, started=t0)
     print(f"[bench] SmolLM2 SFT done in {summary['seconds']:.0f} s (loss {result['final_loss']:.3f}), greedy on "
           f"{eval_size} test problems: accuracy {summary['accuracy']}, boxed {summary['boxed']}", flush=True)
     return out
@@ -325,6 +320,16 @@ def fmt_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
     return "\n".join(lines)
 
+
+def add_common_args(ap: argparse.ArgumentParser) -> None:
+    """The options every training benchmark shares: seed, threads, start models, cache, --keep."""
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--sft-steps", type=int, default=900, help="SFT steps of the tiny start model")
+    ap.add_argument("--smollm2-sft-steps", type=int, default=SMOLLM2_SFT_STEPS,
+                    help="SFT steps of the SmolLM2 warm start (cached; 0 = raw SmolLM2)")
+    ap.add_argument("--cache", default=str(DEFAULT_CACHE))
+    ap.add_argument("--keep", action="store_true", help="keep the run folders (checkpoints, metrics.jsonl) in --cache")
 
 def set_threads(n: int) -> None:
     """Use ``n`` intra-op threads in torch (and tell OpenMP/MKL the same)."""

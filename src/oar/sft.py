@@ -33,6 +33,7 @@ __all__ = [
     "lr_lambda",
     "run_sft",
     "greedy_accuracy",
+    "save_sft_model",
     "sft_from_config",
 ]
 
@@ -309,6 +310,22 @@ def greedy_accuracy(
     return summary["pass@1"], [row["response"] for row in rows]
 
 
+def save_sft_model(output_dir: str | os.PathLike, model, tokenizer, summary: dict, *, started: float) -> None:
+    """Write ``model``, ``tokenizer`` and ``summary`` (as ``sft_summary.json``) to ``output_dir`` atomically.
+
+    Everything goes into a temporary folder beside ``output_dir`` that is renamed onto it
+    (:func:`oar.io.atomic_path`), so ``output_dir`` is either complete or absent.
+    ``summary["seconds"]`` is set to the time since ``started`` (a ``time.perf_counter()`` value).
+    """
+    from oar.io import atomic_path, atomic_write_json
+
+    with atomic_path(output_dir) as tmp:
+        tmp.mkdir()
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        summary["seconds"] = time.perf_counter() - started
+        atomic_write_json(Path(tmp) / "sft_summary.json", summary)
+
 def _section(config: Mapping[str, Any], name: str) -> Mapping[str, Any]:
     sec = config.get(name)
     if not isinstance(sec, Mapping):
@@ -347,7 +364,6 @@ def sft_from_config(
         config section used, and model facts (parameters, attention implementation, threads).
     """
     from oar.data.synthetic import generate
-    from oar.io import atomic_path, atomic_write_json
     from oar.models import load_policy
 
     t0 = time.perf_counter()
@@ -422,10 +438,5 @@ def sft_from_config(
         "train_size": len(train_records),
         "template": template,
     }
-    with atomic_path(output_dir) as tmp:
-        tmp.mkdir()
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        summary["seconds"] = time.perf_counter() - t0
-        atomic_write_json(Path(tmp) / "sft_summary.json", summary)
+    save_sft_model(output_dir, model, tokenizer, summary, started=t0)
     return summary
