@@ -10,6 +10,26 @@ from pathlib import Path
 __all__ = ["main", "build_parser"]
 
 
+def _int_at_least(minimum: int, what: str):
+    """An argparse ``type``: an int >= ``minimum``; otherwise argparse names the flag and exits 2."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+        return value
+
+    parse.__name__ = what  # argparse's fallback message names the type
+    return parse
+
+
+_positive_int = _int_at_least(1, "a positive integer")
+_seed = _int_at_least(0, "a non-negative integer")
+
+
 def _cmd_sft(args: argparse.Namespace) -> int:
     from oar.config import load_config
     from oar.sft import sft_from_config
@@ -23,9 +43,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from oar.config import load_config
     from oar.train import train
 
-    overrides = {"train": {"steps": args.steps}} if args.steps else None
+    overrides = {"train": {"steps": args.steps}} if args.steps is not None else None
     config = load_config(args.config, overrides)
-    summary = train(config, args.method, args.seed, args.output, init=args.init, progress=not args.no_progress)
+    summary = train(config, args.method, args.seed, args.output, init=args.init, restart=args.restart,
+                    progress=not args.no_progress)
     print(json.dumps(summary, indent=2, default=str))
     return 0
 
@@ -103,10 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("train", help="RL training of one method and seed (resumes from <output>/checkpoint)")
     s.add_argument("--config", required=True)
     s.add_argument("--method", required=True, help="a key of the config's 'methods'")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=_seed, default=0)
     s.add_argument("--output", required=True)
     s.add_argument("--init", default=None, help="starting checkpoint (default: train.init, else model.source)")
-    s.add_argument("--steps", type=int, default=None, help="override train.steps")
+    s.add_argument("--steps", type=_positive_int, default=None, help="override train.steps (>= 1)")
+    s.add_argument("--restart", action="store_true",
+                   help="discard <output>'s checkpoint, model and metrics and start over (needed when the settings "
+                        "or the start model differ from the checkpoint's)")
     s.add_argument("--no-progress", action="store_true")
     s.set_defaults(fn=_cmd_train)
 
@@ -114,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--config", required=True)
     s.add_argument("--model", default=None, help="checkpoint folder (default: the config's model)")
     s.add_argument("--output", required=True, help="folder for <bench>.jsonl, <bench>.json and summary.json")
-    s.add_argument("--seed", type=int, default=0, help="sampling seed for avg@k")
+    s.add_argument("--seed", type=_seed, default=0, help="sampling seed for avg@k")
     s.set_defaults(fn=_cmd_evaluate)
 
     s = sub.add_parser("data", help="load every data set the config names; write a manifest (paths, sha256, counts)")
@@ -132,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--config", required=True)
     s.add_argument("--results", default=None, help="results folder of the config (default results_dir/name)")
     s.add_argument("--reference", default="grpo", help="method the paired differences are taken against")
-    s.add_argument("--seed", type=int, default=0, help="bootstrap seed")
+    s.add_argument("--seed", type=_seed, default=0, help="bootstrap seed")
     s.add_argument("--metric", default="pass@1", choices=["pass@1", "avg@k"])
     s.set_defaults(fn=_cmd_report)
 
@@ -147,10 +171,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from oar.io import FolderLockedError
+
     args = build_parser().parse_args(argv)
     try:
         return int(args.fn(args) or 0)
-    except (FileNotFoundError, ValueError, KeyError) as e:
+    except (FileNotFoundError, ValueError, KeyError, FolderLockedError) as e:
+        print(f"oar {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:  # a benchmark given as a hub id while the hub cannot be used
+        from oar.data.benchmarks import HubUnavailableError
+
+        if not isinstance(e, HubUnavailableError):
+            raise
         print(f"oar {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 from oar.io import atomic_write_json, atomic_write_jsonl
 
-__all__ = ["load_eval_benchmarks", "evaluate_records", "evaluate_from_config"]
+__all__ = ["load_eval_benchmarks", "evaluate_records", "evaluate_from_config", "records_digest"]
 
 
 def load_eval_benchmarks(config: dict) -> dict[str, list[dict]]:
@@ -98,50 +98,71 @@ def evaluate_records(
     return summary, rows
 
 
+def records_digest(records: Sequence[dict]) -> str:
+    """sha256 of the problems (id, question, gold answer) an evaluation scores."""
+    import hashlib
+    import json
+
+    blob = json.dumps([[r.get("id"), r["question"], r["answer"]] for r in records], default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _read_cached(path: Path) -> dict | None:
+    """A benchmark's cached summary, or None when it is missing or unreadable (it is recomputed)."""
+    import json
+
+    try:
+        prev = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return prev if isinstance(prev, dict) else None
+
+
 def evaluate_from_config(config: dict, model_dir: str | Path | None, output_dir: str | Path, *, seed: int = 0) -> dict:
     """Evaluate the checkpoint ``model_dir`` (None: the config's ``model``) on ``eval.benchmarks``.
 
     Writes ``<output_dir>/<bench>.jsonl``, ``<output_dir>/<bench>.json`` and ``<output_dir>/summary.json``.
     """
-    from oar.models import load_policy
+    from oar.models import load_policy, model_identity
     from oar.rollout import make_engine
 
     ev = config["eval"]
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    settings = {k: ev[k] for k in ("greedy", "samples", "temperature", "top_p", "max_new_tokens")}
-    settings.update(model=str(model_dir) if model_dir else config["model"]["source"], seed=seed, template=config["task"]["template"])
     spec = dict(config["model"], source=str(model_dir), gguf_file=None) if model_dir else config["model"]
+    # cached results are reused only for the same model content, generation and scoring settings
+    settings = {k: ev[k] for k in ("greedy", "samples", "temperature", "top_p", "max_new_tokens")}
+    settings.update(model_identity=model_identity(spec), seed=seed, template=config["task"]["template"],
+                    reward=config["reward"])
+    model_path = str(model_dir) if model_dir else config["model"]["source"]
     model, tokenizer = load_policy(spec)
     if config.get("device", "cpu") != "cpu":
         import torch
 
         model.to("cuda" if config["device"] == "auto" and torch.cuda.is_available() else config["device"])
     engine = make_engine(ev["engine"], model, tokenizer, batch_size=ev["batch_size"], seed=seed,
-                         model_path=settings["model"], vllm_kwargs=config["rollout"].get("vllm"))
+                         model_path=model_path, vllm_kwargs=config["rollout"].get("vllm"))
     benches = load_eval_benchmarks(config)
     results: dict[str, dict] = {}
     for name, records in benches.items():
         done = output_dir / f"{name}.json"
-        if done.exists():
-            import json
-
-            prev = json.loads(done.read_text())
-            if prev.get("settings") == settings and prev.get("n") == len(records):
-                results[name] = prev
-                continue
+        bench_settings = dict(settings, records=records_digest(records))
+        prev = _read_cached(done)
+        if prev is not None and prev.get("settings") == bench_settings and prev.get("n") == len(records):
+            results[name] = prev
+            continue
         summary, rows = evaluate_records(
             engine, tokenizer, records, template=config["task"]["template"], greedy=ev["greedy"],
             samples=ev["samples"], temperature=ev["temperature"], top_p=ev["top_p"],
             max_new_tokens=ev["max_new_tokens"], seed=seed, timeout_s=config["reward"]["timeout_s"],
             workers=config["reward"]["workers"],
         )
-        summary.update(benchmark=name, settings=settings)
+        summary.update(benchmark=name, model=model_path, settings=bench_settings)
         atomic_write_jsonl(output_dir / f"{name}.jsonl", rows)
         atomic_write_json(done, summary)
         results[name] = summary
     keys = [k for k in ("pass@1", "avg@k") if any(r.get(k) is not None for r in results.values())]
     average = {k: sum(r[k] for r in results.values()) / len(results) for k in keys if results}
-    out = {"model": settings["model"], "benchmarks": results, "average": average}
+    out = {"model": model_path, "model_identity": settings["model_identity"], "benchmarks": results, "average": average}
     atomic_write_json(output_dir / "summary.json", out)
     return out

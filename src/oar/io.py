@@ -3,13 +3,27 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-__all__ = ["atomic_path", "atomic_write_text", "atomic_write_json", "atomic_write_jsonl", "read_jsonl", "append_jsonl"]
+__all__ = [
+    "atomic_path",
+    "recover_atomic_dir",
+    "exclusive_lock",
+    "FolderLockedError",
+    "atomic_write_text",
+    "atomic_write_json",
+    "atomic_write_jsonl",
+    "read_jsonl",
+    "append_jsonl",
+    "file_digest",
+    "folder_digest",
+]
 
 
 @contextlib.contextmanager
@@ -18,7 +32,9 @@ def atomic_path(path: str | os.PathLike, *, suffix: str = "") -> Iterator[Path]:
 
     The temporary file (or folder, if the caller makes one) is removed when the block raises, so
     a crash never leaves a half-written ``path``. Works for folders too (e.g. ``save_pretrained``):
-    an existing folder at ``path`` is replaced only after the new one is complete.
+    an existing folder at ``path`` is replaced only after the new one is complete, in three renames
+    (``tmp -> .<name>.new``, ``path -> .<name>.old``, ``.<name>.new -> path``) so that a kill between
+    any two of them leaves a complete copy that :func:`recover_atomic_dir` puts back.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -29,24 +45,99 @@ def atomic_path(path: str | os.PathLike, *, suffix: str = "") -> Iterator[Path]:
     try:
         yield tmp_path
         if tmp_path.is_dir() and path.exists():
-            import shutil
-
-            old = path.with_name(f".{path.name}.old")
-            if old.exists():
-                shutil.rmtree(old)
+            new, old = _new_old(path)
+            for stale in (new, old):
+                if stale.exists():
+                    shutil.rmtree(stale)
+            os.replace(tmp_path, new)  # complete from here on
             os.replace(path, old)
-            os.replace(tmp_path, path)
+            os.replace(new, path)
             shutil.rmtree(old)
         else:
             os.replace(tmp_path, path)
     finally:
         if tmp_path.exists():
             if tmp_path.is_dir():
-                import shutil
-
                 shutil.rmtree(tmp_path, ignore_errors=True)
             else:
                 tmp_path.unlink()
+
+
+def _new_old(path: Path) -> tuple[Path, Path]:
+    return path.with_name(f".{path.name}.new"), path.with_name(f".{path.name}.old")
+
+
+def recover_atomic_dir(path: str | os.PathLike) -> list[str]:
+    """Finish or undo a folder swap of :func:`atomic_path` that a kill interrupted.
+
+    Removes the incomplete temporary folders (``.<name>.*.tmp``), puts the newest complete copy at
+    ``path`` (``.<name>.new`` if it exists, else ``.<name>.old`` when ``path`` is missing) and
+    removes the superseded one. Call it only while no other process writes ``path`` (see
+    :func:`exclusive_lock`).
+
+    Returns:
+        One line per action taken (empty when there was nothing to recover).
+    """
+    path = Path(path)
+    new, old = _new_old(path)
+    actions: list[str] = []
+    for tmp in sorted(path.parent.glob(f".{glob.escape(path.name)}.*.tmp")):
+        shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
+        actions.append(f"removed the incomplete {tmp.name} of an interrupted write")
+    if new.is_dir():  # complete: the kill came before the swap ended
+        if path.exists():
+            if old.exists():
+                shutil.rmtree(old)
+            os.replace(path, old)
+        os.replace(new, path)
+        actions.append(f"completed the interrupted replacement of {path.name} with its new copy")
+    elif old.is_dir() and not path.exists():
+        os.replace(old, path)
+        actions.append(f"restored {path.name} from {old.name}")
+    if old.exists():
+        shutil.rmtree(old)
+    return actions
+
+
+class FolderLockedError(RuntimeError):
+    """Another process holds the folder's lock (see :func:`exclusive_lock`); the message names it."""
+
+
+LOCK_FILE = ".lock"
+
+
+@contextlib.contextmanager
+def exclusive_lock(folder: str | os.PathLike, *, purpose: str = "") -> Iterator[Path]:
+    """Hold an exclusive, non-blocking lock on ``folder`` (``<folder>/.lock``) for the block.
+
+    The lock is an ``flock`` on the file, so the operating system releases it when the holder
+    exits, however it exits (a ``kill -9`` leaves no stale lock). The file records the holder
+    (pid, host, start time, ``purpose``) so a second process can name it.
+
+    Raises:
+        FolderLockedError: at once when another process holds the lock, naming the holder.
+    """
+    import datetime
+    import fcntl
+    import socket
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = folder / LOCK_FILE
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = lock.read_text(encoding="utf-8", errors="replace").strip() or "an unknown process"
+            raise FolderLockedError(f"{folder} is in use by {holder}; wait for it to finish or use another folder") from None
+        stamp = datetime.datetime.now().isoformat(timespec="seconds")
+        info = f"pid {os.getpid()} on {socket.gethostname()} since {stamp}" + (f" ({purpose})" if purpose else "")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, info.encode(), 0)
+        yield lock
+    finally:
+        os.close(fd)  # releases the flock
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
@@ -76,10 +167,21 @@ def append_jsonl(path: str | os.PathLike, row: dict) -> None:
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
-    """Read a JSON-lines file; a malformed line raises ValueError naming the file and line."""
+    """Read a JSON-lines file; a malformed line (bad JSON, not an object, not UTF-8) raises
+    ValueError naming the file and line."""
     out = []
-    with open(path, encoding="utf-8") as f:
+    # surrogateescape: a byte that is not UTF-8 becomes a lone surrogate, found (with its line) below
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:
         for lineno, line in enumerate(f, 1):
+            if not line.isascii():
+                try:
+                    line.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    byte = ord(line[e.start]) - 0xDC00
+                    raise ValueError(
+                        f"{path}:{lineno}: not valid UTF-8 (byte {byte:#04x} at column {e.start + 1}); "
+                        f"re-encode the file as UTF-8"
+                    ) from None
             if not line.strip():
                 continue
             try:
@@ -90,6 +192,45 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
                 raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
             out.append(obj)
     return out
+
+
+_DIGESTS: dict[tuple[str, int, int], str] = {}
+
+
+def file_digest(path: str | os.PathLike) -> str:
+    """``sha256`` of a file's content (hex), cached per process by (path, size, mtime)."""
+    import hashlib
+
+    st = os.stat(path)
+    key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+    if key not in _DIGESTS:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        _DIGESTS[key] = h.hexdigest()
+    return _DIGESTS[key]
+
+
+def folder_digest(folder: str | os.PathLike, patterns: Iterable[str]) -> str:
+    """``sha256`` over the names and contents of the files directly in ``folder`` that match any of
+    ``patterns`` (``fnmatch`` globs), in sorted order.
+
+    Raises:
+        FileNotFoundError: if no file matches.
+    """
+    import fnmatch
+    import hashlib
+
+    folder = Path(folder)
+    pats = list(patterns)
+    names = sorted(p.name for p in folder.iterdir() if p.is_file() and any(fnmatch.fnmatch(p.name, g) for g in pats))
+    if not names:
+        raise FileNotFoundError(f"{folder}: no file matching {pats}")
+    h = hashlib.sha256()
+    for name in names:
+        h.update(f"{name}\0{file_digest(folder / name)}\n".encode())
+    return h.hexdigest()
 
 
 def _json_default(o: Any) -> Any:

@@ -29,6 +29,7 @@ __all__ = [
     "build_tiny_tokenizer",
     "build_tiny",
     "load_policy",
+    "model_identity",
     "smollm2_gguf_path",
     "resolve_dtype",
 ]
@@ -247,8 +248,9 @@ def load_policy(spec: Mapping[str, Any] | str | os.PathLike):
 
     Raises:
         FileNotFoundError: ``source`` looks like a path and does not exist (or ``gguf_file`` is missing).
-        OSError: ``source`` is a hub id, not in the local cache, and the hub is offline
-            (``HF_HUB_OFFLINE=1`` or no network): set ``model.source`` to a local path.
+        FileNotFoundError: ``source`` is a hub id, not in the local cache, and the hub is offline
+            (``HF_HUB_OFFLINE=1`` or no network): set ``model.source`` to a local path. Also when
+            online and the hub cannot give the model (one line, naming the id).
         ValueError: malformed spec.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -320,9 +322,56 @@ def _load_hub(repo_id: str, *, gguf_file: str | None, dtype: torch.dtype | None,
         try:
             return _load(True)
         except Exception as e:  # not in the cache
-            raise OSError(
-                f"model.source: {repo_id!r} is a hub id, but the Hugging Face hub is offline "
-                f"(HF_HUB_OFFLINE set or no network) and it is not in the local cache. Set model.source "
-                f"to a local path (a model folder or a .gguf file) instead. ({type(e).__name__})"
+            # FileNotFoundError (an OSError): the CLI reports it as one line, without a traceback
+            raise FileNotFoundError(
+                f"model {repo_id!r}: not a local path and not found in the local Hugging Face cache; it is a "
+                f"hub id that cannot be loaded offline (HF_HUB_OFFLINE set or no network). Give a local path "
+                f"(a model folder or a .gguf file) instead. ({type(e).__name__})"
             ) from None
-    return _load(False)
+    try:
+        return _load(False)
+    except OSError as e:  # e.g. no such repository, or the download failed
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise FileNotFoundError(f"model {repo_id!r}: could not be loaded from the Hugging Face hub: {first}") from e
+
+
+#: Files of a model folder that define the model (weights, architecture, tokenizer); what
+#: :func:`model_identity` hashes. Run-side files (summaries, trainer state) are left out.
+MODEL_IDENTITY_FILES: tuple[str, ...] = (
+    "*.safetensors", "*.bin", "*.gguf", "config.json", "generation_config.json", "tokenizer.json",
+    "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "*.model", "vocab.*", "merges.txt",
+)
+
+
+def model_identity(spec: Mapping[str, Any] | str | os.PathLike) -> str:
+    """A string that changes whenever the model ``spec`` would load changes.
+
+    - ``"tiny"``: a hash of the ``tiny`` options (its weights are a deterministic function of them);
+    - a local ``.gguf`` file or a folder with ``gguf_file``: the sha256 of that file;
+    - a local folder: the sha256 over its :data:`MODEL_IDENTITY_FILES` (replacing the weights at
+      the same path gives another identity);
+    - a hub id: ``hub:<id>`` (and the GGUF file name); the revision is not resolved offline.
+
+    Content hashes are cached per process (:func:`oar.io.file_digest`), so a model is read once.
+    """
+    import hashlib
+    import json
+
+    from oar.io import file_digest, folder_digest
+
+    if isinstance(spec, (str, os.PathLike)):
+        spec = {"source": os.fspath(spec)}
+    source = os.fspath(spec["source"])
+    gguf_file = spec.get("gguf_file")
+    dtype = str(spec.get("dtype", "float32"))
+    if source == "tiny":
+        blob = json.dumps({"tiny": dict(spec.get("tiny") or {}), "dtype": dtype}, sort_keys=True)
+        return "tiny:" + hashlib.sha256(blob.encode()).hexdigest()[:16]
+    path = Path(source).expanduser()
+    if path.is_file():
+        return "sha256:" + file_digest(path)
+    if path.is_dir():
+        if gguf_file:
+            return "sha256:" + file_digest(path / gguf_file)
+        return "sha256:" + folder_digest(path, MODEL_IDENTITY_FILES)
+    return f"hub:{source}" + (f"/{gguf_file}" if gguf_file else "")

@@ -1,9 +1,10 @@
 """Experiment tracking: MLflow (SQLite store by default) plus a plain ``metrics.jsonl``.
 
 Several training jobs may log into one SQLite store at once. Two processes that create a NEW
-store at the same moment fail ("table tags already exists"), so :func:`ensure_experiment` is called
-once before parallel jobs start (the workflow's ``onstart``); afterwards every write retries when
-the database is locked. Results never depend on MLflow alone: :class:`Tracker` also appends every
+store at the same moment fail ("table tags already exists"), so :func:`ensure_experiment` creates
+the store and experiment under an exclusive file lock (``<db>.lock``) and every client call retries
+when the database is locked: first use is safe without ``oar init-tracking`` (the workflow still
+calls it in ``onstart``). Results never depend on MLflow alone: :class:`Tracker` also appends every
 metrics row to ``metrics.jsonl`` beside the checkpoint.
 """
 
@@ -18,7 +19,7 @@ from typing import Any, Callable, Mapping, TypeVar
 
 from oar.io import append_jsonl
 
-__all__ = ["ensure_experiment", "flatten", "Tracker", "with_retry", "sqlite_path"]
+__all__ = ["ensure_experiment", "end_orphan_run", "flatten", "Tracker", "with_retry", "sqlite_path"]
 
 T = TypeVar("T")
 
@@ -69,7 +70,34 @@ def ensure_experiment(uri: str, experiment: str) -> str:
                 raise
             return exp.experiment_id
 
-    return with_retry(create)
+    if db is None:
+        return with_retry(create)
+    import fcntl
+
+    # one process at a time creates the store's tables (a blocking lock, held for a moment)
+    with open(db.with_name(db.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return with_retry(create)
+
+
+def end_orphan_run(uri: str, run_id: str, *, replaced_by: str | None = None) -> bool:
+    """Mark ``run_id`` KILLED if it is still RUNNING (a run whose process died before it could
+    finish, and which is not being continued); returns whether it did. A missing run is ignored."""
+    from mlflow.tracking import MlflowClient
+
+    client = with_retry(lambda: MlflowClient(tracking_uri=uri))
+    try:
+        run = with_retry(lambda: client.get_run(run_id))
+    except Exception as e:
+        if "not found" in str(e).lower() or "RESOURCE_DOES_NOT_EXIST" in str(e):
+            return False
+        raise
+    if run.info.status != "RUNNING":
+        return False
+    if replaced_by:
+        with_retry(lambda: client.set_tag(run_id, "oar.replaced_by", replaced_by))
+    with_retry(lambda: client.set_terminated(run_id, status="KILLED"))
+    return True
 
 
 def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -112,8 +140,8 @@ class Tracker:
         if uri:
             from mlflow.tracking import MlflowClient
 
-            self.client = MlflowClient(tracking_uri=uri)
-            exp_id = ensure_experiment(uri, experiment or "default")
+            exp_id = ensure_experiment(uri, experiment or "default")  # creates a new store safely
+            self.client = with_retry(lambda: MlflowClient(tracking_uri=uri))
             if self.run_id is None:
                 run = with_retry(
                     lambda: self.client.create_run(exp_id, run_name=run_name, tags=dict(tags or {}))

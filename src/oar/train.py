@@ -13,18 +13,16 @@ Read it top to bottom, like nanoGPT's ``train.py``: per step we
 
 Methods differ only by their resolved recipe and estimator (``oar.config.resolve_method``).
 
-Output folder layout::
-
-    <output>/checkpoint/      latest checkpoint (save_pretrained + trainer_state.pt), atomically replaced
-    <output>/model/           final policy (save_pretrained), written when training ends
-    <output>/metrics.jsonl    one row per step
-    <output>/train_summary.json
+Output folder layout, locking, crash recovery and what may be resumed: :mod:`oar.runs`
+(``checkpoint/``, ``model/``, ``metrics.jsonl``, ``train_summary.json``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,9 +34,10 @@ import torch
 from oar.config import ResolvedMethod, resolve_method
 from oar.credit import CreditBatch, get_estimator
 from oar.credit.metrics import ess_ratio, top_mass
-from oar.io import atomic_path, atomic_write_json, read_jsonl, atomic_write_jsonl
+from oar.io import atomic_path, atomic_write_json, read_jsonl
 from oar.loss import aggregate, k3_kl, policy_loss
 from oar.rollout import Rollout, make_engine, token_logprobs
+from oar.runs import STATE_FILE, RunFolder, load_trainer_state, restore_rng, run_identity, save_trainer_state
 
 __all__ = [
     "TrainingError",
@@ -49,10 +48,6 @@ __all__ = [
     "make_scheduler",
     "dynamic_sampling_keep",
 ]
-
-CHECKPOINT_DIR = "checkpoint"
-FINAL_DIR = "model"
-STATE_FILE = "trainer_state.pt"
 
 
 class TrainingError(RuntimeError):
@@ -145,13 +140,15 @@ def load_training_records(config: dict) -> list[dict]:
         from oar.data.synthetic import generate
 
         return generate("train", task["train_size"], seed=task["seed"], **task["synthetic"])
-    from oar.data.benchmarks import load_benchmark
+    from oar.data.benchmarks import load_benchmark, require_records
 
     bench = task.get("benchmark") or {}
     if "name" not in bench or "source" not in bench:
         raise ValueError("task.benchmark: needs 'name' and 'source' when task.kind is 'benchmark'")
     filters = {"levels": bench["levels"]} if bench.get("levels") else {}
-    return load_benchmark(bench["name"], bench["source"], **filters)
+    records = load_benchmark(bench["name"], bench["source"], **filters)
+    # an empty training set: a clear error here, not a ZeroDivisionError in _PromptStream
+    return require_records(records, bench["name"], bench["source"], key="task.benchmark (training set)", **filters)
 
 
 class _PromptStream:
@@ -205,10 +202,15 @@ def train(
     output: str | Path,
     *,
     init: str | None = None,
+    restart: bool = False,
     progress: bool = True,
     stop_after: int | None = None,
 ) -> dict:
     """Train ``method_name`` with ``seed``; resume from ``<output>/checkpoint`` if it exists.
+
+    The folder is locked for the whole run (a second trainer into it fails at once, naming this
+    one), repaired if a kill interrupted a checkpoint write, and resumed only if its checkpoint
+    belongs to the same run (:mod:`oar.runs`).
 
     Args:
         config: validated config (``oar.config.load_config``).
@@ -216,59 +218,72 @@ def train(
         seed: run seed (same seed, same run).
         output: run folder.
         init: starting checkpoint (defaults to ``train.init``, else the config's ``model``).
+        restart: discard the folder's checkpoint, model and metrics and start over.
         progress: show a progress bar.
         stop_after: stop (as if interrupted) after this many steps of this invocation; for tests.
     Returns:
         The run summary (also written to ``<output>/train_summary.json``).
+    Raises:
+        oar.io.FolderLockedError: another process trains into ``output``.
+        oar.runs.RunMismatchError: the checkpoint belongs to a run with other settings.
     """
     from accelerate import Accelerator
+
+    from oar.io import exclusive_lock
+    from oar.models import model_identity
+
+    method: ResolvedMethod = resolve_method(config, method_name)
+    folder = RunFolder(Path(output))
+    start = init if init is not None else config["train"].get("init")
+    start_spec = dict(config["model"], source=start, gguf_file=None) if start else dict(config["model"])
+    accelerator = Accelerator(cpu=config.get("device", "cpu") == "cpu")
+    lock = (exclusive_lock(folder.path, purpose=f"oar train {method.name} seed {seed}")
+            if accelerator.is_main_process else contextlib.nullcontext())
+    with lock:
+        identity = run_identity(config, method, seed, model_identity(start_spec))
+        if accelerator.is_main_process:
+            for line in folder.recover() + ([f"removed {n}" for n in folder.start_over()] if restart else []):
+                print(f"oar train: {folder.path}: {line}", file=sys.stderr)
+        accelerator.wait_for_everyone()
+        return _train(config, method, seed, folder, start_spec, identity, accelerator,
+                      progress=progress, stop_after=stop_after)
+
+
+def _train(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder, start_spec: dict,
+           identity: dict[str, str], accelerator: Any, *, progress: bool, stop_after: int | None) -> dict:
+    """The loop of :func:`train`, run while the folder is locked and repaired."""
     from tqdm.auto import tqdm
 
     from oar.data.prompts import render_prompt
     from oar.models import load_policy
-    from oar.reward import overlong_penalty, score_batch
-    from oar.tracking import Tracker
+    from oar.tracking import Tracker, end_orphan_run
 
-    method: ResolvedMethod = resolve_method(config, method_name)
     recipe = method.recipe
     tcfg, rcfg = config["train"], config["rollout"]
-    output = Path(output)
-    output.mkdir(parents=True, exist_ok=True)
-    ckpt_dir = output / CHECKPOINT_DIR
-
-    accelerator = Accelerator(cpu=config.get("device", "cpu") == "cpu")
     _seed_everything(seed)
 
     # ---- model, reference, optimizer (restored from the checkpoint when resuming)
-    resuming = (ckpt_dir / STATE_FILE).exists()
-    start = init if init is not None else tcfg.get("init")
-    spec = dict(config["model"], source=str(ckpt_dir), gguf_file=None) if resuming else (
-        dict(config["model"], source=start, gguf_file=None) if start else config["model"]
-    )
-    model, tokenizer = load_policy(spec)
+    saved = load_trainer_state(folder.state_file) if folder.state_file.exists() else None
+    if saved is not None:
+        folder.check_identity(saved.get("identity"), identity)
+    model, tokenizer = load_policy(dict(start_spec, source=str(folder.checkpoint)) if saved else start_spec)
     model.to(accelerator.device)
     ref_model = None
     if recipe["kl_coef"] > 0:  # the reference only exists when the KL term is used
-        ref_spec = dict(config["model"], source=start, gguf_file=None) if start else config["model"]
-        ref_model, _ = load_policy(ref_spec)
+        ref_model, _ = load_policy(start_spec)
         ref_model.to(accelerator.device).eval().requires_grad_(False)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=tcfg["lr"], betas=tuple(tcfg["betas"]), weight_decay=tcfg["weight_decay"]
     )
     scheduler = make_scheduler(optimizer, warmup_steps=tcfg["warmup_steps"], total_steps=tcfg["steps"], schedule=tcfg["schedule"])
     state: dict[str, Any] = {"step": 0, "cursor": 0, "run_id": None, "nonfinite_streak": 0}
-    if resuming:
-        saved = torch.load(ckpt_dir / STATE_FILE, map_location="cpu", weights_only=False)
+    if saved is not None:
         optimizer.load_state_dict(saved["optimizer"])
         scheduler.load_state_dict(saved["scheduler"])
-        random.setstate(saved["rng"]["python"])
-        np.random.set_state(saved["rng"]["numpy"])
-        torch.set_rng_state(saved["rng"]["torch"])
+        restore_rng(saved)
         state.update(saved["state"])
-        # drop metrics rows of steps that ran after the checkpoint (they will run again)
-        mpath = output / "metrics.jsonl"
-        if mpath.exists():
-            atomic_write_jsonl(mpath, [r for r in read_jsonl(mpath) if r["step"] < state["step"]])
+    if accelerator.is_main_process:  # rows of steps after the checkpoint (or of a run killed before one) go
+        folder.keep_metrics_before(state["step"])
     model, optimizer = accelerator.prepare(model, optimizer)
     policy = accelerator.unwrap_model(model)
 
@@ -277,26 +292,30 @@ def train(
     prompts_all = [render_prompt(config["task"]["template"], r["question"], tokenizer) for r in records]
     stream = _PromptStream(len(records), seed, state["cursor"])
     engine = make_engine(rcfg["engine"], policy, tokenizer, batch_size=rcfg["batch_size"], seed=seed,
-                         model_path=str(ckpt_dir if resuming else (start or config["model"]["source"])),
+                         model_path=str(folder.checkpoint if saved else start_spec["source"]),
                          vllm_kwargs=rcfg.get("vllm"))
     estimator = get_estimator(method.estimator)
     est_options = method.estimator_options()
     tracker = None
     if accelerator.is_main_process:
         tr = config["tracking"]
+        uri = tr["uri"] if tr["enabled"] else None
         tracker = Tracker(
-            output / "metrics.jsonl",
-            uri=tr["uri"] if tr["enabled"] else None,
+            folder.metrics,
+            uri=uri,
             experiment=tr["experiment"],
             run_name=f"{method.name}-seed{seed}",
-            tags={"method": method.name, "seed": str(seed), "config": config["name"], "output": str(output)},
+            tags={"method": method.name, "seed": str(seed), "config": config["name"], "output": str(folder.path)},
             run_id=state["run_id"],
         )
+        orphan = folder.recorded_mlflow_run()
+        if uri and orphan and orphan != tracker.run_id:  # a start killed before its first checkpoint
+            end_orphan_run(uri, orphan, replaced_by=tracker.run_id)
+        folder.record_mlflow_run(tracker.run_id)
         state["run_id"] = tracker.run_id
         tracker.log_params({"config": config, **method.as_params(), "seed": seed})
 
     world, rank = accelerator.num_processes, accelerator.process_index
-    n = rcfg["n"]
     local_prompts = len(range(rank, tcfg["prompts_per_step"], world))  # this process's share of each step
     # Dr. GRPO's aggregation divides by the generation budget, not the batch's padded length
     agg_max_len = rcfg["max_new_tokens"] if recipe["loss_agg"] == "seq-mean-token-sum-norm" else None
@@ -312,50 +331,9 @@ def train(
         timings = {"rollout": 0.0, "reward": 0.0, "importance": 0.0, "update": 0.0}
 
         # ---- 1-2. rollout + reward (+ dynamic sampling: regenerate until enough mixed groups)
-        kept: list[StepBatch] = []
-        n_kept_groups, rounds, gen_total = 0, 0, 0
-        max_rounds = recipe["max_num_gen_batches"] if recipe["dynamic_sampling"] else 1
-        while True:
-            idx = stream.take(tcfg["prompts_per_step"])[rank::world]
-            t0 = time.perf_counter()
-            ro = engine.generate([prompts_all[i] for i in idx], n=n, temperature=rcfg["temperature"],
-                                 top_p=rcfg["top_p"], max_new_tokens=rcfg["max_new_tokens"],
-                                 seed=_step_seed(seed, step, rounds) + rank)
-            timings["rollout"] += time.perf_counter() - t0
-            t0 = time.perf_counter()
-            golds = [records[idx[i]]["answer"] for i in ro.prompt_index.tolist()]
-            scores = torch.tensor(score_batch(ro.texts, golds, correct=recipe["correct"], wrong=recipe["wrong"],
-                                              timeout_s=config["reward"]["timeout_s"],
-                                              workers=config["reward"]["workers"]), dtype=torch.float32)
-            correct = scores == recipe["correct"]
-            rewards = scores.clone()
-            if recipe["overlong_buffer"] > 0:
-                rewards = rewards + overlong_penalty(ro.response_mask.sum(1), max_length=rcfg["max_new_tokens"],
-                                                     cache_length=recipe["overlong_buffer"],
-                                                     penalty_factor=recipe["overlong_penalty"])
-            timings["reward"] += time.perf_counter() - t0
-            group_ids = ro.prompt_index + gen_total  # unique across rounds
-            gen_total += len(idx)
-            rounds += 1
-            sb = StepBatch(ro, rewards, correct, group_ids, rounds, 1.0)
-            if not recipe["dynamic_sampling"]:
-                kept.append(sb)
-                break
-            keep = dynamic_sampling_keep(rewards, group_ids)
-            if keep.any():
-                rows = torch.nonzero(keep).squeeze(1)
-                kept.append(StepBatch(ro.select(rows), rewards[rows], correct[rows], group_ids[rows], rounds, 1.0))
-                n_kept_groups += int(torch.unique(group_ids[rows]).numel())
-            if n_kept_groups >= local_prompts or (max_rounds > 0 and rounds >= max_rounds):
-                if not kept:  # nothing mixed at all: train on the last batch (its advantages are zero)
-                    kept.append(sb)
-                break
-        batch = _merge(kept, tokenizer.pad_token_id)
-        if recipe["dynamic_sampling"]:  # truncate to the batch size (first groups kept)
-            first = torch.unique(batch.group_ids)[:local_prompts]
-            rows = torch.nonzero(torch.isin(batch.group_ids, first)).squeeze(1)
-            batch = StepBatch(batch.rollout.select(rows), batch.rewards[rows], batch.correct[rows],
-                              batch.group_ids[rows], rounds, n_kept_groups / max(1, gen_total))
+        batch = _collect_batch(engine, stream, prompts_all, records, config=config, recipe=recipe, seed=seed, step=step,
+                               rank=rank, world=world, local_prompts=local_prompts, pad_id=tokenizer.pad_token_id,
+                               timings=timings)
         ro = batch.rollout
 
         # ---- 3. token advantages from the method's estimator
@@ -371,63 +349,9 @@ def train(
 
         # ---- 4. policy update: ppo_epochs x shuffled mini-batches, micro-batched
         t0 = time.perf_counter()
-        model.train()
-        N = ro.response_ids.shape[0]
-        mb, micro = min(tcfg["mini_batch_size"], N), min(tcfg["micro_batch_size"], tcfg["mini_batch_size"], N)
-        g = torch.Generator().manual_seed(_step_seed(seed, step, 7919))
-        upd: dict[str, list[float]] = {"loss": [], "pg_loss": [], "kl_ref": [], "clipfrac": [], "approx_kl": [],
-                                       "grad_norm": [], "entropy": []}
-        nonfinite = 0
-        for _epoch in range(tcfg["ppo_epochs"]):
-            perm = torch.randperm(N, generator=g)
-            for s in range(0, N, mb):
-                rows = perm[s : s + mb]
-                optimizer.zero_grad(set_to_none=True)
-                mask_mb = ro.response_mask[rows]
-                n_tok, n_seq = float(mask_mb.sum()), len(rows)
-                total = 0.0
-                for u in range(0, len(rows), micro):
-                    r = rows[u : u + micro]
-                    resp, rmask = ro.response_ids[r], ro.response_mask[r]
-                    # trim right padding of this micro-batch
-                    T = int(rmask.sum(1).max().clamp(min=1))
-                    resp, rmask = resp[:, :T], rmask[:, :T]
-                    logp, ent = policy_forward(model, ro.prompt_ids[r], ro.prompt_mask[r], resp, rmask,
-                                               temperature=rcfg["temperature"], with_entropy=True)
-                    dev = logp.device
-                    adv = token_adv[r, :T].to(dev)
-                    old = ro.logprobs[r, :T].to(dev)
-                    m = rmask.to(dev)
-                    pg, stats = policy_loss(logp, old, adv, m, eps_low=recipe["eps_low"], eps_high=recipe["eps_high"],
-                                            clip_ratio_c=recipe["clip_ratio_c"], agg=recipe["loss_agg"],
-                                            max_len=agg_max_len)
-                    # weight so that the micro-batches add up to the mini-batch aggregate
-                    w = float(m.sum()) / max(n_tok, 1.0) if recipe["loss_agg"] == "token-mean" else len(r) / n_seq
-                    loss = pg
-                    kl_val = 0.0
-                    if ref_model is not None:
-                        with torch.no_grad():
-                            ref_lp, _ = policy_forward(ref_model, ro.prompt_ids[r], ro.prompt_mask[r], resp, rmask,
-                                                       temperature=rcfg["temperature"])
-                        kl = aggregate(k3_kl(logp, ref_lp), m, recipe["loss_agg"],
-                                       max_len=agg_max_len)
-                        loss = loss + recipe["kl_coef"] * kl
-                        kl_val = float(kl)
-                    accelerator.backward(loss * w)
-                    total += float(loss.detach()) * w
-                    upd["pg_loss"].append(float(pg.detach()))
-                    upd["kl_ref"].append(kl_val)
-                    upd["clipfrac"].append(stats["clipfrac"])
-                    upd["approx_kl"].append(stats["approx_kl"])
-                    upd["entropy"].append(float(ent.sum() / m.sum().clamp(min=1)))
-                grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), tcfg["grad_clip"]))
-                if not (math.isfinite(total) and math.isfinite(grad_norm)):
-                    optimizer.zero_grad(set_to_none=True)  # skip this update
-                    nonfinite += 1
-                    continue
-                optimizer.step()
-                upd["loss"].append(total)
-                upd["grad_norm"].append(grad_norm)
+        upd, nonfinite = _update_policy(model, optimizer, accelerator, ro, token_adv, ref_model, recipe=recipe, tcfg=tcfg,
+                                        temperature=rcfg["temperature"], agg_max_len=agg_max_len,
+                                        generator=torch.Generator().manual_seed(_step_seed(seed, step, 7919)))
         scheduler.step()
         engine.sync_weights(policy)
         timings["update"] = time.perf_counter() - t0
@@ -471,7 +395,7 @@ def train(
                 tracker.finish("FAILED")
             raise TrainingError(
                 f"{state['nonfinite_streak']} consecutive steps with non-finite loss or gradient (step {step}, "
-                f"method {method.name}, seed {seed}); stopping. The last good checkpoint in {ckpt_dir} is intact; "
+                f"method {method.name}, seed {seed}); stopping. The last good checkpoint in {folder.checkpoint} is intact; "
                 f"try a lower train.lr or a smaller train.grad_clip."
             )
         state["step"] = step + 1
@@ -480,7 +404,7 @@ def train(
         bar.set_postfix(reward=f"{metrics['reward']:.3f}", acc=f"{metrics['accuracy']:.3f}")
         steps_this_call += 1
         if state["step"] % tcfg["save_every"] == 0 or state["step"] == tcfg["steps"]:
-            _save_checkpoint(accelerator, policy, tokenizer, optimizer, scheduler, state, ckpt_dir)
+            _save_checkpoint(accelerator, policy, tokenizer, optimizer, scheduler, state, identity, folder)
         if stop_after is not None and steps_this_call >= stop_after and state["step"] < tcfg["steps"]:
             bar.close()
             return {"interrupted_at": state["step"]}
@@ -489,10 +413,10 @@ def train(
     # ---- final model + summary
     summary: dict[str, Any] = {}
     if accelerator.is_main_process:
-        with atomic_path(output / FINAL_DIR) as tmp:
+        with atomic_path(folder.final) as tmp:
             policy.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
-        rows = read_jsonl(output / "metrics.jsonl")
+        rows = read_jsonl(folder.metrics)
         summary = {
             "method": method.name,
             "seed": seed,
@@ -501,11 +425,140 @@ def train(
             "mean_time": {k: _mean([r.get(f"time_{k}") or 0.0 for r in rows]) for k in [*phase_totals, "step"]},
             "mlflow_run_id": state["run_id"],
         }
-        atomic_write_json(output / "train_summary.json", summary)
+        atomic_write_json(folder.summary, summary)
         if tracker is not None:
             tracker.finish()
     accelerator.wait_for_everyone()
     return summary
+
+
+def _collect_batch(engine: Any, stream: _PromptStream, prompts_all: list[str], records: list[dict], *,
+                   config: dict, recipe: dict, seed: int, step: int, rank: int, world: int, local_prompts: int,
+                   pad_id: int, timings: dict[str, float]) -> StepBatch:
+    """Steps 1-2 of the loop: sample ``n`` responses for this process's share of the next prompts and
+    score them; with DAPO's dynamic sampling, regenerate until ``local_prompts`` groups have mixed
+    rewards (at most ``max_num_gen_batches`` rounds). Adds to ``timings["rollout"]``/``["reward"]``."""
+    from oar.reward import overlong_penalty, score_batch
+
+    tcfg, rcfg, n = config["train"], config["rollout"], config["rollout"]["n"]
+    kept: list[StepBatch] = []
+    n_kept_groups, rounds, gen_total = 0, 0, 0
+    max_rounds = recipe["max_num_gen_batches"] if recipe["dynamic_sampling"] else 1
+    while True:
+        idx = stream.take(tcfg["prompts_per_step"])[rank::world]
+        t0 = time.perf_counter()
+        ro = engine.generate([prompts_all[i] for i in idx], n=n, temperature=rcfg["temperature"],
+                             top_p=rcfg["top_p"], max_new_tokens=rcfg["max_new_tokens"],
+                             seed=_step_seed(seed, step, rounds) + rank)
+        timings["rollout"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        golds = [records[idx[i]]["answer"] for i in ro.prompt_index.tolist()]
+        scores = torch.tensor(score_batch(ro.texts, golds, correct=recipe["correct"], wrong=recipe["wrong"],
+                                          timeout_s=config["reward"]["timeout_s"],
+                                          workers=config["reward"]["workers"]), dtype=torch.float32)
+        correct = scores == recipe["correct"]
+        rewards = scores.clone()
+        if recipe["overlong_buffer"] > 0:
+            rewards = rewards + overlong_penalty(ro.response_mask.sum(1), max_length=rcfg["max_new_tokens"],
+                                                 cache_length=recipe["overlong_buffer"],
+                                                 penalty_factor=recipe["overlong_penalty"])
+        timings["reward"] += time.perf_counter() - t0
+        group_ids = ro.prompt_index + gen_total  # unique across rounds
+        gen_total += len(idx)
+        rounds += 1
+        sb = StepBatch(ro, rewards, correct, group_ids, rounds, 1.0)
+        if not recipe["dynamic_sampling"]:
+            kept.append(sb)
+            break
+        keep = dynamic_sampling_keep(rewards, group_ids)
+        if keep.any():
+            rows = torch.nonzero(keep).squeeze(1)
+            kept.append(StepBatch(ro.select(rows), rewards[rows], correct[rows], group_ids[rows], rounds, 1.0))
+            n_kept_groups += int(torch.unique(group_ids[rows]).numel())
+        if n_kept_groups >= local_prompts or rounds >= max_rounds:
+            if not kept:  # nothing mixed at all: train on the last batch (its advantages are zero)
+                kept.append(sb)
+            break
+    batch = _merge(kept, pad_id)
+    if recipe["dynamic_sampling"]:  # truncate to the batch size (first groups kept)
+        first = torch.unique(batch.group_ids)[:local_prompts]
+        rows = torch.nonzero(torch.isin(batch.group_ids, first)).squeeze(1)
+        batch = StepBatch(batch.rollout.select(rows), batch.rewards[rows], batch.correct[rows],
+                          batch.group_ids[rows], rounds, n_kept_groups / max(1, gen_total))
+    return batch
+
+
+def _update_policy(model: Any, optimizer: Any, accelerator: Any, ro: Rollout, token_adv: torch.Tensor,
+                   ref_model: Any, *, recipe: dict, tcfg: dict, temperature: float, agg_max_len: int | None,
+                   generator: torch.Generator) -> tuple[dict[str, list[float]], int]:
+    """Step 4 of the loop: ``ppo_epochs`` passes over shuffled mini-batches of ``ro`` (micro-batched,
+    right padding trimmed per micro-batch), PPO clip loss with the recipe's range and aggregation,
+    optional k3 KL to ``ref_model``, gradient clipping, one optimizer step per mini-batch (skipped
+    when the loss or gradient is not finite).
+
+    Args:
+        ro: the step's rollout, ``(N, T)`` responses; token_adv: ``(N, T)`` token advantages.
+    Returns:
+        per-micro/mini-batch statistics (loss, pg_loss, kl_ref, clipfrac, approx_kl, grad_norm,
+        entropy) and the number of skipped (non-finite) updates.
+    """
+    model.train()
+    N = ro.response_ids.shape[0]
+    mb, micro = min(tcfg["mini_batch_size"], N), min(tcfg["micro_batch_size"], tcfg["mini_batch_size"], N)
+    upd: dict[str, list[float]] = {"loss": [], "pg_loss": [], "kl_ref": [], "clipfrac": [], "approx_kl": [],
+                                   "grad_norm": [], "entropy": []}
+    nonfinite = 0
+    for _epoch in range(tcfg["ppo_epochs"]):
+        perm = torch.randperm(N, generator=generator)
+        for s in range(0, N, mb):
+            rows = perm[s : s + mb]
+            optimizer.zero_grad(set_to_none=True)
+            mask_mb = ro.response_mask[rows]
+            n_tok, n_seq = float(mask_mb.sum()), len(rows)
+            total = 0.0
+            for u in range(0, len(rows), micro):
+                r = rows[u : u + micro]
+                resp, rmask = ro.response_ids[r], ro.response_mask[r]
+                # trim right padding of this micro-batch
+                T = int(rmask.sum(1).max().clamp(min=1))
+                resp, rmask = resp[:, :T], rmask[:, :T]
+                logp, ent = policy_forward(model, ro.prompt_ids[r], ro.prompt_mask[r], resp, rmask,
+                                           temperature=temperature, with_entropy=True)
+                dev = logp.device
+                adv = token_adv[r, :T].to(dev)
+                old = ro.logprobs[r, :T].to(dev)
+                m = rmask.to(dev)
+                pg, stats = policy_loss(logp, old, adv, m, eps_low=recipe["eps_low"], eps_high=recipe["eps_high"],
+                                        clip_ratio_c=recipe["clip_ratio_c"], agg=recipe["loss_agg"],
+                                        max_len=agg_max_len)
+                # weight so that the micro-batches add up to the mini-batch aggregate
+                w = float(m.sum()) / max(n_tok, 1.0) if recipe["loss_agg"] == "token-mean" else len(r) / n_seq
+                loss = pg
+                kl_val = 0.0
+                if ref_model is not None:
+                    with torch.no_grad():
+                        ref_lp, _ = policy_forward(ref_model, ro.prompt_ids[r], ro.prompt_mask[r], resp, rmask,
+                                                   temperature=temperature)
+                    kl = aggregate(k3_kl(logp, ref_lp), m, recipe["loss_agg"],
+                                   max_len=agg_max_len)
+                    loss = loss + recipe["kl_coef"] * kl
+                    kl_val = float(kl)
+                accelerator.backward(loss * w)
+                total += float(loss.detach()) * w
+                upd["pg_loss"].append(float(pg.detach()))
+                upd["kl_ref"].append(kl_val)
+                upd["clipfrac"].append(stats["clipfrac"])
+                upd["approx_kl"].append(stats["approx_kl"])
+                upd["entropy"].append(float(ent.sum() / m.sum().clamp(min=1)))
+            grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), tcfg["grad_clip"]))
+            if not (math.isfinite(total) and math.isfinite(grad_norm)):
+                optimizer.zero_grad(set_to_none=True)  # skip this update
+                nonfinite += 1
+                continue
+            optimizer.step()
+            upd["loss"].append(total)
+            upd["grad_norm"].append(grad_norm)
+    return upd, nonfinite
 
 
 def _mean(xs: Sequence[float]) -> float:
@@ -526,22 +579,15 @@ def _merge(parts: list[StepBatch], pad_id: int) -> StepBatch:
     )
 
 
-def _save_checkpoint(accelerator: Any, policy: Any, tokenizer: Any, optimizer: Any, scheduler: Any, state: dict, ckpt_dir: Path) -> None:
-    """Write model, tokenizer, optimizer, scheduler, RNG states and data position atomically."""
+def _save_checkpoint(accelerator: Any, policy: Any, tokenizer: Any, optimizer: Any, scheduler: Any, state: dict,
+                     identity: dict[str, str], folder: RunFolder) -> None:
+    """Write model, tokenizer, optimizer, scheduler, RNG states, data position and run identity atomically."""
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        with atomic_path(ckpt_dir) as tmp:
+        with atomic_path(folder.checkpoint) as tmp:
             policy.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
-            torch.save(
-                {
-                    "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(),
-                    "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
-                    "state": dict(state),
-                },
-                tmp / STATE_FILE,
-            )
+            save_trainer_state(tmp / STATE_FILE, optimizer=optimizer, scheduler=scheduler, state=state, identity=identity)
     accelerator.wait_for_everyone()
 
 
