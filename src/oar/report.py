@@ -631,9 +631,10 @@ def data_manifest(config: Mapping[str, Any]) -> dict[str, Any]:
 
     Raises:
         FileNotFoundError / ValueError / HubUnavailableError: from :func:`oar.data.benchmarks.load_benchmark`,
-        naming the benchmark and file.
+        naming the benchmark and file; ValueError also when the training set or an eval benchmark
+        has no records (:func:`oar.data.benchmarks.require_records`).
     """
-    from oar.data.benchmarks import BENCHMARKS, load_benchmark
+    from oar.data.benchmarks import BENCHMARKS, load_benchmark, require_records
 
     task = config["task"]
     out: dict[str, Any] = {"name": config["name"]}
@@ -646,6 +647,7 @@ def data_manifest(config: Mapping[str, Any]) -> dict[str, Any]:
             raise ValueError("config: task.benchmark.name is required when task.kind is 'benchmark'")
         levels = b.get("levels")
         recs = load_benchmark(b["name"], b.get("source"), **({"levels": levels} if levels else {}))
+        require_records(recs, b["name"], b.get("source"), key="task.benchmark (training set)", levels=levels or None)
         out["train"] = {"name": b["name"], "levels": levels, "records": len(recs),
                         **_describe_source(b["name"], b.get("source"), BENCHMARKS[b["name"]].default_file)}
     evals = []
@@ -657,6 +659,7 @@ def data_manifest(config: Mapping[str, Any]) -> dict[str, Any]:
         if name not in BENCHMARKS:
             raise ValueError(f"config: eval.benchmarks.{i}.name: unknown benchmark {name!r}; valid: {sorted(BENCHMARKS)}")
         recs = load_benchmark(name, b.get("source"), **(b.get("filters") or {}))
+        require_records(recs, name, b.get("source"), key=f"eval.benchmarks.{i}", **(b.get("filters") or {}))
         n = len(recs) if not b.get("n") else min(int(b["n"]), len(recs))
         evals.append({"name": name, "records": len(recs), "n": n, "filters": b.get("filters") or {},
                       "first_ids": [r["id"] for r in recs[: min(3, n)]],

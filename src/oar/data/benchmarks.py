@@ -55,7 +55,14 @@ from oar.answer import extract_boxed
 from oar.data import synthetic
 from oar.io import read_jsonl
 
-__all__ = ["BENCHMARKS", "SYNTHETIC_BENCHMARKS", "BENCHMARK_NAMES", "HubUnavailableError", "load_benchmark"]
+__all__ = [
+    "BENCHMARKS",
+    "SYNTHETIC_BENCHMARKS",
+    "BENCHMARK_NAMES",
+    "HubUnavailableError",
+    "load_benchmark",
+    "require_records",
+]
 
 
 class HubUnavailableError(RuntimeError):
@@ -194,14 +201,24 @@ def _local_records(path: Path) -> Iterable[tuple[int, str, dict]]:
     """Yield ``(index, where, record)`` from a local file; ``where`` names file and line/record."""
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
-        records = read_jsonl(path)  # malformed lines raise ValueError "<file>:<line>: ..."
+        records = read_jsonl(path)  # malformed or non-UTF-8 lines raise ValueError "<file>:<line>: ..."
         with open(path, encoding="utf-8") as f:
             linenos = [i for i, line in enumerate(f, 1) if line.strip()]
         for idx, (lineno, rec) in enumerate(zip(linenos, records)):
             yield idx, f"{path}:{lineno}", rec
     elif suffix == ".json":
+        raw = path.read_bytes()
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            lineno = raw.count(b"\n", 0, e.start) + 1
+            column = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+            raise ValueError(
+                f"{path}:{lineno}: not valid UTF-8 (byte {raw[e.start]:#04x} at byte {column} of the line); "
+                f"re-encode the file as UTF-8"
+            ) from None
+        try:
+            data = json.loads(text)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{e.lineno}: malformed JSON: {e.msg}") from None
         if isinstance(data, dict):
@@ -323,3 +340,23 @@ def load_benchmark(
             f"for benchmark {name!r} in the config"
         )
     return _convert(name, spec, _hub_records(name, src, split or spec.hub_split, subset or spec.hub_subset), levels)
+
+
+def require_records(records: list[dict], name: str, source: str | os.PathLike | None, *, key: str,
+                    **options: Any) -> list[dict]:
+    """``records`` when there is at least one; else ValueError naming the config ``key``, the
+    benchmark, its file (a folder source resolved to its default file) and the filters applied.
+
+    For callers that cannot use an empty set (training, evaluation), so that ``oar data`` fails
+    before any training instead of the evaluation failing after it.
+    """
+    if records:
+        return records
+    where = "" if source is None else str(source)
+    spec = BENCHMARKS.get(name)
+    if source is not None and spec is not None and Path(source).is_dir():
+        where = str(Path(source) / spec.default_file)
+    filters = {k: v for k, v in options.items() if v is not None}
+    after = f" after filters {filters}" if filters else ""
+    raise ValueError(f"{key}: benchmark {name!r} has no records{after}" + (f" in {where}" if where else "")
+                     + "; it needs at least one")
