@@ -30,5 +30,5 @@ rule attribution:
     conda:
         "../../environment.yml"
     shell:
-        "(oar attribution --config {params.config} --model {params.model}"
-        " --output {params.out_dir}) > {log} 2>&1"
+        "(oar attribution --config {params.config:q} --model {params.model:q}"
+        " --output {params.out_dir:q}) > {log:q} 2>&1"

@@ -4,6 +4,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 from pathlib import Path
 
 import yaml
@@ -28,6 +29,43 @@ if not workflow.overwrite_configfiles:
         )
     with open(DEFAULT_CONFIGFILE, encoding="utf-8") as _f:
         _merged = deep_merge(yaml.safe_load(_f) or {}, dict(config))
+    config.clear()
+    config.update(_merged)
+
+# --config KEY=VALUE: give the scalars inside mapping/list values their YAML types (see typed_override)
+_YAML12_EXP_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
+def typed_override(value):
+    """A --config value with the scalars inside its mappings and lists given their YAML types.
+
+    Snakemake parses a --config value that is a mapping or a list with YAML's BaseLoader, which
+    leaves every scalar in it a string ('train={"lr": 0.001}' gives {"lr": "0.001"}), while a
+    top-level value such as steps=30 is typed. Nested scalars become int, float, bool or null as
+    in a config file (plus 1e-3 without a dot, a float in YAML 1.2); anything else (text, paths,
+    dates) stays the string it was.
+    """
+    if isinstance(value, dict):
+        return {k: typed_override(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [typed_override(v) for v in value]
+    if not isinstance(value, str) or not value.strip():
+        return value
+    if _YAML12_EXP_FLOAT.fullmatch(value.strip()):
+        return float(value)
+    try:
+        typed = yaml.safe_load(value)
+    except yaml.YAMLError:
+        return value
+    return typed if typed is None or isinstance(typed, (bool, int, float)) else value
+
+
+# only mapping and list values went through the BaseLoader; top-level scalars keep Snakemake's type
+_nested_overrides = {
+    k: typed_override(v) for k, v in dict(workflow.config_settings.config).items() if isinstance(v, (dict, list))
+}
+if _nested_overrides:
+    _merged = deep_merge(dict(config), _nested_overrides)
     config.clear()
     config.update(_merged)
 
@@ -195,4 +233,6 @@ def write_resolved_config():
 
 onstart:
     write_resolved_config()
-    shell(f"oar init-tracking --config {CONFIG_FILE}")
+    # {CONFIG_FILE:q}: shell() formats it once, quoted (a results_dir with spaces or $(...) stays one
+    # literal argument); every rule's shell command quotes its values the same way
+    shell("oar init-tracking --config {CONFIG_FILE:q}")

@@ -20,4 +20,4 @@ rule data:
     conda:
         "../../environment.yml"
     shell:
-        "(oar data --config {params.config} --output {output}) > {log} 2>&1"
+        "(oar data --config {params.config:q} --output {output:q}) > {log:q} 2>&1"

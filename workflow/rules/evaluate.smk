@@ -27,10 +27,10 @@ rule evaluate_base:
     conda:
         "../../environment.yml"
     shell:
-        "(bash {params.reset} {params.out_dir} {params.fingerprint}-$(cat {input} | cksum | cut -d' ' -f1)"
+        "(bash {params.reset:q} {params.out_dir:q} {params.fingerprint:q}-$(cat {input:q} | cksum | cut -d' ' -f1)"
         " '*.json' '*.jsonl'"
-        " && oar evaluate --config {params.config} --model {params.model} --output {params.out_dir}"
-        ") > {log} 2>&1"
+        " && oar evaluate --config {params.config:q} --model {params.model:q} --output {params.out_dir:q}"
+        ") > {log:q} 2>&1"
 
 
 rule evaluate:
@@ -56,7 +56,7 @@ rule evaluate:
     conda:
         "../../environment.yml"
     shell:
-        "(bash {params.reset} {params.out_dir} {params.fingerprint}-$(cksum < {input.train} | cut -d' ' -f1)"
+        "(bash {params.reset:q} {params.out_dir:q} {params.fingerprint:q}-$(cksum < {input.train:q} | cut -d' ' -f1)"
         " '*.json' '*.jsonl'"
-        " && oar evaluate --config {params.config} --model {params.model} --output {params.out_dir}"
-        " --seed {wildcards.seed}) > {log} 2>&1"
+        " && oar evaluate --config {params.config:q} --model {params.model:q} --output {params.out_dir:q}"
+        " --seed {wildcards.seed:q}) > {log:q} 2>&1"

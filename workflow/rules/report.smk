@@ -49,4 +49,4 @@ rule report:
     conda:
         "../../environment.yml"
     shell:
-        "(oar report --config {params.config} --results {params.results}) > {log} 2>&1"
+        "(oar report --config {params.config:q} --results {params.results:q}) > {log:q} 2>&1"

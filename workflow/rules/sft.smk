@@ -23,4 +23,4 @@ rule sft:
     conda:
         "../../environment.yml"
     shell:
-        "(oar sft --config {params.config} --output {params.model_dir}) > {log} 2>&1"
+        "(oar sft --config {params.config:q} --output {params.model_dir:q}) > {log:q} 2>&1"

@@ -1,6 +1,10 @@
 # RL training of one method and seed. Resumable: an interrupted run continues from
 # <run>/checkpoint when the workflow is started again (train_summary.json marks a finished run);
-# a run folder whose config fingerprint changed starts over (scripts/reset_if_changed.sh).
+# a run folder whose fingerprint changed starts over (scripts/reset_if_changed.sh). The fingerprint
+# is the method's config sections plus a checksum of the rule's inputs (the data manifest and the
+# start model's sft_summary.json, rewritten whenever SFT reruns), so after `--forcerun sft` (or a
+# changed data set) every training job drops its checkpoint, model and metrics and starts over from
+# the new start model instead of "resuming" a finished run trained from the old one.
 
 
 rule train:
@@ -11,7 +15,8 @@ rule train:
     params:
         config=CONFIG_FILE,
         run_dir=lambda wc, output: os.path.dirname(output.summary),
-        init=lambda wc, input: f"--init {os.path.dirname(input.start)}" if SFT else "",
+        # inserted unquoted (it is empty without SFT), so the path is quoted here
+        init=lambda wc, input: f"--init {shlex.quote(os.path.dirname(input.start))}" if SFT else "",
         fingerprint=lambda wc: method_fingerprint(wc.method),
         reset=RESET_SCRIPT,
         launcher=train_launcher,
@@ -27,6 +32,7 @@ rule train:
     conda:
         "../../environment.yml"
     shell:
-        "(bash {params.reset} {params.run_dir} {params.fingerprint} checkpoint model metrics.jsonl"
-        " && {params.launcher} train --config {params.config} --method {wildcards.method} --seed {wildcards.seed}"
-        " --output {params.run_dir} {params.init} --no-progress) > {log} 2>&1"
+        "(bash {params.reset:q} {params.run_dir:q} {params.fingerprint:q}-$(cat {input:q} | cksum | cut -d' ' -f1)"
+        " checkpoint model metrics.jsonl"
+        " && {params.launcher} train --config {params.config:q} --method {wildcards.method:q}"
+        " --seed {wildcards.seed:q} --output {params.run_dir:q} {params.init} --no-progress) > {log:q} 2>&1"
