@@ -1,12 +1,16 @@
 """The Snakemake workflow: lint, dry runs of every shipped config and of the SLURM profile, GPU
 resources of the paper config, one ablation target alone, config replacement and errors, the
-fingerprinted resume script, and (slow) the whole smoke DAG end to end."""
+fingerprinted resume script (and the train rule's reset when the SFT model changed), shell quoting of
+paths (a results_dir with a space and `$(...)`), and (slow) the whole smoke DAG end to end, where
+every method must have had mixed rewards, scored credit and moved weights."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -206,6 +210,131 @@ def test_reset_script_keeps_a_resumable_run_and_clears_a_changed_one(tmp_path):
     assert (d / "keep.json").exists() and (d / ".fingerprint").read_text().strip() == "B"
 
 
+# a results_dir (or model path) that breaks an unquoted shell command twice: a space and a command
+WEIRD = "my results/$(touch PWNED)"
+
+
+def shell_commands(text: str) -> dict[str, list[str]]:
+    """Rule -> the shell commands ``snakemake -n -p`` printed for its jobs."""
+    cmds: dict[str, list[str]] = {}
+    for block in re.split(r"\n\s*\n", text):
+        rule = re.search(r"^(?:localrule|rule) (\w+):", block, re.M)
+        cmd = re.search(r"^Shell command: (.*)$", block, re.M)
+        if rule and cmd and cmd.group(1) != "None":  # `all` has no command
+            cmds.setdefault(rule.group(1), []).append(cmd.group(1))
+    return cmds
+
+
+def _write_config(tmp_path: Path, cfg: dict) -> Path:
+    cfg["tracking"]["uri"] = f"sqlite:///{tmp_path}/mlflow.db"
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _args_after(tokens: list[str], flag: str) -> list[str]:
+    return [tokens[i + 1] for i, t in enumerate(tokens[:-1]) if t == flag]
+
+
+def _check_quoted(cmds: dict[str, list[str]], weird: str) -> None:
+    """Every word of every command that holds part of ``weird`` holds all of it (one argument)."""
+    for rule, lines in cmds.items():
+        for line in lines:
+            tokens = shlex.split(line)
+            for tok in tokens:
+                if "touch" in tok or "PWNED" in tok:
+                    assert weird in tok, (rule, tok, line)
+
+
+@pytest.mark.slow  # two snakemake dry runs: a few seconds each
+def test_dry_run_quotes_every_value_that_reaches_a_shell(tmp_path):
+    cfg = _config("smoke.yaml")
+    cfg["results_dir"] = WEIRD
+    path = _write_config(tmp_path, cfg)
+    base = ["-n", "-p", "--snakefile", str(SNAKEFILE), "--directory", str(tmp_path), "--configfile", str(path)]
+    proc = snakemake(*base)
+    cmds = shell_commands(proc.stdout + proc.stderr)
+    assert set(cmds) == {"data", "sft", "train", "evaluate", "evaluate_base", "attribution", "report"}
+    _check_quoted(cmds, WEIRD)
+    R = f"{WEIRD}/smoke"
+    for rule, lines in cmds.items():
+        for line in lines:
+            tokens = shlex.split(line)
+            assert _args_after(tokens, "--config") == [f"{R}/config.yaml"], line
+            (log,) = _args_after(tokens, ">")
+            assert log.startswith(f"{R}/logs/") and log.endswith(".log"), line
+    (train,) = [c for c in cmds["train"] if "--method grpo " in c]
+    tokens = shlex.split(train)
+    assert _args_after(tokens, "--init") == [f"{R}/sft/model"]
+    assert _args_after(tokens, "--output") == [f"{R}/grpo/seed0"]
+
+    # without SFT the start model is train.init (else model.source) from the config, as given
+    cfg = _config("smoke.yaml")
+    cfg["sft"]["enabled"] = False
+    cfg["train"]["init"] = start = "my models/init $(touch PWNED)"
+    _write_config(tmp_path, cfg)
+    cmds = shell_commands((p := snakemake(*base)).stdout + p.stderr)
+    _check_quoted(cmds, "my models/init $(touch PWNED)")
+    for rule in ("evaluate_base", "attribution"):
+        (line,) = cmds[rule]
+        assert _args_after(shlex.split(line), "--model") == [start], line
+
+
+@pytest.mark.slow  # the data rule and onstart for real: ~15 s
+def test_results_dir_with_a_space_and_command_substitution_is_one_literal_folder(tmp_path):
+    """`onstart` (oar init-tracking) and a rule's shell command see the results_dir as one literal
+    path: nothing in it runs, and the outputs land under the folder of that exact name."""
+    cfg = _config("smoke.yaml")
+    cfg["results_dir"] = WEIRD
+    path = _write_config(tmp_path, cfg)
+    snakemake("--snakefile", str(SNAKEFILE), "--directory", str(tmp_path), "--configfile", str(path),
+              "--cores", "1", f"{WEIRD}/smoke/data/manifest.json")
+    assert not list(tmp_path.rglob("PWNED")) and not (ROOT / "PWNED").exists()
+    R = tmp_path / "my results" / "$(touch PWNED)" / "smoke"
+    assert json.loads((R / "data" / "manifest.json").read_text())
+    assert (R / "config.yaml").stat().st_size > 0  # onstart
+    assert (tmp_path / "mlflow.db").exists()  # onstart's `oar init-tracking --config <that path>`
+
+
+@pytest.mark.slow  # one snakemake dry run: a few seconds
+def test_train_job_starts_over_when_the_sft_model_changed(tmp_path):
+    """The train rule's reset step (its shell command up to `&&`, as the workflow prints it) keeps
+    an interrupted run's checkpoint while the inputs are unchanged, and removes checkpoint, model
+    and metrics once the start model's sft_summary.json changed (`--forcerun sft`), so training
+    starts over from the new SFT model instead of resuming a run trained from the old one."""
+    cfg = _config("smoke.yaml")
+    cfg["results_dir"] = "results"
+    path = _write_config(tmp_path, cfg)
+    run = "results/smoke/grpo/seed0"
+    proc = snakemake("-n", "-p", f"{run}/train_summary.json", "--snakefile", str(SNAKEFILE),
+                     "--directory", str(tmp_path), "--configfile", str(path))
+    (train,) = shell_commands(proc.stdout + proc.stderr)["train"]
+    reset = train.split(" && ")[0].removeprefix("(")
+    assert "reset_if_changed.sh" in reset and "train --config" not in reset
+
+    R = tmp_path / "results" / "smoke"
+    (R / "data").mkdir(parents=True)
+    (R / "data" / "manifest.json").write_text("{}")
+    summary = R / "sft" / "model" / "sft_summary.json"
+    summary.parent.mkdir(parents=True)
+    summary.write_text('{"seconds": 1.0}')
+    d = tmp_path / run
+    partial = [d / "checkpoint" / "state.pt", d / "model" / "model.safetensors", d / "metrics.jsonl"]
+
+    def reset_now():
+        subprocess.run(["bash", "-c", reset], cwd=tmp_path, check=True, capture_output=True)
+
+    reset_now()  # first start
+    for f in partial:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text("x")
+    reset_now()  # interrupted, same config and start model: resumes
+    assert all(f.exists() for f in partial)
+    summary.write_text('{"seconds": 2.0}')  # SFT ran again
+    reset_now()
+    assert not (d / "checkpoint").exists() and not (d / "model").exists() and not (d / "metrics.jsonl").exists()
+
+
 def _missing_subcommands() -> list[str]:
     from oar.cli import build_parser
 
@@ -222,6 +351,30 @@ def test_smoke_dag_end_to_end(tmp_path):
     if missing:
         pytest.skip(f"`oar` lacks the subcommand(s) {missing} the workflow calls")
     check_smoke_dag(tmp_path)
+
+
+def check_every_method_did_something(R: Path, cfg: dict) -> None:
+    """Each method's real path ran: its groups had mixed rewards (some step's accuracy strictly
+    between 0 and 1), OAR scored responses, KTAE found key tokens, and the final weights moved away
+    from the SFT model's (with every reward 0 the smoke run used to pass without any of that)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from oar.config import resolve_methods
+
+    methods = resolve_methods(cfg)
+    sft = load_file(R / "sft" / "model" / "model.safetensors")
+    for name, m in methods.items():
+        rows = [json.loads(line) for line in (R / name / "seed0" / "metrics.jsonl").read_text().splitlines() if line]
+        assert len(rows) == cfg["train"]["steps"], name
+        assert any(0 < r["accuracy"] < 1 for r in rows), (name, [r["accuracy"] for r in rows])
+        if m.credit in ("oar_p", "oar_g"):
+            assert any(r["credit_scored_fraction"] > 0 for r in rows), (name, rows)
+        if m.credit == "ktae":
+            assert any(r["credit_ktae/k_abs_mean"] > 0 for r in rows), (name, rows)
+        final = load_file(R / name / "seed0" / "model" / "model.safetensors")
+        assert final.keys() == sft.keys(), name
+        assert any(not torch.equal(final[k], sft[k]) for k in sft), f"{name}: final weights equal the SFT model's"
 
 
 def check_smoke_dag(tmp_path: Path, *, attribution: bool = True) -> None:
@@ -249,6 +402,7 @@ def check_smoke_dag(tmp_path: Path, *, attribution: bool = True) -> None:
     eff = pd.read_csv(R / "tables" / "efficiency.csv")
     assert set(eff["method"]) == set(cfg["methods"]) and (eff["time_step"] > 0).all()
     assert eff.loc[eff["method"] == "grpo", "overhead"].item() == pytest.approx(1.0)
+    check_every_method_did_something(R, cfg)
 
     snakemake(*args, "--report", str(tmp_path / "report.html"))
     assert (tmp_path / "report.html").stat().st_size > 0
