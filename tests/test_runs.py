@@ -253,7 +253,7 @@ def test_trainer_state_round_trips_rng_and_optimizer_under_weights_only(tmp_path
     opt.step()
     sch = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     random.seed(1), np.random.seed(2), torch.manual_seed(3)
-    save_trainer_state(tmp_path / "s.pt", optimizer=opt, scheduler=sch, state={"step": 4}, identity={"a": "1"})
+    save_trainer_state(tmp_path / "s.pt", optimizer_state=opt.state_dict(), scheduler=sch, state={"step": 4}, identity={"a": "1"})
     expect = (random.random(), float(np.random.rand()), float(torch.rand(1)))
     saved = load_trainer_state(tmp_path / "s.pt")
     restore_rng(saved)

@@ -171,8 +171,10 @@ def test_nonfinite_losses_stop_with_checkpoint_intact(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_accelerate_ddp_on_two_cpu_processes(tmp_path):
-    """The same script under `accelerate launch` (DDP with gloo on CPU): each process samples its share."""
+def test_ddp_on_two_cpu_processes(tmp_path):
+    """The same command under torchrun with two CPU processes (DDP over gloo): each process samples
+    its share. (`accelerate launch --cpu --num_processes 2` starts ONE process: it is not used.)"""
+    import os
     import subprocess
     import sys
 
@@ -185,11 +187,12 @@ def test_accelerate_ddp_on_two_cpu_processes(tmp_path):
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg))
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "oar.cli", "train", "--config", str(path),
-           "--method", "grpo", "--seed", "0", "--output", str(out), "--no-progress"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "oar.cli",
+           "train", "--config", str(path), "--method", "grpo", "--seed", "0", "--output", str(out), "--no-progress"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = _rows(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1]  # written once, by the main process
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["strategy"] == "ddp"
     assert (out / "model" / "model.safetensors").exists()

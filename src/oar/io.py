@@ -13,6 +13,7 @@ from typing import Any, Iterable, Iterator
 
 __all__ = [
     "atomic_path",
+    "commit_path",
     "recover_atomic_dir",
     "exclusive_lock",
     "FolderLockedError",
@@ -44,23 +45,29 @@ def atomic_path(path: str | os.PathLike, *, suffix: str = "") -> Iterator[Path]:
     tmp_path = Path(tmp)
     try:
         yield tmp_path
-        if tmp_path.is_dir() and path.exists():
-            new, old = _new_old(path)
-            for stale in (new, old):
-                if stale.exists():
-                    shutil.rmtree(stale)
-            os.replace(tmp_path, new)  # complete from here on
-            os.replace(path, old)
-            os.replace(new, path)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp_path, path)
+        commit_path(tmp_path, path)
     finally:
         if tmp_path.exists():
             if tmp_path.is_dir():
                 shutil.rmtree(tmp_path, ignore_errors=True)
             else:
                 tmp_path.unlink()
+
+
+def commit_path(tmp_path: Path, path: Path) -> None:
+    """Rename the complete ``tmp_path`` onto ``path`` (the last step of :func:`atomic_path`; for a
+    temporary folder that several processes wrote, see ``oar.strategy``)."""
+    if tmp_path.is_dir() and path.exists():
+        new, old = _new_old(path)
+        for stale in (new, old):
+            if stale.exists():
+                shutil.rmtree(stale)
+        os.replace(tmp_path, new)  # complete from here on
+        os.replace(path, old)
+        os.replace(new, path)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp_path, path)
 
 
 def _new_old(path: Path) -> tuple[Path, Path]:

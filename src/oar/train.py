@@ -34,9 +34,10 @@ import torch
 from oar.config import ResolvedMethod, resolve_method
 from oar.credit import CreditBatch, get_estimator
 from oar.credit.metrics import ess_ratio, top_mass
-from oar.io import atomic_path, atomic_write_json, read_jsonl
+from oar.io import atomic_write_json, read_jsonl
 from oar.loss import aggregate, k3_kl, policy_loss
 from oar.rollout import Rollout, make_engine, token_logprobs
+from oar.strategy import Strategy
 from oar.runs import STATE_FILE, RunFolder, load_trainer_state, restore_rng, run_identity, save_trainer_state
 
 __all__ = [
@@ -227,30 +228,29 @@ def train(
         oar.io.FolderLockedError: another process trains into ``output``.
         oar.runs.RunMismatchError: the checkpoint belongs to a run with other settings.
     """
-    from accelerate import Accelerator
-
     from oar.io import exclusive_lock
     from oar.models import model_identity
+    from oar.strategy import make_strategy
 
     method: ResolvedMethod = resolve_method(config, method_name)
     folder = RunFolder(Path(output))
     start = init if init is not None else config["train"].get("init")
     start_spec = dict(config["model"], source=start, gguf_file=None) if start else dict(config["model"])
-    accelerator = Accelerator(cpu=config.get("device", "cpu") == "cpu")
+    strategy = make_strategy(config)
     lock = (exclusive_lock(folder.path, purpose=f"oar train {method.name} seed {seed}")
-            if accelerator.is_main_process else contextlib.nullcontext())
+            if strategy.is_main else contextlib.nullcontext())
     with lock:
         identity = run_identity(config, method, seed, model_identity(start_spec))
-        if accelerator.is_main_process:
+        if strategy.is_main:
             for line in folder.recover() + ([f"removed {n}" for n in folder.start_over()] if restart else []):
                 print(f"oar train: {folder.path}: {line}", file=sys.stderr)
-        accelerator.wait_for_everyone()
-        return _train(config, method, seed, folder, start_spec, identity, accelerator,
+        strategy.barrier()
+        return _train(config, method, seed, folder, start_spec, identity, strategy,
                       progress=progress, stop_after=stop_after)
 
 
 def _train(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder, start_spec: dict,
-           identity: dict[str, str], accelerator: Any, *, progress: bool, stop_after: int | None) -> dict:
+           identity: dict[str, str], strategy: Strategy, *, progress: bool, stop_after: int | None) -> dict:
     """The loop of :func:`train`, run while the folder is locked and repaired."""
     from tqdm.auto import tqdm
 
@@ -266,38 +266,36 @@ def _train(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder, s
     saved = load_trainer_state(folder.state_file) if folder.state_file.exists() else None
     if saved is not None:
         folder.check_identity(saved.get("identity"), identity)
-    model, tokenizer = load_policy(dict(start_spec, source=str(folder.checkpoint)) if saved else start_spec)
-    model.to(accelerator.device)
+    model, tokenizer = load_policy(strategy.resume_source(folder.checkpoint, start_spec) if saved else start_spec)
     ref_model = None
-    if recipe["kl_coef"] > 0:  # the reference only exists when the KL term is used
-        ref_model, _ = load_policy(start_spec)
-        ref_model.to(accelerator.device).eval().requires_grad_(False)
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=tcfg["lr"], betas=tuple(tcfg["betas"]), weight_decay=tcfg["weight_decay"]
-    )
+    if recipe["kl_coef"] > 0:  # the reference only exists when the KL term is used, placed like the policy
+        ref_model = strategy.prepare_frozen(load_policy(start_spec)[0])
+    # float32 master weights (train.master_dtype), sharded or wrapped per train.strategy
+    model, optimizer = strategy.prepare(model, lr=tcfg["lr"], betas=tuple(tcfg["betas"]), weight_decay=tcfg["weight_decay"])
     scheduler = make_scheduler(optimizer, warmup_steps=tcfg["warmup_steps"], total_steps=tcfg["steps"], schedule=tcfg["schedule"])
     state: dict[str, Any] = {"step": 0, "cursor": 0, "run_id": None, "nonfinite_streak": 0}
     if saved is not None:
-        optimizer.load_state_dict(saved["optimizer"])
+        strategy.load_training_state(model, optimizer, folder.checkpoint, saved)
         scheduler.load_state_dict(saved["scheduler"])
         restore_rng(saved)
         state.update(saved["state"])
-    if accelerator.is_main_process:  # rows of steps after the checkpoint (or of a run killed before one) go
+    if strategy.is_main:  # rows of steps after the checkpoint (or of a run killed before one) go
         folder.keep_metrics_before(state["step"])
-    model, optimizer = accelerator.prepare(model, optimizer)
-    policy = accelerator.unwrap_model(model)
+    policy = strategy.policy(model)  # what the rollout and the credit estimators call, in strategy.local_phase
 
     # ---- data, engine, tracking
     records = load_training_records(config)
     prompts_all = [render_prompt(config["task"]["template"], r["question"], tokenizer) for r in records]
     stream = _PromptStream(len(records), seed, state["cursor"])
     engine = make_engine(rcfg["engine"], policy, tokenizer, batch_size=rcfg["batch_size"], seed=seed,
-                         model_path=str(folder.checkpoint if saved else start_spec["source"]),
-                         vllm_kwargs=rcfg.get("vllm"))
+                         model_path=str(start_spec["source"]), vllm_kwargs=rcfg.get("vllm"),
+                         sleep_mode=rcfg["sleep_mode"])
+    if saved is not None and engine.needs_weights:  # the engine starts from the start model's weights
+        engine.sync_weights(strategy.full_state(model))
     estimator = get_estimator(method.estimator)
     est_options = method.estimator_options()
     tracker = None
-    if accelerator.is_main_process:
+    if strategy.is_main:
         tr = config["tracking"]
         uri = tr["uri"] if tr["enabled"] else None
         tracker = Tracker(
@@ -315,14 +313,14 @@ def _train(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder, s
         state["run_id"] = tracker.run_id
         tracker.log_params({"config": config, **method.as_params(), "seed": seed})
 
-    world, rank = accelerator.num_processes, accelerator.process_index
+    world, rank = strategy.world, strategy.rank
     local_prompts = len(range(rank, tcfg["prompts_per_step"], world))  # this process's share of each step
     # Dr. GRPO's aggregation divides by the generation budget, not the batch's padded length
     agg_max_len = rcfg["max_new_tokens"] if recipe["loss_agg"] == "seq-mean-token-sum-norm" else None
     phase_totals = {"rollout": 0.0, "reward": 0.0, "importance": 0.0, "update": 0.0}
     last_metrics: dict[str, float] = {}
     bar = tqdm(total=tcfg["steps"], initial=state["step"], desc=f"{method.name} seed{seed}",
-               disable=not (progress and accelerator.is_main_process), dynamic_ncols=True)
+               disable=not (progress and strategy.is_main), dynamic_ncols=True)
     steps_this_call = 0
 
     while state["step"] < tcfg["steps"]:
@@ -330,30 +328,35 @@ def _train(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder, s
         t_step = time.perf_counter()
         timings = {"rollout": 0.0, "reward": 0.0, "importance": 0.0, "update": 0.0}
 
-        # ---- 1-2. rollout + reward (+ dynamic sampling: regenerate until enough mixed groups)
-        batch = _collect_batch(engine, stream, prompts_all, records, config=config, recipe=recipe, seed=seed, step=step,
-                               rank=rank, world=world, local_prompts=local_prompts, pad_id=tokenizer.pad_token_id,
-                               timings=timings)
-        ro = batch.rollout
+        with strategy.local_phase(model):  # rank-local forwards on the full weights
+            # ---- 1-2. rollout + reward (+ dynamic sampling: regenerate until enough mixed groups)
+            batch = _collect_batch(engine, stream, prompts_all, records, config=config, recipe=recipe, seed=seed,
+                                   step=step, rank=rank, world=world, local_prompts=local_prompts,
+                                   pad_id=tokenizer.pad_token_id, timings=timings)
+            ro = batch.rollout
 
-        # ---- 3. token advantages from the method's estimator
-        t0 = time.perf_counter()
-        credit = estimator(
-            CreditBatch(response_ids=ro.response_ids, response_mask=ro.response_mask, rewards=batch.rewards,
-                        group_ids=batch.group_ids, prompt_ids=ro.prompt_ids, prompt_mask=ro.prompt_mask,
-                        model=policy, tokenizer=tokenizer, extras={"old_logprobs": ro.logprobs, "step": step, "seed": seed}),
-            **est_options,
-        )
-        timings["importance"] = time.perf_counter() - t0
+            # ---- 3. token advantages from the method's estimator
+            t0 = time.perf_counter()
+            credit = estimator(
+                CreditBatch(response_ids=ro.response_ids, response_mask=ro.response_mask, rewards=batch.rewards,
+                            group_ids=batch.group_ids, prompt_ids=ro.prompt_ids, prompt_mask=ro.prompt_mask,
+                            model=policy, tokenizer=tokenizer,
+                            extras={"old_logprobs": ro.logprobs, "step": step, "seed": seed}),
+                **est_options,
+            )
+            timings["importance"] = time.perf_counter() - t0
         token_adv = credit.token_advantages.float()
 
         # ---- 4. policy update: ppo_epochs x shuffled mini-batches, micro-batched
         t0 = time.perf_counter()
-        upd, nonfinite = _update_policy(model, optimizer, accelerator, ro, token_adv, ref_model, recipe=recipe, tcfg=tcfg,
+        engine.sleep()  # rollout.sleep_mode: the engine frees its KV cache and weights meanwhile
+        upd, nonfinite = _update_policy(model, optimizer, strategy, ro, token_adv, ref_model, recipe=recipe, tcfg=tcfg,
                                         temperature=rcfg["temperature"], agg_max_len=agg_max_len,
                                         generator=torch.Generator().manual_seed(_step_seed(seed, step, 7919)))
         scheduler.step()
-        engine.sync_weights(policy)
+        engine.wake_up()
+        if engine.needs_weights:  # an engine with its own copy (vLLM): stream the new weights, layer by layer
+            engine.sync_weights(strategy.full_state(model))
         timings["update"] = time.perf_counter() - t0
 
         # ---- 5. metrics, non-finite guard, checkpoint
@@ -383,8 +386,7 @@ def _train(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder, s
             **{f"credit_{k}": float(v) for k, v in credit.stats.items()},
         }
         if world > 1:
-            metrics = {k: float(v) for k, v in zip(metrics, accelerator.reduce(
-                torch.tensor(list(metrics.values()), device=accelerator.device), reduction="mean").tolist())}
+            metrics = dict(zip(metrics, strategy.mean_over_ranks(list(metrics.values()))))
         for k in phase_totals:
             phase_totals[k] += timings[k]
         last_metrics = metrics
@@ -404,7 +406,7 @@ def _train(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder, s
         bar.set_postfix(reward=f"{metrics['reward']:.3f}", acc=f"{metrics['accuracy']:.3f}")
         steps_this_call += 1
         if state["step"] % tcfg["save_every"] == 0 or state["step"] == tcfg["steps"]:
-            _save_checkpoint(accelerator, policy, tokenizer, optimizer, scheduler, state, identity, folder)
+            _save_checkpoint(strategy, model, tokenizer, optimizer, scheduler, state, identity, folder)
         if stop_after is not None and steps_this_call >= stop_after and state["step"] < tcfg["steps"]:
             bar.close()
             return {"interrupted_at": state["step"]}
@@ -412,15 +414,16 @@ def _train(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder, s
 
     # ---- final model + summary
     summary: dict[str, Any] = {}
-    if accelerator.is_main_process:
-        with atomic_path(folder.final) as tmp:
-            policy.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
+    with strategy.shared_atomic_dir(folder.final) as tmp:  # full, consolidated weights
+        strategy.save_pretrained(model, tokenizer, tmp)
+    if strategy.is_main:
         rows = read_jsonl(folder.metrics)
         summary = {
             "method": method.name,
             "seed": seed,
             "steps": tcfg["steps"],
+            "strategy": strategy.name,
+            "world_size": strategy.world,
             "final": last_metrics or (rows[-1] if rows else {}),
             "mean_time": {k: _mean([r.get(f"time_{k}") or 0.0 for r in rows]) for k in [*phase_totals, "step"]},
             "mlflow_run_id": state["run_id"],
@@ -428,7 +431,7 @@ def _train(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder, s
         atomic_write_json(folder.summary, summary)
         if tracker is not None:
             tracker.finish()
-    accelerator.wait_for_everyone()
+    strategy.barrier()
     return summary
 
 
@@ -488,13 +491,17 @@ def _collect_batch(engine: Any, stream: _PromptStream, prompts_all: list[str], r
     return batch
 
 
-def _update_policy(model: Any, optimizer: Any, accelerator: Any, ro: Rollout, token_adv: torch.Tensor,
+def _update_policy(model: Any, optimizer: Any, strategy: Strategy, ro: Rollout, token_adv: torch.Tensor,
                    ref_model: Any, *, recipe: dict, tcfg: dict, temperature: float, agg_max_len: int | None,
                    generator: torch.Generator) -> tuple[dict[str, list[float]], int]:
     """Step 4 of the loop: ``ppo_epochs`` passes over shuffled mini-batches of ``ro`` (micro-batched,
     right padding trimmed per micro-batch), PPO clip loss with the recipe's range and aggregation,
     optional k3 KL to ``ref_model``, gradient clipping, one optimizer step per mini-batch (skipped
-    when the loss or gradient is not finite).
+    when the loss or gradient is not finite on any process).
+
+    Gradients are reduced once per mini-batch (``strategy.sync_context``), not per micro-batch.
+    Every process runs the same number of mini- and micro-batches (the maximum over processes; a
+    process short of rows runs zero-weight ones), so their collectives stay in step.
 
     Args:
         ro: the step's rollout, ``(N, T)`` responses; token_adv: ``(N, T)`` token advantages.
@@ -505,58 +512,71 @@ def _update_policy(model: Any, optimizer: Any, accelerator: Any, ro: Rollout, to
     model.train()
     N = ro.response_ids.shape[0]
     mb, micro = min(tcfg["mini_batch_size"], N), min(tcfg["micro_batch_size"], tcfg["mini_batch_size"], N)
+    n_mini, n_micro = strategy.max_over_ranks([math.ceil(N / mb), math.ceil(mb / micro)])
     upd: dict[str, list[float]] = {"loss": [], "pg_loss": [], "kl_ref": [], "clipfrac": [], "approx_kl": [],
                                    "grad_norm": [], "entropy": []}
     nonfinite = 0
     for _epoch in range(tcfg["ppo_epochs"]):
         perm = torch.randperm(N, generator=generator)
-        for s in range(0, N, mb):
-            rows = perm[s : s + mb]
+        for b in range(n_mini):
+            rows = perm[b * mb : (b + 1) * mb]
             optimizer.zero_grad(set_to_none=True)
-            mask_mb = ro.response_mask[rows]
-            n_tok, n_seq = float(mask_mb.sum()), len(rows)
+            n_tok, n_seq = float(ro.response_mask[rows].sum()), len(rows)
             total = 0.0
-            for u in range(0, len(rows), micro):
-                r = rows[u : u + micro]
+            for u in range(n_micro):
+                r = rows[u * micro : (u + 1) * micro]
+                real = len(r) > 0
+                if not real:  # this process has no rows left: a zero-weight micro-batch keeps it in step
+                    r = perm[:1]
                 resp, rmask = ro.response_ids[r], ro.response_mask[r]
                 # trim right padding of this micro-batch
                 T = int(rmask.sum(1).max().clamp(min=1))
                 resp, rmask = resp[:, :T], rmask[:, :T]
-                logp, ent = policy_forward(model, ro.prompt_ids[r], ro.prompt_mask[r], resp, rmask,
-                                           temperature=temperature, with_entropy=True)
-                dev = logp.device
-                adv = token_adv[r, :T].to(dev)
-                old = ro.logprobs[r, :T].to(dev)
-                m = rmask.to(dev)
-                pg, stats = policy_loss(logp, old, adv, m, eps_low=recipe["eps_low"], eps_high=recipe["eps_high"],
-                                        clip_ratio_c=recipe["clip_ratio_c"], agg=recipe["loss_agg"],
-                                        max_len=agg_max_len)
-                # weight so that the micro-batches add up to the mini-batch aggregate
-                w = float(m.sum()) / max(n_tok, 1.0) if recipe["loss_agg"] == "token-mean" else len(r) / n_seq
-                loss = pg
-                kl_val = 0.0
-                if ref_model is not None:
-                    with torch.no_grad():
-                        ref_lp, _ = policy_forward(ref_model, ro.prompt_ids[r], ro.prompt_mask[r], resp, rmask,
-                                                   temperature=temperature)
-                    kl = aggregate(k3_kl(logp, ref_lp), m, recipe["loss_agg"],
-                                   max_len=agg_max_len)
-                    loss = loss + recipe["kl_coef"] * kl
-                    kl_val = float(kl)
-                accelerator.backward(loss * w)
+                with strategy.sync_context(model, sync=u == n_micro - 1):
+                    with strategy.forward_context():
+                        logp, ent = policy_forward(model, ro.prompt_ids[r], ro.prompt_mask[r], resp, rmask,
+                                                   temperature=temperature, with_entropy=True)
+                        dev = logp.device
+                        adv = token_adv[r, :T].to(dev)
+                        old = ro.logprobs[r, :T].to(dev)
+                        m = rmask.to(dev)
+                        pg, stats = policy_loss(logp, old, adv, m, eps_low=recipe["eps_low"],
+                                                eps_high=recipe["eps_high"], clip_ratio_c=recipe["clip_ratio_c"],
+                                                agg=recipe["loss_agg"], max_len=agg_max_len)
+                        loss = pg
+                        kl_val = 0.0
+                        if ref_model is not None:
+                            with torch.no_grad():
+                                ref_lp, _ = policy_forward(ref_model, ro.prompt_ids[r], ro.prompt_mask[r], resp,
+                                                           rmask, temperature=temperature)
+                            kl = aggregate(k3_kl(logp, ref_lp), m, recipe["loss_agg"], max_len=agg_max_len)
+                            loss = loss + recipe["kl_coef"] * kl
+                            kl_val = float(kl)
+                    # weight so that the micro-batches add up to the mini-batch aggregate
+                    if not real:
+                        w = 0.0
+                    elif recipe["loss_agg"] == "token-mean":
+                        w = float(m.sum()) / max(n_tok, 1.0)
+                    else:
+                        w = len(r) / n_seq
+                    strategy.backward(loss * w)
+                if not real:
+                    continue
                 total += float(loss.detach()) * w
                 upd["pg_loss"].append(float(pg.detach()))
                 upd["kl_ref"].append(kl_val)
                 upd["clipfrac"].append(stats["clipfrac"])
                 upd["approx_kl"].append(stats["approx_kl"])
                 upd["entropy"].append(float(ent.sum() / m.sum().clamp(min=1)))
-            grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), tcfg["grad_clip"]))
-            if not (math.isfinite(total) and math.isfinite(grad_norm)):
-                optimizer.zero_grad(set_to_none=True)  # skip this update
+            grad_norm = strategy.clip_grad_norm_(model, tcfg["grad_clip"])
+            bad = strategy.max_over_ranks([int(not (math.isfinite(total) and math.isfinite(grad_norm)))])[0]
+            if bad:
+                optimizer.zero_grad(set_to_none=True)  # skip this update (on every process)
                 nonfinite += 1
                 continue
             optimizer.step()
-            upd["loss"].append(total)
+            if n_seq:
+                upd["loss"].append(total)
             upd["grad_norm"].append(grad_norm)
     return upd, nonfinite
 
@@ -579,16 +599,15 @@ def _merge(parts: list[StepBatch], pad_id: int) -> StepBatch:
     )
 
 
-def _save_checkpoint(accelerator: Any, policy: Any, tokenizer: Any, optimizer: Any, scheduler: Any, state: dict,
+def _save_checkpoint(strategy: Strategy, model: Any, tokenizer: Any, optimizer: Any, scheduler: Any, state: dict,
                      identity: dict[str, str], folder: RunFolder) -> None:
-    """Write model, tokenizer, optimizer, scheduler, RNG states, data position and run identity atomically."""
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        with atomic_path(folder.checkpoint) as tmp:
-            policy.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
-            save_trainer_state(tmp / STATE_FILE, optimizer=optimizer, scheduler=scheduler, state=state, identity=identity)
-    accelerator.wait_for_everyone()
+    """Write model and optimizer (whole or sharded, per strategy), tokenizer, scheduler, RNG states,
+    data position and run identity into a temporary folder, then rename it onto the checkpoint."""
+    with strategy.shared_atomic_dir(folder.checkpoint) as tmp:
+        optimizer_state = strategy.save_training_state(model, optimizer, tmp, tokenizer)
+        if strategy.is_main:
+            save_trainer_state(tmp / STATE_FILE, optimizer_state=optimizer_state, scheduler=scheduler, state=state,
+                               identity=identity)
 
 
 def train_from_config(config_path: str | Path, method: str, seed: int, output: str | Path, **kw: Any) -> dict:
