@@ -45,8 +45,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     overrides = {"train": {"steps": args.steps}} if args.steps is not None else None
     config = load_config(args.config, overrides)
-    summary = train(config, args.method, args.seed, args.output, init=args.init, restart=args.restart,
-                    progress=not args.no_progress)
+    try:
+        summary = train(config, args.method, args.seed, args.output, init=args.init, restart=args.restart,
+                        progress=not args.no_progress)
+    finally:
+        from oar.strategy import shutdown
+
+        shutdown()  # leave the process group cleanly (torchrun: a process may abort at exit otherwise)
     print(json.dumps(summary, indent=2, default=str))
     return 0
 
@@ -112,6 +117,25 @@ def _cmd_methods(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from oar.config import load_config
+    from oar.io import atomic_write_text
+    from oar.plan import format_plan, plan
+
+    config = load_config(args.config)
+    result = plan(config, args.gpus)
+    text = format_plan(result, source=args.config)
+    print(text, end="")
+    if not result.fits:
+        if config["plan"]["check"]:
+            print(f"oar plan: error: {args.config}: {result.message}", file=sys.stderr)
+            return 1
+        print(f"oar plan: warning (plan.check false): {args.config}: {result.message}", file=sys.stderr)
+    if args.output:
+        atomic_write_text(Path(args.output), text)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="oar", description="Fine-grained credit assignment for RL of LLMs on math reasoning.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -163,6 +187,14 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("init-tracking", help="create the MLflow store and experiment (once, before parallel jobs)")
     s.add_argument("--config", required=True)
     s.set_defaults(fn=_cmd_init_tracking)
+
+    s = sub.add_parser("plan", help="per-GPU memory of training and of the vLLM engine, term by term; exits 1 "
+                                    "when the config cannot fit, naming the term")
+    s.add_argument("--config", required=True)
+    s.add_argument("--gpus", type=_positive_int, default=None,
+                   help="training processes, one per GPU (default resources.train.gpu x nodes)")
+    s.add_argument("--output", default=None, help="also write the plan to this file (when it fits)")
+    s.set_defaults(fn=_cmd_plan)
 
     s = sub.add_parser("methods", help="list the config's methods as resolved (recipe, credit, options)")
     s.add_argument("--config", required=True)
