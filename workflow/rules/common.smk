@@ -107,11 +107,12 @@ wildcard_constraints:
 
 # ------------------------------------------------------------------------------------- resources
 # Defaults per rule; config["resources"][<rule>] overrides any key (gpu, mem_mb, runtime in
-# minutes, threads). On SLURM, `gpu` becomes --gpus=N (snakemake-executor-plugin-slurm).
+# minutes, threads; for train also nodes and processes, see train_layout). On SLURM, `gpu` becomes
+# --gpus=N (snakemake-executor-plugin-slurm); mem_mb, threads and a train job's gpu are per node.
 DEFAULT_RESOURCES = {
     "data": {"gpu": 0, "mem_mb": 2000, "runtime": 30, "threads": 1},
     "sft": {"gpu": 0, "mem_mb": 4000, "runtime": 120, "threads": 2},
-    "train": {"gpu": 0, "mem_mb": 8000, "runtime": 240, "threads": 1},
+    "train": {"gpu": 0, "nodes": 1, "processes": 0, "mem_mb": 8000, "runtime": 240, "threads": 1},
     "evaluate": {"gpu": 0, "mem_mb": 4000, "runtime": 60, "threads": 1},
     "attribution": {"gpu": 0, "mem_mb": 4000, "runtime": 60, "threads": 1},
     "report": {"gpu": 0, "mem_mb": 2000, "runtime": 15, "threads": 1},
@@ -131,10 +132,63 @@ def res(rule, key):
     return DEFAULT_RESOURCES[RESOURCE_FALLBACK.get(rule, rule)][key]
 
 
-def train_launcher(wildcards, resources):
-    """`oar`, or `accelerate launch` with one process per GPU when a training job has several."""
-    n = int(resources.gpu)
-    return f"accelerate launch --num_processes {n} -m oar.cli" if n > 1 else "oar"
+def train_layout():
+    """(nodes, processes per node, GPUs per node) of a training job, from config resources.train:
+    `nodes` (default 1), `gpu` (per node) and `processes` (per node; 0, the default, means one per
+    GPU, or one on CPU; set it to train with several CPU processes, e.g. `processes: 2`)."""
+    nodes, gpu = int(res("train", "nodes")), int(res("train", "gpu"))
+    return nodes, int(res("train", "processes")) or max(gpu, 1), gpu
+
+
+def train_resources():
+    """The train rule's node and GPU resources (snakemake-executor-plugin-slurm names).
+
+    One node: `gpu` (sbatch --gpus=N) and nodes=1. Several nodes: one task per node, started by
+    the rule's own `srun` (see train_launcher): `mpi` tells the plugin's jobstep executor not to wrap
+    the command in `srun -n1`, `tasks` = nodes gives sbatch --ntasks (the plugin asks `tasks` > 1 of an
+    `mpi` job), tasks_per_gpu=0 keeps it from also passing `tasks` as --ntasks-per-gpu, and the GPUs
+    are requested per node as gres=gpu:G (--gpus is a total that SLURM may spread unevenly; the
+    plugin would pass both, so gpu is 0 then).
+    """
+    nodes, _, gpu = train_layout()
+    if nodes == 1:
+        return {"gpu": gpu, "nodes": 1}
+    return {"gpu": 0, "nodes": nodes, "tasks": nodes, "tasks_per_gpu": 0, "mpi": "srun",
+            **({"gres": f"gpu:{gpu}"} if gpu else {})}
+
+
+# torchrun on every node of a multi-node job (run by srun, one task per node): the rendezvous host
+# is the first node of the step; SLURM_JOB_ID names the rendezvous and picks the port
+_NODE_TORCHRUN = (
+    'MASTER_ADDR=$(scontrol show hostnames "${{SLURM_STEP_NODELIST:-$SLURM_JOB_NODELIST}}" | head -n 1)'
+    "; MASTER_PORT=$((29500 + SLURM_JOB_ID % 1000))"
+    "; exec torchrun --nnodes {nodes} --nproc_per_node {procs} --rdzv_backend c10d"
+    ' --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv_id "$SLURM_JOB_ID" -m oar.cli "$@"'
+)
+
+
+def train_launcher(wildcards, resources, threads):
+    """The command that `train --config ...` follows (see train_layout):
+
+    - one process: `oar`;
+    - several on one node (GPUs, or CPU processes): `torchrun --standalone --nproc_per_node P -m
+      oar.cli` (a free port per job, so two jobs on one machine do not collide); accelerate's
+      Accelerator in the trainer takes RANK/WORLD_SIZE/LOCAL_RANK from it, NCCL on GPUs and gloo on
+      CPU. (`accelerate launch --cpu --num_processes 2` starts ONE process, DistributedType.NO.)
+    - several nodes (SLURM only): `srun` one task per node, each running torchrun with a c10d
+      rendezvous on the first node of the job.
+    OMP_NUM_THREADS splits the job's threads between its processes (snakemake sets it to all of them).
+    """
+    nodes, procs, gpu = train_layout()
+    if nodes == 1 and procs == 1:
+        return "oar"
+    omp = f"OMP_NUM_THREADS={max(1, int(threads) // procs)}"
+    if nodes == 1:
+        return f"{omp} torchrun --standalone --nnodes 1 --nproc_per_node {procs} -m oar.cli"
+    node = _NODE_TORCHRUN.format(nodes=nodes, procs=procs)
+    gres = f" --gres=gpu:{gpu}" if gpu else ""
+    return (f"{omp} srun --nodes={nodes} --ntasks-per-node=1 --cpus-per-task={int(threads)}{gres}"
+            f" --kill-on-bad-exit=1 bash -c {shlex.quote(node)} oar")
 
 
 # ---------------------------------------------------------------------------------- fingerprints
@@ -200,6 +254,24 @@ def train_summaries():
 
 def eval_summaries():
     return [f"{R}/base/eval/summary.json"] + [f"{run_dir(m, s)}/eval/summary.json" for m in METHODS for s in SEEDS]
+
+
+# the memory plan (rules/plan.smk): GPU training jobs wait for it, so a config that cannot fit
+# stops before any of them runs, naming the term that breaks it (plan.check: false skips it)
+PLAN_FILE = f"{R}/plan.txt"
+PLAN = int(res("train", "gpu")) > 0 and bool(config["plan"]["check"])
+
+
+def plan_inputs():
+    """The train rule's input on the plan (none when training has no GPU). ancient(): rerunning the
+    plan (its config sections changed) does not by itself rerun finished training."""
+    return {"plan": ancient(PLAN_FILE)} if PLAN else {}
+
+
+def plan_fingerprint():
+    """What `oar plan` reads; the plan rule reruns when it changes."""
+    return fingerprint(section("device", "model", "train", "rollout", "plan", "methods", "recipes"),
+                       (config.get("resources") or {}).get("train"))
 
 
 REPORT_OUTPUTS = {

@@ -10,10 +10,13 @@
 rule train:
     input:
         **start_inputs(),
+        **plan_inputs(),  # GPU training waits for `oar plan` (rules/plan.smk)
     output:
         summary=f"{R}/{{method}}/seed{{seed}}/train_summary.json",
     params:
         config=CONFIG_FILE,
+        # the inputs whose checksum joins the fingerprint (not the plan: a new plan is no new run)
+        checksummed=lambda wc, input: " ".join(shlex.quote(f) for k, f in input.items() if k != "plan"),
         run_dir=lambda wc, output: os.path.dirname(output.summary),
         # inserted unquoted (it is empty without SFT), so the path is quoted here
         init=lambda wc, input: f"--init {shlex.quote(os.path.dirname(input.start))}" if SFT else "",
@@ -26,13 +29,13 @@ rule train:
         f"{R}/benchmarks/train/{{method}}/seed{{seed}}.tsv"
     threads: res("train", "threads")
     resources:
-        gpu=res("train", "gpu"),
         mem_mb=res("train", "mem_mb"),
         runtime=res("train", "runtime"),
+        **train_resources(),  # gpu, nodes (and for several nodes the SLURM task layout)
     conda:
         "../../environment.yml"
     shell:
-        "(bash {params.reset:q} {params.run_dir:q} {params.fingerprint:q}-$(cat {input:q} | cksum | cut -d' ' -f1)"
+        "(bash {params.reset:q} {params.run_dir:q} {params.fingerprint:q}-$(cat {params.checksummed} | cksum | cut -d' ' -f1)"
         " checkpoint model metrics.jsonl"
         " && {params.launcher} train --config {params.config:q} --method {wildcards.method:q}"
         " --seed {wildcards.seed:q} --output {params.run_dir:q} {params.init} --no-progress) > {log:q} 2>&1"
