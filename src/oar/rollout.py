@@ -23,7 +23,7 @@ from typing import Any, Iterable, Iterator, Protocol, Sequence
 
 import torch
 
-__all__ = ["Rollout", "RolloutEngine", "HFEngine", "VLLMEngine", "make_engine", "pad_stack", "token_logprobs"]
+__all__ = ["Rollout", "generate_per_prompt", "RolloutEngine", "HFEngine", "VLLMEngine", "make_engine", "pad_stack", "token_logprobs"]
 
 
 @dataclass
@@ -484,6 +484,25 @@ def _vllm_platform_name() -> str:
         return str(getattr(current_platform, "device_name", None) or type(current_platform).__name__)
     except ImportError:  # pragma: no cover
         return "unknown"
+
+
+def generate_per_prompt(engine: RolloutEngine, prompts: Sequence[str], *, seeds: Sequence[int], pad_id: int,
+                        **kwargs: Any) -> Rollout:
+    """Sample each prompt's group in a call of its own, seeded with that prompt's seed.
+
+    The samples then depend on the prompt and its seed only, not on which other prompts share the
+    batch or the process (``rollout.batch_invariant``): one process and several give the same
+    rollouts. Slower than one batched call (no batching across prompts).
+
+    Args:
+        seeds: one per prompt; kwargs: as :meth:`RolloutEngine.generate` (``n``, ``temperature``, ...).
+    """
+    parts = []
+    for i, (prompt, seed) in enumerate(zip(prompts, seeds, strict=True)):
+        ro = engine.generate([prompt], seed=seed, **kwargs)
+        ro.prompt_index = torch.full_like(ro.prompt_index, i)
+        parts.append(ro)
+    return Rollout.concat(parts, pad_id)
 
 
 def make_engine(name: str, model: Any, tokenizer: Any, *, batch_size: int = 256, model_path: str | None = None, seed: int = 0,

@@ -36,7 +36,7 @@ from oar.credit import CreditBatch, get_estimator
 from oar.credit.metrics import ess_ratio, top_mass
 from oar.io import atomic_write_json, read_jsonl
 from oar.loss import aggregate, k3_kl, policy_loss
-from oar.rollout import Rollout, make_engine, token_logprobs
+from oar.rollout import Rollout, generate_per_prompt, make_engine, token_logprobs
 from oar.strategy import Strategy
 from oar.runs import STATE_FILE, RunFolder, load_trainer_state, restore_rng, run_identity, save_trainer_state
 
@@ -457,9 +457,14 @@ def _collect_batch(engine: Any, stream: _PromptStream, prompts_all: list[str], r
     while True:
         idx = stream.take(tcfg["prompts_per_step"])[rank::world]
         t0 = time.perf_counter()
-        ro = engine.generate([prompts_all[i] for i in idx], n=n, temperature=rcfg["temperature"],
-                             top_p=rcfg["top_p"], max_new_tokens=rcfg["max_new_tokens"],
-                             seed=_step_seed(seed, step, rounds) + rank)
+        prompts = [prompts_all[i] for i in idx]
+        gen = dict(n=n, temperature=rcfg["temperature"], top_p=rcfg["top_p"], max_new_tokens=rcfg["max_new_tokens"])
+        if rcfg["batch_invariant"]:  # seeded by the prompt's position in the step, not by the process
+            positions = list(range(tcfg["prompts_per_step"]))[rank::world]
+            seeds = [_step_seed(_step_seed(seed, step, rounds), pos) for pos in positions]
+            ro = generate_per_prompt(engine, prompts, seeds=seeds, pad_id=pad_id, **gen)
+        else:
+            ro = engine.generate(prompts, seed=_step_seed(seed, step, rounds) + rank, **gen)
         timings["rollout"] += time.perf_counter() - t0
         t0 = time.perf_counter()
         golds = [records[idx[i]]["answer"] for i in ro.prompt_index.tolist()]
