@@ -59,6 +59,13 @@ def test_stepping_bf16_weights_is_what_rounds_the_update_away():
     assert _one_step_changed_fraction("ddp", "model") < 0.2
 
 
+def test_cpu_offload_without_a_gpu_is_a_named_config_error():
+    from oar.strategy import make_strategy
+
+    with pytest.raises(ValueError, match="train.fsdp.cpu_offload: needs a GPU"):
+        make_strategy({"device": "cpu", "train": {"strategy": "fsdp", "fsdp": {"cpu_offload": True}}})
+
+
 # --------------------------------------------------------------------- several processes (gloo)
 
 
@@ -78,16 +85,17 @@ def start(tmp_path_factory):
 
 
 def _launch(tmp: Path, raw: dict, name: str, method: str, *, procs: int = 2, steps: int | None = None,
-            **train) -> Path:
+            init: bool = True, timeout: int = 600, **train) -> Path:
+    """`oar train` under torchrun with ``procs`` CPU processes; ``init``: start from ``tmp/sft``."""
     cfg = deep_merge(raw, {"train": train})
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     out = tmp / name
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs),
            "-m", "oar.cli", "train", "--config", str(path), "--method", method, "--output", str(out),
-           "--init", str(tmp / "sft"), "--no-progress"] + (["--steps", str(steps)] if steps else [])
+           "--no-progress"] + (["--init", str(tmp / "sft")] if init else []) + (["--steps", str(steps)] if steps else [])
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out
 
@@ -210,17 +218,8 @@ def test_fsdp_equals_ddp_on_smollm2(tmp_path, method):
                            "train": {"steps": 2, "lr": 1e-5, "save_every": 2}})
     if not Path(raw["task"]["benchmark"]["source"]).exists():
         pytest.skip("../shared/data is not here")
-    runs = {}
-    for strategy in ("ddp", "fsdp"):
-        cfg = deep_merge(raw, {"train": {"strategy": strategy}})
-        path = tmp_path / f"{strategy}.yaml"
-        path.write_text(yaml.safe_dump(cfg))
-        out = tmp_path / strategy
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "oar.cli",
-               "train", "--config", str(path), "--method", method, "--output", str(out), "--no-progress"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=dict(os.environ, OMP_NUM_THREADS="1"))
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        runs[strategy] = out
+    runs = {strategy: _launch(tmp_path, raw, strategy, method, init=False, timeout=1800, strategy=strategy)
+            for strategy in ("ddp", "fsdp")}
     a, b = _rows(runs["ddp"]), _rows(runs["fsdp"])
     for ra, rb in zip(a, b):
         for k in ra:

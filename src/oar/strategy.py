@@ -235,7 +235,8 @@ class FSDPStrategy(Strategy):
         fcfg = tcfg.get("fsdp") or {}
         param_dtype = None if self.compute_dtype == torch.float32 else self.compute_dtype
         self.mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-        self.offload = CPUOffloadPolicy() if fcfg.get("cpu_offload", False) else OffloadPolicy()
+        self.cpu_offload = bool(fcfg.get("cpu_offload", False))
+        self.offload = CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy()
         self.reshard_after_forward = bool(fcfg.get("reshard_after_forward", True))
         _ensure_process_group(accelerator)
         self._arch: str | None = None
@@ -252,7 +253,7 @@ class FSDPStrategy(Strategy):
 
     def prepare(self, model, *, lr, betas, weight_decay):
         model = self._master(model)
-        if not isinstance(self.offload, _cpu_offload_type()):
+        if not self.cpu_offload:  # offloaded shards stay in CPU memory
             model.to(self.device)
         model = self._shard(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
@@ -337,12 +338,6 @@ class FSDPStrategy(Strategy):
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
-def _cpu_offload_type() -> type:
-    from torch.distributed.fsdp import CPUOffloadPolicy
-
-    return CPUOffloadPolicy
-
-
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's repeated blocks (the classes named in ``model._no_split_modules``, as
     transformers' own FSDP wrapping policy does); ``model.model.layers`` as a fallback."""
@@ -382,5 +377,8 @@ def make_strategy(config: dict) -> Strategy:
     accelerator = Accelerator(cpu=config.get("device", "cpu") == "cpu")
     if tcfg.get("compute_dtype") == "float16" and accelerator.device.type == "cpu":
         raise ValueError("train.compute_dtype: float16 needs a GPU; use bfloat16 or float32 on CPU")
+    if (tcfg.get("fsdp") or {}).get("cpu_offload") and accelerator.device.type == "cpu":
+        # FSDP2's CPUOffloadPolicy moves shards to the accelerator for compute; without one it fails
+        raise ValueError("train.fsdp.cpu_offload: needs a GPU (on CPU the shards are in CPU memory already)")
     cls = {"ddp": DDPStrategy, "fsdp": FSDPStrategy}[tcfg.get("strategy", "ddp")]
     return cls(accelerator, tcfg)
