@@ -366,12 +366,19 @@ def model_shape(config: dict) -> ModelShape:
 # ----------------------------------------------------------------------------------- settings
 
 
-def world_size(config: dict) -> int:
-    """Training processes (one per GPU): ``resources.train.gpu`` x ``nodes`` (``processes`` when set);
-    1 when there is no GPU."""
+def train_layout(config: dict) -> tuple[int, int, int]:
+    """(nodes, processes per node, GPUs per node) of a training job, from ``resources.train``:
+    ``nodes`` (default 1), ``gpu`` (per node, default 0) and ``processes`` (per node; 0, the
+    default, means one per GPU, or one without a GPU). The workflow launches by the same layout."""
     r = (config.get("resources") or {}).get("train") or {}
-    per_node = int(r.get("processes") or 0) or int(r.get("gpu") or 0) or 1
-    return per_node * int(r.get("nodes") or 1)
+    nodes, gpu = int(r.get("nodes") or 1), int(r.get("gpu") or 0)
+    return nodes, int(r.get("processes") or 0) or max(gpu, 1), gpu
+
+
+def world_size(config: dict) -> int:
+    """Training processes: nodes x processes per node (:func:`train_layout`)."""
+    nodes, per_node, _ = train_layout(config)
+    return nodes * per_node
 
 
 def _settings(config: dict, world: int, shape: ModelShape) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from snakemake.utils import validate
 
 from oar.config import ConfigError, deep_merge, resolve_methods, validate_config
 from oar.io import atomic_write_text
+from oar.plan import train_layout as _train_layout
 
 
 # ---------------------------------------------------------------------------------------- config
@@ -133,11 +134,9 @@ def res(rule, key):
 
 
 def train_layout():
-    """(nodes, processes per node, GPUs per node) of a training job, from config resources.train:
-    `nodes` (default 1), `gpu` (per node) and `processes` (per node; 0, the default, means one per
-    GPU, or one on CPU; set it to train with several CPU processes, e.g. `processes: 2`)."""
-    nodes, gpu = int(res("train", "nodes")), int(res("train", "gpu"))
-    return nodes, int(res("train", "processes")) or max(gpu, 1), gpu
+    """(nodes, processes per node, GPUs per node) of a training job (oar.plan.train_layout, which
+    `oar plan` sizes by): `processes: 2` trains with two CPU processes."""
+    return _train_layout(config)
 
 
 def train_resources():
