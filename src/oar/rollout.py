@@ -2,8 +2,13 @@
 
 Two engines behind one interface (:class:`RolloutEngine`):
 
-- ``hf``: batched ``model.generate`` (sampling, KV cache, left-padded prompts, stop at eos or
-  ``max_new_tokens``); the log-prob of each sampled token is taken from the step logits.
+- ``hf``: batched sampling from the policy module itself (KV cache, left-padded prompts, stop at eos
+  or ``max_new_tokens``); the log-prob of each sampled token is taken from the step logits. Two
+  samplers (``rollout.sampler``): ``hf``, transformers' ``model.generate``; ``lean`` (default),
+  :func:`lean_generate`, a plain loop over the model's forward with a preallocated KV cache that
+  makes the same forward calls and the same random draws, so its tokens and log-probs equal
+  ``generate``'s for a seed, without ``generate``'s per-token bookkeeping and cache copies;
+  ``lean_compact``, the same loop dropping finished rows (deterministic, not bit-identical).
 - ``vllm``: a colocated ``vllm.LLM``; the trainer streams the policy's full weights into it after
   every update (:meth:`VLLMEngine.sync_weights`), and may free its memory during the update
   (:meth:`VLLMEngine.sleep` / :meth:`VLLMEngine.wake_up`, ``rollout.sleep_mode``).
@@ -17,13 +22,19 @@ Log-probs are those of the sampling distribution before top-p truncation, i.e.
 
 from __future__ import annotations
 
+import functools
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Protocol, Sequence
 
 import torch
 
-__all__ = ["Rollout", "generate_per_prompt", "RolloutEngine", "HFEngine", "VLLMEngine", "make_engine", "pad_stack", "token_logprobs"]
+__all__ = ["Rollout", "generate_per_prompt", "RolloutEngine", "HFEngine", "VLLMEngine", "make_engine", "pad_stack",
+           "token_logprobs", "lean_generate", "lean_unsupported", "SAMPLERS"]
+
+#: the samplers of :class:`HFEngine` (config ``rollout.sampler``)
+SAMPLERS = ("hf", "lean", "lean_compact")
 
 
 @dataclass
@@ -136,6 +147,249 @@ def prompt_add_special_tokens(tokenizer: Any, prompts: Sequence[str]) -> bool:
     return not (bos and all(p.startswith(bos) for p in prompts))
 
 
+#: generation-config settings under which ``generate`` adds no logits processor and no stopping
+#: criterion beyond what :func:`lean_generate` reproduces (temperature, top-p, eos, max length);
+#: each maps to the predicate a neutral value satisfies
+_LEAN_NEUTRAL = {
+    "repetition_penalty": lambda v: v is None or v == 1.0,
+    "no_repeat_ngram_size": lambda v: not v,
+    "encoder_no_repeat_ngram_size": lambda v: not v,
+    "encoder_repetition_penalty": lambda v: v is None or v == 1.0,
+    "bad_words_ids": lambda v: v is None,
+    "sequence_bias": lambda v: v is None,
+    "min_length": lambda v: not v,
+    "min_new_tokens": lambda v: not v,
+    "forced_bos_token_id": lambda v: v is None,
+    "forced_eos_token_id": lambda v: v is None,
+    "suppress_tokens": lambda v: v is None,
+    "begin_suppress_tokens": lambda v: v is None,
+    "guidance_scale": lambda v: v is None or v == 1.0,
+    "remove_invalid_values": lambda v: not v,
+    "exponential_decay_length_penalty": lambda v: v is None,
+    "renormalize_logits": lambda v: not v,
+    "watermarking_config": lambda v: v is None,
+    "max_time": lambda v: v is None,
+    "stop_strings": lambda v: v is None,
+    "cache_implementation": lambda v: v in (None, "dynamic"),
+    "prefill_chunk_size": lambda v: v is None,
+    "use_cache": lambda v: v is None or bool(v),
+    "min_p": lambda v: v is None,
+    "typical_p": lambda v: v is None or v >= 1.0,
+    "epsilon_cutoff": lambda v: not v or not 0.0 < v < 1.0,
+    "eta_cutoff": lambda v: not v or not 0.0 < v < 1.0,
+    "top_h": lambda v: v is None,
+    "num_beams": lambda v: v in (None, 1),
+    "num_return_sequences": lambda v: v in (None, 1),
+}
+
+
+def lean_unsupported(model: Any) -> list[str]:
+    """The settings of ``model.generation_config`` that :func:`lean_generate` does not reproduce.
+
+    An empty list means ``generate`` (with the engine's arguments) would apply temperature and top-p
+    only, which :func:`lean_generate` replicates; otherwise :class:`HFEngine` falls back to ``generate``.
+    The settings the engine passes (``temperature``, ``top_p``, ``top_k``: :func:`hf_generate_kwargs`)
+    are not checked here.
+    """
+    gc = getattr(model, "generation_config", None)
+    bad = [k for k, ok in _LEAN_NEUTRAL.items() if gc is not None and not ok(getattr(gc, k, None))]
+    if getattr(model.config, "is_encoder_decoder", False):
+        bad.append("is_encoder_decoder")
+    return bad
+
+
+def hf_generate_kwargs(*, greedy: bool, temperature: float, top_p: float) -> dict[str, Any]:
+    """The decoding arguments :class:`HFEngine` passes to ``generate`` (and that :func:`lean_generate` replicates)."""
+    if greedy:
+        return dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+    return dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+
+
+def _preallocated_cache(model: Any, capacity: int) -> Any:
+    """A ``DynamicCache`` whose full-attention layers write into buffers of ``capacity`` positions.
+
+    transformers' ``DynamicLayer`` grows its keys and values with ``torch.cat`` at every step (a copy of
+    the whole cache, O(T^2) bytes over a response); :class:`_PreallocatedLayer` writes each step's
+    keys and values in place and hands attention views of the filled prefix, the same values
+    (``capacity``: prompt length + ``max_new_tokens``).
+    Sliding-window and other layer types are kept as they are.
+    """
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    layer_cls = _preallocated_layer_class()
+    cache = DynamicCache(config=model.config.get_text_config(decoder=True))
+    cache.layers = [layer_cls(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
+
+
+@functools.cache
+def _preallocated_layer_class() -> type:
+    """The class of :func:`_preallocated_cache`'s layers (defined on first use: transformers is imported lazily)."""
+    from transformers.cache_utils import DynamicLayer
+
+    class _PreallocatedLayer(DynamicLayer):
+        """A ``DynamicLayer`` backed by ``(B, H, capacity, D)`` buffers; ``keys`` / ``values`` are views of the prefix."""
+
+        def __init__(self, capacity: int) -> None:
+            super().__init__()
+            self.capacity = capacity
+            self.length = 0
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+            if not self.is_initialized:
+                b, h, _, d = key_states.shape
+                self._k = key_states.new_empty(b, h, self.capacity, d)
+                self._v = value_states.new_empty(b, h, self.capacity, value_states.shape[-1])
+                self.device = key_states.device
+                self.is_initialized = True
+            end = self.length + key_states.shape[-2]
+            if end > self.capacity:
+                raise RuntimeError(f"preallocated KV cache full ({self.capacity} positions)")
+            self._k[:, :, self.length : end] = key_states
+            self._v[:, :, self.length : end] = value_states
+            self.length = end
+            self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
+            return self.keys, self.values
+
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            """Keep the rows ``indices`` (new buffers holding their filled prefix)."""
+            if not self.is_initialized:
+                return
+            n = self.length
+            for name in ("_k", "_v"):
+                buf = getattr(self, name)
+                new = buf.new_empty(len(indices), buf.shape[1], self.capacity, buf.shape[3])
+                new[:, :, :n] = buf[indices, :, :n]
+                setattr(self, name, new)
+            self.keys, self.values = self._k[:, :, :n], self._v[:, :, :n]
+
+    return _PreallocatedLayer
+
+
+#: ``lean_compact``: drop finished rows once at most this fraction of the batch is unfinished (each
+#: compaction copies the unfinished rows' KV cache, so it pays only when it removes a good share)
+COMPACT_BELOW = 0.75
+
+
+def lean_generate(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    eos_ids: Sequence[int],
+    pad_id: int,
+    greedy: bool = False,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    compact: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample continuations with a plain loop over ``model``'s forward and a preallocated KV cache.
+
+    A replica of transformers' ``generate`` (``_sample``) for a decoder-only model without its
+    per-token machinery: the forwards get the same arguments (position ids from the attention mask,
+    the 2-D mask dropped when there is no padding, ``logits_to_keep=1``), the scores the same
+    warpers (``scores / temperature``, ``TopPLogitsWarper``), and every row draws
+    ``torch.multinomial(softmax(scores), 1)`` at every step from the global RNG, finished rows
+    included (their token is then replaced by ``pad_id``), so the RNG stream and the tokens equal
+    ``generate``'s. Greedy: ``argmax`` of the raw logits. The loop stops when every row has emitted
+    one of ``eos_ids`` or after ``max_new_tokens`` steps.
+
+    ``compact=True`` (``rollout.sampler: lean_compact``) drops finished rows from the batch (and
+    their KV cache) once at most :data:`COMPACT_BELOW` of the rows in it are unfinished. The random
+    draws stay those of the full batch (multinomial's own method, ``argmax(probs / q)`` with
+    ``q ~ Exp(1)`` drawn for all rows, :func:`_multinomial_rows`), so the samples are a deterministic
+    function of the seed and equal ``generate``'s as long as a row's logits do not depend on which
+    other rows share its forward -- which the CPU/GPU matmul kernels do not promise (a change of the
+    batch size can change the last bits of the logits, and then rarely a token).
+
+    Args:
+        model: a decoder-only ``PreTrainedModel`` (or an FSDP-wrapped one, gathered) in eval mode.
+        input_ids: ``(B, P)`` long, left-padded prompts.
+        attention_mask: ``(B, P)`` long, 1 on real prompt tokens.
+    Returns:
+        tokens ``(B, T)`` long (``pad_id`` after a row's eos) and their log-probs ``(B, T)`` float32
+        under ``log_softmax(logits / temperature)`` (temperature 1 when greedy), as
+        :func:`token_logprobs` of the step logits (0 after a row's eos when compacting);
+        ``T <= max_new_tokens`` is the step at which the last row stopped.
+    """
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    B = input_ids.shape[0]
+    device = input_ids.device
+    temp = 1.0 if greedy else float(temperature)
+    # TemperatureLogitsWarper is ``scores / temperature``, applied (by generate) only when temperature != 1
+    top_p_warper = TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=1) if not greedy and top_p < 1.0 else None
+    # as generate: positions from the mask; the mask itself is dropped when it is all ones
+    position_ids = attention_mask.long().cumsum(-1) - 1
+    position_ids = position_ids.masked_fill(attention_mask == 0, 0)
+    mask = None if bool((attention_mask == 1).all()) else attention_mask
+    cache = _preallocated_cache(model, input_ids.shape[1] + max_new_tokens)
+    eos_t = torch.tensor(list(eos_ids), dtype=torch.long, device=device) if eos_ids else None
+    tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    logprobs = torch.zeros(B, max_new_tokens, dtype=torch.float32, device=device)
+    rows = torch.arange(B, device=device)  # the full-batch index of each row in the forward's batch
+    unfinished = torch.ones(B, dtype=torch.bool, device=device)  # of the rows in the batch
+    step_ids, step_pos = input_ids, position_ids
+    T = max_new_tokens
+    for t in range(max_new_tokens):
+        out = model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos, cache=cache, use_cache=True,
+                    logits_to_keep=1, return_dict=True)
+        logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
+        del out
+        scaled = logits / temp if temp != 1.0 else logits  # the warped scores, and what token_logprobs uses
+        if greedy:
+            nxt = torch.argmax(logits, dim=-1)
+        else:
+            scores = top_p_warper(step_ids, scaled) if top_p_warper is not None else scaled
+            probs = torch.softmax(scores, dim=-1)
+            if len(rows) == B:
+                nxt = torch.multinomial(probs, num_samples=1).squeeze(1)
+            else:
+                nxt = _multinomial_rows(probs, rows, B)
+        if eos_t is not None:
+            nxt = torch.where(unfinished, nxt, pad_id)
+        lp = torch.gather(torch.log_softmax(scaled, dim=-1), -1, nxt.unsqueeze(-1)).squeeze(-1)
+        if len(rows) == B:
+            tokens[:, t], logprobs[:, t] = nxt, lp
+        else:
+            tokens[rows, t], logprobs[rows, t] = nxt, lp
+        if eos_t is not None:
+            unfinished &= ~torch.isin(nxt, eos_t)
+            n_left = int(unfinished.sum())
+            if n_left == 0:
+                T = t + 1
+                break
+        step_ids = nxt.unsqueeze(1)
+        step_pos = step_pos[:, -1:] + 1
+        if mask is not None:
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
+        if compact and eos_t is not None and n_left <= COMPACT_BELOW * len(rows):
+            keep = unfinished.nonzero().squeeze(1)
+            rows, unfinished, step_ids, step_pos = rows[keep], unfinished[keep], step_ids[keep], step_pos[keep]
+            mask = mask[keep] if mask is not None else None
+            for layer in cache.layers:
+                layer.batch_select_indices(keep)
+    return tokens[:, :T], logprobs[:, :T]
+
+
+def _multinomial_rows(probs: torch.Tensor, rows: torch.Tensor, batch: int) -> torch.Tensor:
+    """``torch.multinomial(full_probs, 1)[rows]`` for a batch of ``batch`` rows of which only ``rows`` are given.
+
+    torch draws one sample as ``argmax(probs / q)`` with ``q = empty_like(probs).exponential_()``
+    (``aten/src/ATen/native/Distributions.cpp``); drawing ``q`` for the full batch consumes the RNG
+    as the full-batch call does, and the given rows get the samples they would get in it.
+
+    Args:
+        probs: ``(b, V)`` float, the probabilities of the rows ``rows`` (``(b,)`` long) of the batch.
+    Returns:
+        ``(b,)`` long.
+    """
+    q = torch.empty(batch, probs.shape[-1], dtype=probs.dtype, device=probs.device).exponential_(1)
+    return torch.argmax(probs / q[rows], dim=-1)
+
+
 class RolloutEngine(Protocol):
     """Interface of a rollout engine."""
 
@@ -183,18 +437,35 @@ def _weight_stream(weights: WeightStream | torch.nn.Module) -> Iterator[tuple[st
 
 
 class HFEngine:
-    """Rollouts with ``transformers``' ``generate`` on the policy itself (no copy of the weights).
+    """Rollouts sampled from the policy itself (no copy of the weights), with ``transformers``.
 
     Args:
         model: the policy (``PreTrainedModel``); generation runs in eval mode and restores the mode.
         tokenizer: its tokenizer (left padding is enforced).
         batch_size: sequences per ``generate`` call.
+        sampler: ``lean`` (default): :func:`lean_generate`, the same tokens and log-probs as
+            ``generate`` for a seed with less per-token overhead; ``lean_compact``: the same loop
+            dropping finished rows from the batch (deterministic for a seed, equal to ``generate``'s
+            samples unless the kernels' results depend on the batch size; see :func:`lean_generate`);
+            ``hf``: ``model.generate``. The lean samplers fall back to ``generate`` (with a warning)
+            for a model whose generation config asks for more than they reproduce
+            (:func:`lean_unsupported`), and silently for an object without a ``config`` (a stand-in
+            that implements ``generate`` only).
     """
 
-    def __init__(self, model: Any, tokenizer: Any, *, batch_size: int = 256) -> None:
+    def __init__(self, model: Any, tokenizer: Any, *, batch_size: int = 256, sampler: str = "lean") -> None:
+        if sampler not in SAMPLERS:
+            raise ValueError(f"rollout.sampler: unknown sampler {sampler!r}; valid: {list(SAMPLERS)}")
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
+        self.sampler = sampler
+        if sampler != "hf" and not hasattr(model, "config"):
+            self.sampler = "hf"  # a stand-in that implements generate only (no transformers model to drive)
+        elif sampler != "hf" and (bad := lean_unsupported(model)):
+            warnings.warn(f"rollout.sampler {sampler!r} does not reproduce generation_config {bad}; using 'hf' "
+                          "(generate)", stacklevel=2)
+            self.sampler = "hf"
         if tokenizer.pad_token_id is None:
             raise ValueError("tokenizer has no pad token; oar.models.load_policy sets one")
         self.pad_id = int(tokenizer.pad_token_id)
@@ -245,29 +516,17 @@ class HFEngine:
                           add_special_tokens=prompt_add_special_tokens(tok, batch_prompts))
                 input_ids = enc["input_ids"].to(device)
                 attn = enc["attention_mask"].to(device)
-                gen_kwargs: dict[str, Any] = dict(
-                    max_new_tokens=max_new_tokens,
-                    pad_token_id=self.pad_id,
-                    eos_token_id=self.eos_ids or None,
-                    return_dict_in_generate=True,
-                    output_logits=True,
-                    # the trainer gathers a sharded policy for the rollout (oar.strategy.local_phase),
-                    # so processes need not step together (transformers would for an FSDP module)
-                    synced_gpus=False,
-                )
-                if greedy:
-                    gen_kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+                if self.sampler != "hf":
+                    resp, lp = lean_generate(self.model, input_ids, attn, max_new_tokens=max_new_tokens,
+                                             eos_ids=self.eos_ids, pad_id=self.pad_id, greedy=greedy,
+                                             temperature=temperature, top_p=top_p,
+                                             compact=self.sampler == "lean_compact")
                 else:
-                    gen_kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
-                out = self.model.generate(input_ids=input_ids, attention_mask=attn, **gen_kwargs)
-                resp = out.sequences[:, input_ids.shape[1] :]
-                T = resp.shape[1]
-                if T == 0:
+                    resp, lp = self._hf_generate(input_ids, attn, max_new_tokens=max_new_tokens, greedy=greedy,
+                                                 temperature=temperature, top_p=top_p)
+                if resp.shape[1] == 0:
                     resp = torch.full((len(idx), 1), self.pad_id, dtype=torch.long, device=device)
                     lp = torch.zeros(len(idx), 1, device=device)
-                else:
-                    logits = torch.stack(out.logits, dim=1)  # (b, T, V) raw logits
-                    lp = token_logprobs(logits, resp, 1.0 if greedy else temperature)
                 mask, finished = response_mask_from_ids(resp, self.eos_ids)
                 lp = lp * mask
                 texts = tok.batch_decode(resp * mask + self.pad_id * (1 - mask), skip_special_tokens=True)
@@ -286,6 +545,28 @@ class HFEngine:
         finally:
             self.model.train(was_training)
         return Rollout.concat(parts, self.pad_id)
+
+    def _hf_generate(self, input_ids: torch.Tensor, attn: torch.Tensor, *, max_new_tokens: int, greedy: bool,
+                     temperature: float, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``model.generate``: the response tokens ``(b, T)`` and their log-probs ``(b, T)`` from the step logits."""
+        out = self.model.generate(
+            input_ids=input_ids,
+            attention_mask=attn,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=self.pad_id,
+            eos_token_id=self.eos_ids or None,
+            return_dict_in_generate=True,
+            output_logits=True,
+            # the trainer gathers a sharded policy for the rollout (oar.strategy.local_phase),
+            # so processes need not step together (transformers would for an FSDP module)
+            synced_gpus=False,
+            **hf_generate_kwargs(greedy=greedy, temperature=temperature, top_p=top_p),
+        )
+        resp = out.sequences[:, input_ids.shape[1] :]
+        if resp.shape[1] == 0:
+            return resp, torch.zeros(resp.shape, device=resp.device)
+        logits = torch.stack(out.logits, dim=1)  # (b, T, V) raw logits
+        return resp, token_logprobs(logits, resp, 1.0 if greedy else temperature)
 
 
 class VLLMEngine:
@@ -506,10 +787,13 @@ def generate_per_prompt(engine: RolloutEngine, prompts: Sequence[str], *, seeds:
 
 
 def make_engine(name: str, model: Any, tokenizer: Any, *, batch_size: int = 256, model_path: str | None = None, seed: int = 0,
-                vllm_kwargs: dict | None = None, sleep_mode: bool = False) -> RolloutEngine:
-    """Build the rollout engine named in config (``hf`` or ``vllm``; ``sleep_mode``: ``rollout.sleep_mode``, vllm only)."""
+                vllm_kwargs: dict | None = None, sleep_mode: bool = False, sampler: str = "lean") -> RolloutEngine:
+    """Build the rollout engine named in config (``hf`` or ``vllm``).
+
+    ``sleep_mode``: ``rollout.sleep_mode`` (vllm only); ``sampler``: ``rollout.sampler`` (hf only).
+    """
     if name == "hf":
-        return HFEngine(model, tokenizer, batch_size=batch_size)
+        return HFEngine(model, tokenizer, batch_size=batch_size, sampler=sampler)
     if name == "vllm":
         if model_path is None:
             raise ValueError("rollout.engine 'vllm' needs a checkpoint folder (model_path)")
