@@ -8,12 +8,18 @@ unless overridden. The probe uses the default conclude text unless ``--conclude`
 Also checks that the cached and naive OAR-P scores agree (max abs difference printed), and prints
 a machine-independent cost proxy: the number of query token positions each OAR-P variant runs.
 
+OAR-G variants (``--g-variants``, default :data:`G_VARIANTS`): ``name=mode:draws:baseline`` with
+baseline ``-`` for noise draws (``noise_std`` 1e-3) or ``pad``/``zero`` for integrated gradients
+(``noise_std`` 0). Each is timed, and its cost proxy printed: model rows per response, a backward
+counted as two forwards (clean forward in the KL modes + 3 x draws; one default pass = 4).
+
 Prints per-repeat times, medians, and a final line
-``RATIOS oar_p_cached/naive=<x> oar_g/oar_p=<y>`` where ``oar_p`` is the cached OAR-P median
-(both ratios of median seconds; smaller is cheaper).
+``RATIOS oar_p_cached/naive=<x> oar_g/oar_p=<y> <variant>/oar_g=<z> ...`` where ``oar_p`` is the
+cached OAR-P median and ``oar_g`` one default OAR-G pass (answer_mean, 1 draw; all ratios of
+median seconds; smaller is cheaper).
 
     python benchmarks/bench_importance.py [--batch 64] [--reasoning 30] [--repeats 3] [--threads 2]
-        [--mode last] [--chunk-size 128] [--conclude TEXT] [--seed 0]
+        [--mode last] [--chunk-size 128] [--conclude TEXT] [--seed 0] [--g-variants a=answer_joint:2:pad ...]
 """
 
 from __future__ import annotations
@@ -54,6 +60,34 @@ def make_probe(tok, batch: int, reasoning: int, conclude: str, seed: int) -> Pro
     return build_probe(tok, p_ids, r_ids, conclude=conclude, prompt_mask=p_mask, response_mask=r_mask)
 
 
+#: OAR-G variants timed against one default pass: name -> (mode, draws, baseline or None).
+G_VARIANTS: dict[str, tuple[str, int, str | None]] = {
+    "oar_g_joint": ("answer_joint", 1, None),
+    "oar_g_mean_k2": ("answer_mean", 2, None),
+    "oar_g_mean_k4": ("answer_mean", 4, None),
+    "oar_g_joint_ig1": ("answer_joint", 1, "pad"),
+    "oar_g_joint_ig2": ("answer_joint", 2, "pad"),
+    "oar_g_joint_ig4": ("answer_joint", 4, "pad"),
+}
+
+
+def parse_variants(items: list[str] | None) -> dict[str, tuple[str, int, str | None]]:
+    """``name=mode:draws:baseline`` items (baseline ``-``: noise draws) -> :data:`G_VARIANTS` form."""
+    if not items:
+        return dict(G_VARIANTS)
+    out = {}
+    for it in items:
+        name, spec = it.split("=", 1)
+        mode, draws, base = spec.split(":")
+        out[name] = (mode, int(draws), None if base == "-" else base)
+    return out
+
+
+def g_rows(mode: str, draws: int) -> int:
+    """Model rows per response of an OAR-G pass, a backward counted as two forwards."""
+    return (0 if mode == "answer_joint" else 1) + 3 * draws
+
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import time_it  # noqa: E402
 
@@ -71,7 +105,9 @@ def main() -> None:
     ap.add_argument("--hidden-size", type=int, default=128)
     ap.add_argument("--num-layers", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--g-variants", nargs="*", default=None, help="name=mode:draws:baseline (baseline - or pad|zero)")
     args = ap.parse_args()
+    variants = parse_variants(args.g_variants)
     torch.set_num_threads(args.threads)
 
     model, tok = build_tiny(
@@ -93,20 +129,28 @@ def main() -> None:
     cs = args.chunk_size
     cached_pos = B * L + sum(int(c.numel()) * (L - int(c.min())) for c in t_sorted.split(cs))
     naive_pos = B * L + int(t_sorted.numel()) * L
-    print(f"token positions run: cached {cached_pos} naive {naive_pos} ratio {cached_pos / naive_pos:.3f}")
+    ideal_pos = B * L + int((L - t_sorted).sum())  # each copy only from its own t
+    print(f"token positions run: cached {cached_pos} naive {naive_pos} ratio {cached_pos / naive_pos:.3f}; "
+          f"ideal {ideal_pos} (cached/ideal {cached_pos / ideal_pos:.3f}: chunks recompute [t0, t); no padding queries)")
 
     cached = perturbation_importance(model, probe, mode=args.mode, chunk_size=args.chunk_size)
     naive = perturbation_importance(model, probe, mode=args.mode, chunk_size=args.chunk_size, naive=True)
     print(f"max |cached - naive| = {float((cached - naive).abs().max()):.3e} (max score {float(cached.abs().max()):.3e})")
 
-    gen = torch.Generator().manual_seed(args.seed)
     runs = {
         "oar_p_cached": lambda: perturbation_importance(model, probe, mode=args.mode, chunk_size=args.chunk_size),
         "oar_p_naive": lambda: perturbation_importance(
             model, probe, mode=args.mode, chunk_size=args.chunk_size, naive=True
         ),
-        "oar_g": lambda: gradient_importance(model, probe, mode=args.g_mode, generator=gen),
+        "oar_g": lambda: gradient_importance(model, probe, mode=args.g_mode, seed=args.seed),
     }
+    for name, (mode, draws, base) in variants.items():
+        noise = 0.0 if base is not None else 1e-3
+        runs[name] = lambda m=mode, d=draws, b=base, z=noise: gradient_importance(
+            model, probe, mode=m, draws=d, baseline=b, noise_std=z, seed=args.seed
+        )
+        print(f"{name}: mode={mode} draws={draws} baseline={base} rows/response {g_rows(mode, draws)} "
+              f"= {g_rows(mode, draws) / g_rows(args.g_mode, 1):.2f}x one {args.g_mode} pass")
     med = {}
     for name, fn in runs.items():
         ts = time_it(fn, args.repeats)
@@ -114,7 +158,8 @@ def main() -> None:
         print(f"{name}: " + " ".join(f"{t:.3f}" for t in ts) + f" s; median {med[name]:.3f} s")
     print(
         f"RATIOS oar_p_cached/naive={med['oar_p_cached'] / med['oar_p_naive']:.3f} "
-        f"oar_g/oar_p={med['oar_g'] / med['oar_p_cached']:.3f}"
+        f"oar_g/oar_p={med['oar_g'] / med['oar_p_cached']:.3f} "
+        + " ".join(f"{name}/oar_g={med[name] / med['oar_g']:.3f}" for name in variants)
     )
 
 

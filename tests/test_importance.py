@@ -543,3 +543,200 @@ def test_random_batch_cached_equals_naive(tiny):
         a = perturbation_importance(model, probe, mode=mode, chunk_size=4)
         b = perturbation_importance(model, probe, mode=mode, naive=True, chunk_size=64)
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------
+# OAR-G: clean forward only where needed, per-response noise, draws and integrated gradients
+# ------------------------------------------------------------------------------------------
+
+from oar.credit.importance import draw_noise, noise_keys  # noqa: E402
+
+
+def reference_outcome_embeds(model, x: torch.Tensor, ids: torch.Tensor, n_answer: int, mode: str):
+    """``reference_outcome`` of one unpadded sequence from its input embeddings ``x`` (L, H)."""
+    L = ids.numel()
+    logits = model(inputs_embeds=x[None], position_ids=torch.arange(L)[None]).logits[0].float()
+    pred = torch.arange(L - n_answer - 1, L - 1)
+    if mode == "last":
+        return F.log_softmax(logits[L - n_answer - 1], -1)
+    if mode == "answer_mean":
+        return F.log_softmax(logits[pred].mean(0), -1)
+    lp = F.log_softmax(logits[pred], -1)
+    return lp[torch.arange(n_answer), ids[pred + 1]].mean()
+
+
+def reference_oar_g(model, ids, reasoning, n_answer, mode, *, seed, key, noise_std, draws=1, baseline=None):
+    """OAR-G of one unpadded sequence by the formula, with the clean forward in every mode:
+    mean over draws of |g . e| (no baseline) or |mean g . (e - b)| (path from ``b``)."""
+    emb = model.get_input_embeddings()
+    e = emb(ids[None])[0].detach()
+    H = e.shape[-1]
+    with torch.no_grad():
+        out0 = reference_outcome_embeds(model, e, ids, n_answer, mode)
+    cols = reasoning.nonzero().flatten()
+    noise = draw_noise(seed, key, cols.numel(), H, draws)
+    b = None
+    if baseline is not None:
+        b = emb(torch.tensor([0]))[0].detach() if baseline == "pad" else torch.zeros(H)
+    grads = []
+    for j in range(draws):
+        x = e.clone()
+        if b is not None:
+            x[cols] = b + (j + 0.5) / draws * (e[cols] - b)
+        x[cols] = x[cols] + noise_std * noise[j]
+        x.requires_grad_(True)
+        out1 = reference_outcome_embeds(model, x, ids, n_answer, mode)
+        J = out0 - out1 if mode == "answer_joint" else (out0.exp() * (out0 - out1)).sum()
+        grads.append(torch.autograd.grad(J, x)[0])
+    g = torch.stack(grads)  # (k, L, H)
+    if b is None:
+        s = (g * e).sum(-1).abs().mean(0)
+    else:
+        s = (g.mean(0) * (e - b)).sum(-1).abs()
+    return s * reasoning
+
+
+def count_forwards(model):
+    calls = []
+    handle = model.register_forward_pre_hook(lambda m, args, kwargs: calls.append(kwargs), with_kwargs=True)
+    return calls, handle
+
+
+@pytest.mark.parametrize(
+    "mode,draws,baseline,noise",
+    [
+        ("answer_joint", 1, None, 0.1),
+        ("answer_mean", 3, None, 0.1),
+        ("last", 2, None, 0.1),
+        ("answer_mean", 2, "pad", 0.0),
+        ("answer_joint", 2, "zero", 0.05),
+    ],
+)
+def test_oar_g_matches_reference_per_response_noise(tiny, mode, draws, baseline, noise):
+    """Batched, prefix-cached OAR-G (per-response noise keyed by row) equals the formula run on
+    each unpadded sequence with its own noise; answer_joint skips the clean forward (phi_0 is a
+    constant of J) and still gives the scores of the reference, which runs it."""
+    model, tok = tiny
+    p_ids, p_mask, r_ids, r_mask = make_batch(tok, GROUP_PROMPTS, GROUP_RESPONSES)
+    probe = build_probe(tok, p_ids, r_ids, conclude=CONC, prompt_mask=p_mask, response_mask=r_mask)
+    keys = torch.tensor([11, 12, 13, 21, 22, 23, 31])
+    got = gradient_importance(
+        model, probe, mode=mode, noise_std=noise, seed=5, row_keys=keys, draws=draws, baseline=baseline
+    )
+    for b in range(probe.input_ids.shape[0]):
+        real = probe.attention_mask[b].bool()
+        ref = reference_oar_g(
+            model, probe.input_ids[b][real], probe.reasoning_mask[b][real], int(probe.answer_length[b]), mode,
+            seed=5, key=int(keys[b]), noise_std=noise, draws=draws, baseline=baseline,
+        )
+        scale = float(ref.abs().max())
+        if probe.reasoning_mask[b].any():
+            assert scale > 1e-4
+        torch.testing.assert_close(got[b][real], ref, atol=1e-4 * max(scale, 1e-6), rtol=1e-4)
+
+
+@pytest.mark.parametrize("mode,expected", [("answer_joint", 2), ("answer_mean", 3), ("last", 3)])
+def test_oar_g_clean_forward_only_in_kl_modes(tiny, mode, expected):
+    """Model calls per chunk: the prompt prefix, the clean forward (KL modes only), the gradient
+    forward; draws ride in the gradient forward's batch, not in more calls."""
+    model, tok = tiny
+    p_ids, p_mask, r_ids, r_mask = make_batch(tok, GROUP_PROMPTS, GROUP_RESPONSES)
+    probe = build_probe(tok, p_ids, r_ids, conclude=CONC, prompt_mask=p_mask, response_mask=r_mask)
+    calls, handle = count_forwards(model)
+    try:
+        gradient_importance(model, probe, mode=mode, seed=0)
+        assert len(calls) == expected
+        calls.clear()
+        gradient_importance(model, probe, mode=mode, seed=0, draws=4)
+        assert len(calls) == expected
+        assert calls[-1]["inputs_embeds"].shape[0] == 4 * int(probe.has_answer.sum())
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("draws,baseline", [(1, None), (3, None), (2, "pad")])
+def test_oar_g_scores_do_not_depend_on_chunking(tiny, draws, baseline):
+    """Each response's noise comes from its own generator: chunk_size 1, 2 or all, and the
+    response alone in its own probe (other padding), give the same scores."""
+    model, tok = tiny
+    p_ids, p_mask, r_ids, r_mask = make_batch(tok, CACHE_PROMPTS, CACHE_RESPONSES)
+    probe = build_probe(tok, p_ids, r_ids, conclude=CONC, prompt_mask=p_mask, response_mask=r_mask)
+    kw = dict(mode="answer_mean", noise_std=0.1, seed=9, draws=draws, baseline=baseline)
+    full = gradient_importance(model, probe, **kw)
+    assert (full[probe.reasoning_mask] > 0).any()
+    scale = float(full.abs().max())
+    for cs in (1, 2):
+        torch.testing.assert_close(gradient_importance(model, probe, chunk_size=cs, **kw), full,
+                                   atol=1e-5 * scale, rtol=1e-4)
+    b = 4  # the longest prompt: alone, it loses its left padding
+    p1, m1, r1, rm1 = make_batch(tok, CACHE_PROMPTS[b : b + 1], CACHE_RESPONSES[b : b + 1])
+    one = build_probe(tok, p1, r1, conclude=CONC, prompt_mask=m1, response_mask=rm1)
+    alone = gradient_importance(model, one, row_keys=torch.tensor([b]), **kw)
+    torch.testing.assert_close(alone[0], right_aligned(full, b, alone), atol=1e-5 * scale, rtol=1e-4)
+    other = gradient_importance(model, probe, **{**kw, "seed": 10})
+    assert not torch.allclose(other, full)
+
+
+def test_oar_g_draws_nest_and_path_is_deterministic(tiny, probe):
+    model, _ = tiny
+    # draw j of k is the j-th block of the response's generator: the first draw does not move
+    a = draw_noise(3, 7, 5, 4, 1)
+    b = draw_noise(3, 7, 5, 4, 3)
+    assert torch.equal(a[0], b[0]) and not torch.equal(b[0], b[1])
+    # a path from a baseline needs no noise: without it the scores are deterministic and nonzero
+    s1 = gradient_importance(model, probe, mode="answer_mean", noise_std=0.0, baseline="pad", draws=2)
+    s2 = gradient_importance(model, probe, mode="answer_mean", noise_std=0.0, baseline="pad", draws=2)
+    assert torch.equal(s1, s2) and (s1[probe.reasoning_mask] > 0).any()
+
+
+def test_noise_keys_rank_within_group():
+    k = noise_keys(torch.tensor([4, 4, 7, 4, 7]))
+    assert len(set(k.tolist())) == 5
+    sub = noise_keys(torch.tensor([4, 7]))  # a row's key depends on its group and rank only
+    assert sub[0] == k[0] and sub[1] == k[2]
+
+
+def test_oar_g_bad_new_arguments_raise(tiny, probe):
+    model, _ = tiny
+    with pytest.raises(ValueError, match="draws"):
+        gradient_importance(model, probe, draws=0)
+    with pytest.raises(ValueError, match="baseline"):
+        gradient_importance(model, probe, baseline="mean")
+    with pytest.raises(ValueError, match="row_keys"):
+        gradient_importance(model, probe, row_keys=torch.arange(2))
+
+
+def test_oar_g_estimator_step_seed_chunking_and_variant(tiny):
+    batch = credit_batch(tiny, [1.0, 0.0, 0.0, 1.0], [0, 0, 0, 0])
+    est = get_estimator("oar_g")
+    batch.extras = {"seed": 3, "step": 5}
+    a = est(batch, conclude=CONC, noise_std=0.1)
+    b = est(batch, conclude=CONC, noise_std=0.1, chunk_size=1)
+    torch.testing.assert_close(a.weights, b.weights, atol=1e-4, rtol=1e-4)  # float rounding only
+    batch.extras = {"seed": 3, "step": 6}  # another step: other noise
+    c = est(batch, conclude=CONC, noise_std=0.1)
+    assert not torch.allclose(a.weights, c.weights)
+    # the variant's options reach gradient_importance
+    d = est(batch, conclude=CONC, mode="answer_joint", draws=2, baseline="pad", noise_std=0.0)
+    e = est(batch, conclude=CONC, mode="answer_joint", draws=2, noise_std=0.0)
+    assert not torch.allclose(d.weights, e.weights)
+    m = batch.response_mask.bool()
+    assert (d.weights[3][m[3]] == 1).all() and d.weights[0][m[0]].std() > 0.05
+
+
+def test_oar_p_runs_no_padding_queries(tiny):
+    """OAR-P's perturbed forwards (those with a prefix cache) compute only real tokens: every
+    query column's attention mask is 1 (left padding stays in the cached prefix)."""
+    model, tok = tiny
+    p_ids, p_mask, r_ids, r_mask = make_batch(tok, CACHE_PROMPTS, CACHE_RESPONSES)
+    probe = build_probe(tok, p_ids, r_ids, conclude=CONC, prompt_mask=p_mask, response_mask=r_mask)
+    calls, handle = count_forwards(model)
+    try:
+        perturbation_importance(model, probe, mode="last", chunk_size=7)
+    finally:
+        handle.remove()
+    pert = [c for c in calls if c.get("cache", c.get("past_key_values")) is not None]
+    assert len(pert) >= 2
+    for c in pert:
+        q = c["input_ids"].shape[1]
+        assert bool(c["attention_mask"][:, -q:].bool().all())

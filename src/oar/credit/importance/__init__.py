@@ -1,0 +1,180 @@
+"""Token importance for OAR (METHODS.md sections 4.2-4.4): OAR-P and OAR-G.
+
+Both score the reasoning positions of an outcome probe (:mod:`oar.credit.probe`) by how much they
+move the model's distribution over its own final answer ("outcome"). Three outcome modes:
+
+- ``last``: the next-token distribution at ``probe.last_index`` (end of prompt + reasoning +
+  conclude);
+- ``answer_mean``: the logits averaged over the positions that predict answer tokens, then softmax;
+- ``answer_joint``: the scalar ``phi`` = mean log-prob of the answer tokens.
+
+Importance is ``KL(P_orig || P_changed)`` for the first two and ``phi_orig - phi_changed`` for
+``answer_joint`` (a signed difference, as in the method description).
+
+- :func:`perturbation_importance` (OAR-P, :mod:`oar.credit.importance.oar_p`): one neutral-token
+  replacement per reasoning token, prefix KV cache reused;
+- :func:`gradient_importance` (OAR-G, :mod:`oar.credit.importance.oar_g`): gradient x input
+  saliency after a small embedding perturbation, per-response noise, optionally averaged over
+  ``draws`` or integrated along a path from a ``baseline``.
+
+The registered estimators ``oar_p`` and ``oar_g`` turn scores into bi-level weights
+(:func:`oar.credit.reshape.bilevel_weights`) and token advantages ``A_i * w_{i,t}``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from oar.credit import CreditBatch, CreditResult, register_estimator
+from oar.credit.importance._common import MODES, _check_mode, outcome
+from oar.credit.importance.oar_g import BASELINES, draw_noise, gradient_importance, mix_seed, noise_keys
+from oar.credit.importance.oar_p import perturbation_importance
+from oar.credit.probe import DEFAULT_CONCLUDE, build_probe
+
+__all__ = [
+    "MODES",
+    "BASELINES",
+    "outcome",
+    "perturbation_importance",
+    "gradient_importance",
+    "draw_noise",
+    "mix_seed",
+    "noise_keys",
+    "oar_p_estimator",
+    "oar_g_estimator",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# estimators
+# --------------------------------------------------------------------------------------------
+
+_COMMON_OPTIONS = ("norm_by_std", "eps", "quantile", "beta", "floor", "preserve_mass", "mode", "conclude")
+
+
+def _oar_estimator(name: str, batch: CreditBatch, options: dict[str, Any]) -> CreditResult:
+    from oar.credit.advantages import check_options, grpo_advantages
+    from oar.credit.reshape import bilevel_weights
+
+    extra = ("chunk_size",) if name == "oar_p" else ("noise_std", "seed", "chunk_size", "draws", "baseline")
+    check_options(name, options, _COMMON_OPTIONS + extra)
+    for field in ("model", "tokenizer", "prompt_ids"):
+        if getattr(batch, field) is None:
+            raise ValueError(f"estimator {name!r}: CreditBatch.{field} is None (the OAR probe needs it)")
+    mode = options.get("mode", "last" if name == "oar_p" else "answer_mean")
+    _check_mode(mode, name)
+
+    A = grpo_advantages(
+        batch.rewards,
+        batch.group_ids,
+        norm_by_std=bool(options.get("norm_by_std", True)),
+        eps=float(options.get("eps", 1e-6)),
+    )
+    rmask = batch.response_mask
+    B, T = batch.response_ids.shape
+    t_probe = time.perf_counter()
+    probe = build_probe(
+        batch.tokenizer,
+        batch.prompt_ids,
+        batch.response_ids,
+        conclude=options.get("conclude", DEFAULT_CONCLUDE),
+        prompt_mask=batch.prompt_mask,
+        response_mask=rmask,
+    )
+    # Only responses with an answer and a nonzero advantage need importance scores.
+    active = probe.has_answer & (A.to(probe.has_answer.device) != 0)
+    scores = torch.zeros_like(probe.input_ids, dtype=torch.float32)
+    t0 = time.perf_counter()
+    probe_seconds = t0 - t_probe
+    if bool(active.any()):
+        sub = probe.select(active)
+        if name == "oar_p":
+            s = perturbation_importance(
+                batch.model, sub, mode=mode, chunk_size=int(options.get("chunk_size", 128))
+            )
+        else:
+            # per-response noise: base seed from (seed, step), a key per (group, rank in group)
+            seed = options.get("seed", batch.extras.get("seed"))
+            if seed is not None and batch.extras.get("step") is not None:
+                seed = mix_seed(int(seed), int(batch.extras["step"]))
+            keys = noise_keys(batch.group_ids)[active.cpu()]
+            cs = options.get("chunk_size")
+            s = gradient_importance(
+                batch.model,
+                sub,
+                mode=mode,
+                noise_std=float(options.get("noise_std", 1e-3)),
+                seed=None if seed is None else int(seed),
+                row_keys=keys,
+                draws=int(options.get("draws", 1)),
+                baseline=options.get("baseline"),
+                chunk_size=None if cs is None else int(cs),
+            )
+        if mode == "answer_joint":
+            # phi differences are signed; the reshaping uses the size of the influence
+            # (our choice, like the KL modes and OAR-G's |.|; bilevel_weights needs s > -1).
+            s = s.abs()
+        rows = active.nonzero().flatten()
+        scores[rows, scores.shape[1] - s.shape[1] :] = s
+    seconds = time.perf_counter() - t0
+
+    scores_resp = probe.to_response(scores, T)
+    reason_resp = probe.to_response(probe.reasoning_mask.float(), T)
+    w = bilevel_weights(
+        scores_resp.to(rmask.device),
+        reason_resp.to(rmask.device),
+        quantile=float(options.get("quantile", 0.25)),
+        beta=float(options.get("beta", 1.0)),
+        floor=float(options.get("floor", 0.1)),
+        preserve_mass=bool(options.get("preserve_mass", True)),
+    )
+    m = rmask.to(w.dtype)
+    # Rows that were not scored (no answer, or A_i == 0): weight 1 on every response token.
+    weights = torch.where(active.to(w.device).unsqueeze(-1), w, torch.ones_like(w)) * m
+    token_adv = A.to(weights.dtype).unsqueeze(-1) * weights
+    return CreditResult(
+        token_advantages=token_adv,
+        seq_advantages=A,
+        weights=weights,
+        stats={
+            "importance_s": float(seconds),
+            "probe_s": float(probe_seconds),
+            "probe_fraction": float(probe.has_answer.float().mean()) if B else 0.0,
+            "scored_fraction": float(active.float().mean()) if B else 0.0,
+        },
+    )
+
+
+@register_estimator("oar_p")
+def oar_p_estimator(batch: CreditBatch, **options: Any) -> CreditResult:
+    """OAR-P: GRPO advantage reshaped by perturbation importance (METHODS 4.2, 4.4).
+
+    Options: ``norm_by_std`` (True), ``eps`` (1e-6), ``quantile`` (0.25), ``beta`` (1.0),
+    ``floor`` (0.1), ``preserve_mass`` (True), ``mode`` (``last``), ``conclude``
+    (:data:`oar.credit.probe.DEFAULT_CONCLUDE`), ``chunk_size`` (128).
+
+    Weights are 1 on response tokens of rows without an answer or with ``A_i == 0`` (not
+    scored), 0 on padding. In ``answer_joint`` mode the reshaping uses
+    ``|phi_orig - phi_masked|``. Stats: ``importance_s`` (model time), ``probe_s`` (probe
+    construction), ``probe_fraction`` (share of responses with an answer), ``scored_fraction``
+    (share actually scored).
+    """
+    return _oar_estimator("oar_p", batch, options)
+
+
+@register_estimator("oar_g")
+def oar_g_estimator(batch: CreditBatch, **options: Any) -> CreditResult:
+    """OAR-G: GRPO advantage reshaped by gradient x input saliency (METHODS 4.3, 4.4).
+
+    Options: as ``oar_p`` but ``mode`` defaults to ``answer_mean``, plus ``noise_std`` (1e-3),
+    ``seed`` (None: ``CreditBatch.extras["seed"]``, and the global RNG without it; combined with
+    ``extras["step"]`` when present), ``chunk_size`` (None: all scored rows in one
+    forward/backward), ``draws`` (1: rows per response, noise draws or path points) and
+    ``baseline`` (None | ``pad`` | ``zero``: integrated gradients from that embedding). Each
+    response's noise is drawn from its own generator (:func:`oar.credit.importance.noise_keys`),
+    so its scores do not depend on the batch's chunking.
+    """
+    return _oar_estimator("oar_g", batch, options)

@@ -1,0 +1,143 @@
+"""OAR-P: perturbation importance (METHODS.md 4.2).
+
+:func:`perturbation_importance` replaces one reasoning token at a time by a neutral token. Since a
+causal model's positions before ``t`` do not see token ``t``, the default path runs the
+unperturbed probe once with a KV cache and, for each chunk of perturbed copies (sorted by ``t``),
+reuses the cached keys/values of positions ``< t0`` (``t0`` = smallest ``t`` in the chunk) and
+runs only positions ``>= t0``. ``naive=True`` runs every perturbed copy in full (reference
+implementation; the two agree to float rounding).
+
+Padding: the probe is left-padded and every row's answer ends at the last column, so a perturbed
+copy at ``t`` computes no right padding, and its left padding (columns before the row's first real
+token, all ``<= t``) lies in the cached prefix, not in the computed queries, except for columns
+``[t0, t)`` of a chunk whose copies start at different ``t`` (the chunk's spread, a few columns:
+copies are sorted by ``t`` and many rows share each column). ``benchmarks/bench_importance.py``
+prints the query positions run against the ideal ``sum (L - t)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from oar.credit.importance._common import (
+    _answered,
+    _check_mode,
+    _divergence,
+    _eval_mode,
+    _keep,
+    _logits_tail,
+    _make_cache,
+    _model_device,
+    _plain_cache_layers,
+    _warn_naive_fallback,
+    outcome,
+)
+from oar.credit.probe import Probe
+
+__all__ = ["perturbation_importance"]
+
+
+
+def perturbation_importance(
+    model: torch.nn.Module,
+    probe: Probe,
+    *,
+    mode: str = "last",
+    mask_token_id: int | None = None,
+    chunk_size: int = 128,
+    naive: bool = False,
+) -> torch.Tensor:
+    """OAR-P: ``I_t = KL(P_orig || P_masked_t)`` (or ``phi_orig - phi_masked_t``) per reasoning token.
+
+    For every reasoning position ``t`` of every answered row, a copy of the probe with token ``t``
+    replaced by ``mask_token_id`` is run under ``torch.no_grad``. Rows are processed in groups of
+    at most ``chunk_size`` (their unperturbed forward and KV cache), perturbed copies in chunks of
+    at most ``chunk_size`` sequences, so memory is bounded by ``chunk_size`` sequences of length
+    ``L`` (plus the group's cache).
+
+    Args:
+        model: causal LM (Hugging Face interface: ``attention_mask``, ``position_ids``, cache).
+        probe: the outcome probe (rows without an answer get zeros and cost nothing).
+        mode: ``last`` (default) | ``answer_mean`` | ``answer_joint``.
+        mask_token_id: the neutral token; default ``probe.pad_token_id``.
+        chunk_size: maximum number of sequences per forward.
+        naive: run each perturbed copy in full instead of reusing the prefix KV cache. The cached
+            path needs a plain full-attention ``DynamicCache`` (Llama/Qwen2-like models); for
+            other caches it warns and falls back to the naive path.
+
+    Returns:
+        ``(B, L)`` float32 scores on the probe's device, 0 where ``probe.reasoning_mask`` is 0.
+    """
+    _check_mode(mode, "perturbation_importance")
+    if chunk_size < 1:
+        raise ValueError(f"oar.credit.importance.perturbation_importance: chunk_size must be >= 1, got {chunk_size}")
+    mask_id = probe.pad_token_id if mask_token_id is None else int(mask_token_id)
+    scores = torch.zeros(probe.input_ids.shape, dtype=torch.float32, device=probe.input_ids.device)
+    rows_all, sub_all = _answered(probe)
+    if rows_all.numel() == 0 or not bool(sub_all.reasoning_mask.any()):
+        return scores
+    dev = _model_device(model)
+    with _eval_mode(model), torch.no_grad():
+        for g0 in range(0, rows_all.numel(), chunk_size):
+            rows = rows_all[g0 : g0 + chunk_size]
+            sub = probe.select(rows).to(dev)
+            sc = _oar_p_group(model, sub, mode=mode, mask_id=mask_id, chunk_size=chunk_size, naive=naive)
+            # the group's probe may have dropped leading pad columns: align on the right
+            scores[rows, scores.shape[1] - sc.shape[1] :] = sc.to(scores.device)
+    return scores * probe.reasoning_mask
+
+
+def _oar_p_group(
+    model: torch.nn.Module, sub: Probe, *, mode: str, mask_id: int, chunk_size: int, naive: bool
+) -> torch.Tensor:
+    """OAR-P scores ``(N, L)`` of a probe whose rows all have an answer (on the model device)."""
+    N, L = sub.input_ids.shape
+    pos = sub.position_ids
+    keep = _keep(sub)
+    tail = L - keep
+    logits, cache = _logits_tail(
+        model,
+        keep,
+        input_ids=sub.input_ids,
+        attention_mask=sub.attention_mask,
+        position_ids=pos,
+        use_cache=not naive,
+    )
+    orig = outcome(logits, tail, sub.input_ids, sub.answer_mask, sub.last_index, mode)
+    kv = None
+    if not naive:
+        kv = _plain_cache_layers(cache)
+        if kv is None:
+            _warn_naive_fallback("perturbation_importance", stacklevel=3)
+    del cache
+
+    r_idx, t_idx = sub.reasoning_mask.nonzero(as_tuple=True)
+    order = torch.argsort(t_idx, stable=True)
+    r_idx, t_idx = r_idx[order], t_idx[order]
+    out = torch.zeros((N, L), dtype=torch.float32, device=sub.input_ids.device)
+    for c0 in range(0, r_idx.numel(), chunk_size):
+        r = r_idx[c0 : c0 + chunk_size]
+        t = t_idx[c0 : c0 + chunk_size]
+        n = r.numel()
+        ids = sub.input_ids[r].clone()
+        ids[torch.arange(n, device=ids.device), t] = mask_id
+        am = sub.attention_mask[r]
+        k_c = int(sub.answer_length[r].max()) + 1
+        t0 = int(t.min()) if kv is not None else 0
+        if t0 > 0:
+            prefix = [(k[r, :, :t0], v[r, :, :t0]) for k, v in kv]
+            logits_c, _ = _logits_tail(
+                model,
+                k_c,
+                input_ids=ids[:, t0:],
+                attention_mask=am,
+                position_ids=pos[r, t0:],
+                cache=_make_cache(prefix),
+            )
+        else:
+            logits_c, _ = _logits_tail(model, k_c, input_ids=ids, attention_mask=am, position_ids=pos[r])
+        new = outcome(logits_c, L - k_c, ids, sub.answer_mask[r], sub.last_index[r], mode)
+        out[r, t] = _divergence(orig[r], new, mode)
+    return out
+
+
