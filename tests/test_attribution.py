@@ -15,18 +15,30 @@ from oar.attribution import (
     FIDELITY_COLUMNS,
     FILLER,
     PIVOTAL,
+    STABILITY_COLUMNS,
     UNLABELED,
     auroc,
     average_ranks,
+    check_steps,
     compute_signals,
+    cost_table,
+    counterfactual_edit,
+    draw_counterfactual,
     fidelity_table,
     label_responses,
+    localisation_columns,
+    localisation_table,
+    mistake_spans,
     parse_response,
+    question_terms,
+    signal_specs,
     spearman,
+    stability_table,
     token_char_spans,
     token_labels,
+    topk_hit,
 )
-from oar.data.synthetic import DEFAULT_FILLERS, generate
+from oar.data.synthetic import DEFAULT_FILLERS, format_solution, generate, solve_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -273,9 +285,8 @@ def test_fidelity_table_rejects_labels_outside_reasoning():
         fidelity_table({"x": torch.ones(1, 2)}, labels, torch.tensor([[True, False]]))
 
 
-def test_compute_signals_shapes_masks_and_ktae_abs():
-    """On a random tiny model: every signal is (n, T), zero outside the probe's reasoning for OAR,
-    ktae == |ktae_signed|, and the random baseline is reproducible."""
+def _tiny_signal_batch():
+    """A random tiny model and a batch of 4 responses in 2 groups, rows 0-2 to score."""
     from oar.models import build_tiny
 
     model, tok = build_tiny(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
@@ -300,6 +311,14 @@ def test_compute_signals_shapes_masks_and_ktae_abs():
     rows = torch.tensor([0, 1, 2])
     kw = dict(prompt_ids=p_ids, prompt_mask=p_mask, response_ids=r_ids, response_mask=r_mask,
               rewards=rewards, group_ids=group, rows=rows, warmup=False)
+    return model, tok, resp, kw
+
+
+def test_compute_signals_shapes_masks_and_ktae_abs():
+    """On a random tiny model: every signal is (n, T), zero outside the probe's reasoning for OAR,
+    ktae == |ktae_signed|, and the random baseline is reproducible."""
+    model, tok, resp, kw = _tiny_signal_batch()
+    rows, T = kw["rows"], kw["response_ids"].shape[1]
     scores, seconds, info = compute_signals(model, tok, **kw)
     assert set(scores) == set(seconds) == {"oar_p", "oar_p_answer_mean", "oar_g", "ktae", "ktae_signed", "random"}
     reason = info["reasoning_mask"]
@@ -324,6 +343,234 @@ def test_compute_signals_shapes_masks_and_ktae_abs():
         compute_signals(model, tok, signals=("oar_x",), **kw)
 
 
+
+def test_compute_signals_config_specs_seeds_and_baselines():
+    """Signals given as config dicts: OAR-G variants follow their seed (answer_joint without noise
+    does not), draws and integrated-gradient variants run, OAR-P answer_joint is |phi diff|,
+    uniform is the response mask."""
+    model, tok, resp, kw = _tiny_signal_batch()
+    specs = [
+        {"name": "g", "kind": "oar_g", "mode": "answer_mean", "noise_std": 1e-3},
+        {"name": "g_k3", "kind": "oar_g", "mode": "answer_joint", "noise_std": 1e-2, "draws": 3},
+        {"name": "g_n0", "kind": "oar_g", "mode": "answer_joint", "noise_std": 0.0},
+        {"name": "g_ig", "kind": "oar_g", "mode": "answer_joint", "noise_std": 0.0, "baseline": "pad", "draws": 2},
+        {"name": "p_joint", "kind": "oar_p", "mode": "answer_joint"},
+        {"name": "flat", "kind": "uniform"},
+    ]
+    a, sec, info = compute_signals(model, tok, signals=specs, seed=0, **kw)
+    b, _, _ = compute_signals(model, tok, signals=specs, seed=1, **kw)
+    reason = info["reasoning_mask"]
+    assert list(a) == [s["name"] for s in specs] and set(sec) == set(a)
+    for name in ("g", "g_k3", "g_n0", "g_ig", "p_joint"):
+        assert bool((a[name][~reason] == 0).all()) and bool((a[name][reason] >= 0).all()), name
+        assert float(a[name][reason].sum()) > 0, name
+    assert not torch.allclose(a["g"], b["g"]) and not torch.allclose(a["g_k3"], b["g_k3"])
+    assert torch.allclose(a["g_n0"], b["g_n0"]) and torch.allclose(a["g_ig"], b["g_ig"])
+    assert torch.equal(a["flat"], kw["response_mask"][kw["rows"]].float())
+    assert info["notes"]["g_k3"] == "mode=answer_joint, noise_std=0.01, draws=3"
+
+
+def test_signal_specs_validation():
+    specs = signal_specs(["oar_p", {"name": "x", "kind": "oar_g", "draws": 2}])
+    assert [(s.name, s.kind) for s in specs] == [("oar_p", "oar_p"), ("x", "oar_g")]
+    assert specs[1].stochastic and not specs[0].stochastic
+    with pytest.raises(ValueError, match="unknown kind"):
+        signal_specs([{"name": "x", "kind": "oar_q"}])
+    with pytest.raises(ValueError, match="unknown options"):
+        signal_specs([{"name": "x", "kind": "oar_p", "noise_std": 0.1}])
+    with pytest.raises(ValueError, match="duplicate"):
+        signal_specs(["random", {"name": "random", "kind": "random"}])
+    with pytest.raises(ValueError, match="draws"):
+        signal_specs([{"name": "x", "kind": "oar_g", "draws": 0}])
+
+
+# ---------------------------------------------------------------------------------------------
+# error localisation: the mistake locator and the counterfactual editor
+# ---------------------------------------------------------------------------------------------
+
+Q = "Compute 47+18-25."  # 47+18=65, 65-25=40
+
+
+def _check(text, question=Q):
+    p = parse_response(text, fillers=DEFAULT_FILLERS)
+    assert p is not None, text
+    return p, check_steps(p.steps, *question_terms(question), p.answer)
+
+
+@pytest.mark.parametrize(
+    "text, status, step, propagated",
+    [
+        ("47+18=65, 65-25=40. \\boxed{40}", "consistent", None, False),
+        ("47+18=66, 66-25=41. \\boxed{41}", "mistake", 0, True),  # wrong first step, carried on
+        ("47+18=65, 65-25=41. \\boxed{41}", "mistake", 1, True),  # wrong later step
+        ("47+18=66, then 66-25=41. well \\boxed{41}", "mistake", 0, True),  # filler words
+        ("47+19=66, 66-25=41. \\boxed{41}", "inconsistent_operands", None, False),  # miscopied operand
+        ("47+18=65, 64-25=39. \\boxed{39}", "inconsistent_operands", None, False),  # miscopied result
+        ("47-18=29, 29-25=4. \\boxed{4}", "inconsistent_operands", None, False),  # wrong operator
+        ("47+18=66, 65-25=40. \\boxed{40}", "mistake", 0, False),  # mistake, then a copy error
+        ("47+18=66, 66-25=40. \\boxed{40}", "mistake", 0, False),  # a second mistake
+        ("47+18=66, 66-25=41. \\boxed{40}", "mistake", 0, False),  # box is not the last result
+        ("47+18=66. \\boxed{66}", "mistake", 0, False),  # too few steps
+        ("47+18=65. \\boxed{65}", "incomplete", None, False),
+        ("47+18=65, 65-25=40, 40+1=41. \\boxed{41}", "extra_steps", None, False),
+        ("47+18=65, 65-25=40. \\boxed{41}", "box_mismatch", None, False),
+    ],
+)
+def test_check_steps_hand_cases(text, status, step, propagated):
+    _, c = _check(text)
+    assert (c.status, c.mistake_step, c.propagated) == (status, step, propagated)
+    assert c.locatable == (status == "mistake")
+
+
+def test_check_steps_reduction_order_and_signs():
+    q = "Compute 2+3*4."  # * first: 3*4=12, 2+12=14
+    assert _check("3*4=12, 2+12=14. \\boxed{14}", q)[1].status == "consistent"
+    assert _check("2+3=5, 5*4=20. \\boxed{20}", q)[1].status == "inconsistent_operands"
+    c = _check("3*4=13, 2+13=15. \\boxed{15}", q)[1]
+    assert (c.status, c.mistake_step, c.propagated) == ("mistake", 0, True)
+    assert c.expected == ((3, "*", 4), (2, "+", 13))  # a later step takes the written value
+    q = "Compute 12-47+20."
+    assert _check("12-47=-35, -35+20=-15. \\boxed{-15}", q)[1].status == "consistent"
+    c = _check("12-47=35, 35+20=55. \\boxed{55}", q)[1]  # a dropped sign is a mistake
+    assert (c.status, c.mistake_step, c.propagated) == ("mistake", 0, True)
+
+
+def test_mistake_spans_label_the_result_and_the_other_steps():
+    from oar.models import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    text = "12-47=35, so 35+20=55. ok \\boxed{55}"
+    p, c = _check(text, "Compute 12-47+20.")
+    pos, neg = mistake_spans(p, c.mistake_step)
+    assert [text[s:e] for s, e in pos] == ["35"] and [text[s:e] for s, e in neg] == ["35+20=55"]
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    dec, starts, ends = token_char_spans(tok, ids)
+    lab = token_labels(starts, ends, pos, neg, len(dec))
+    assert np.nonzero(lab == 1)[0].tolist() == [6, 7]
+    assert np.nonzero(lab == 0)[0].tolist() == list(range(13, 21))  # fillers, separators, box: -1
+    # a negative result's sign is part of it
+    p, c = _check("12-47=-36, -36+20=-16. \\boxed{-16}", "Compute 12-47+20.")
+    assert mistake_spans(p, 0)[0] == [[6, 9]]
+    with pytest.raises(ValueError, match="outside"):
+        mistake_spans(p, 2)
+
+
+def test_counterfactual_edit_hand_cases():
+    cf = counterfactual_edit([47, 18, 25], ["+", "-"], ["so", None], 0, 66)
+    assert cf.text == "47+18=66, so 66-25=41. \\boxed{41}" and cf.answer == "41"
+    assert (cf.step, cf.original_result, cf.new_result) == (0, 65, 66)
+    cf = counterfactual_edit([47, 18, 25], ["+", "-"], [None, "ok"], 1, 38)
+    assert cf.text == "47+18=65, 65-25=38. ok \\boxed{38}"
+    cf = counterfactual_edit([2, 3, 4], ["+", "*"], [None, None], 0, 13)
+    assert cf.text == "3*4=13, 2+13=15. \\boxed{15}"
+    with pytest.raises(ValueError, match="right result"):
+        counterfactual_edit([2, 3], ["+"], [None], 0, 5)
+
+
+def test_draw_counterfactual_edits_exactly_one_result():
+    """On reference solutions (with '*', negatives, fillers): the edit parses, its box is the
+    re-derived value and differs from the gold, the mistake is located at the edited step and
+    carried on, exactly one step breaks a op b, the text before the edited result is unchanged."""
+    import random
+
+    rng = random.Random(0)
+    recs = generate("test", 200, seed=3, operands=[2, 3, 4], operators=["+", "-", "*"], filler_prob=0.5)
+    steps_seen = set()
+    for r in recs:
+        p = parse_response(r["solution"], fillers=DEFAULT_FILLERS)
+        nums, ops = question_terms(r["question"])
+        cf = draw_counterfactual(nums, ops, p.gap_fillers, r["answer"], rng, max_delta=5)
+        q = parse_response(cf.text, fillers=DEFAULT_FILLERS)
+        assert q is not None, cf.text
+        assert q.answer == cf.answer == str(q.steps[-1][3]) != r["answer"]
+        c = check_steps(q.steps, nums, ops, q.answer)
+        assert (c.status, c.mistake_step, c.propagated) == ("mistake", cf.step, True), cf.text
+        wrong = [i for i, (a, op, b, res) in enumerate(q.steps) if res != {"+": a + b, "-": a - b, "*": a * b}[op]]
+        assert wrong == [cf.step]
+        assert 1 <= abs(cf.new_result - cf.original_result) <= 5
+        assert (cf.new_result >= 0) == (cf.original_result >= 0)
+        assert q.gap_fillers == p.gap_fillers
+        start = p.result_spans[cf.step][0]
+        assert cf.text[:start] == r["solution"][:start]
+        # the unedited steps render back to the original solution
+        assert format_solution(solve_steps(nums, ops), p.gap_fillers)[0] == r["solution"]
+        steps_seen.add(cf.step)
+    assert steps_seen == {0, 1, 2}
+    # editing 2*3 in 2*3*0 leaves the answer at 0: only the last step can be edited
+    for _ in range(20):
+        cf = draw_counterfactual([2, 3, 0], ["*", "*"], [None, None], "0", rng, max_delta=3)
+        assert cf.step == 1 and cf.answer != "0"
+
+
+# ---------------------------------------------------------------------------------------------
+# error-localisation and stability metrics
+# ---------------------------------------------------------------------------------------------
+
+
+def test_topk_hit_hand_values():
+    assert topk_hit([0.9, 0.5, 0.1], [False, True, False], 1) == 0.0
+    assert topk_hit([0.9, 0.5, 0.1], [False, True, False], 2) == 1.0
+    assert topk_hit([0.9, 0.5, 0.1], [False, True, False], 10) == 1.0
+    # all tied: the chance level 1 - C(n - P, k) / C(n, k)
+    assert topk_hit([1, 1, 1, 1], [True, False, False, False], 1) == pytest.approx(0.25)
+    assert topk_hit([1, 1, 1, 1], [True, False, False, False], 2) == pytest.approx(0.5)
+    # one above, three tied for the last slot, one of them positive
+    assert topk_hit([2, 1, 1, 1], [False, True, False, False], 2) == pytest.approx(1 / 3)
+    assert math.isnan(topk_hit([1, 2], [False, False], 1))
+    with pytest.raises(ValueError, match="k must be"):
+        topk_hit([1.0], [True], 0)
+
+
+def test_localisation_table_hand_case():
+    # r0 sampled, r1 counterfactual, r2 sampled (another scale); T = 6
+    labels = torch.tensor([[0, 0, 1, 1, -1, -1], [1, 0, 0, -1, -1, -1], [1, 0, -1, -1, -1, -1]])
+    reason = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 0, 0]], dtype=torch.bool)
+    a = torch.tensor([[0.1, 0.2, 0.9, 0.3, 0.8, 5.0], [0.2, 0.5, 0.1, 0.7, 9.0, 9.0], [0.05, 0.01, 0.0, 0, 0, 0]])
+    kinds = ["sampled", "counterfactual", "sampled"]
+    table, per = localisation_table({"a": a, "flat": torch.ones(3, 6)}, labels, reason, kinds, top_k=(1, 3))
+    assert list(table.columns) == list(localisation_columns((1, 3)))
+    t = table.set_index(["signal", "kind"])
+    r = t.loc[("a", "sampled")]
+    assert (r["n_responses"], r["top1"], r["top3"], r["auroc_mean"]) == (2, 1.0, 1.0, 1.0)
+    # pooled over r0 and r2: positives {.9, .3, .05} vs negatives {.1, .2, .01}: 7 of 9 pairs
+    assert r["auroc_pooled"] == pytest.approx(7 / 9)
+    assert (r["n_positive"], r["n_negative"], r["n_auroc"]) == (3, 3, 2)
+    r = t.loc[("a", "counterfactual")]
+    assert (r["top1"], r["top3"], r["auroc_mean"]) == (0.0, 1.0, 0.5)  # 0.7 is an unlabeled token
+    # a constant score gets the chance level: r0 2 of 5 candidates, r2 1 of 3, r1 1 of 4
+    assert t.loc[("flat", "sampled"), "top1"] == pytest.approx((2 / 5 + 1 / 3) / 2)
+    assert t.loc[("flat", "sampled"), "top3"] == pytest.approx((1 - 1 / 10 + 1) / 2)
+    assert t.loc[("flat", "counterfactual"), "top3"] == pytest.approx(3 / 4)
+    assert t.loc[("flat", "counterfactual"), "auroc_mean"] == 0.5
+    assert per["top1_a"].tolist() == [1.0, 0.0, 1.0] and per["n_positive"].tolist() == [2, 1, 1]
+    with pytest.raises(ValueError, match="outside the reasoning"):
+        localisation_table({"a": a}, labels, torch.zeros(3, 6, dtype=torch.bool), kinds)
+
+
+def test_stability_table_hand_case():
+    a = torch.tensor([[1.0, 2, 3, 0], [3, 2, 1, 0], [1, 1, 1, 0]])
+    b = torch.tensor([[1.0, 3, 2, 9], [1, 2, 3, 9], [1, 2, 3, 9]])
+    reason = torch.tensor([[1, 1, 1, 0]] * 3, dtype=torch.bool)
+    table, per = stability_table({"x": (a, b, "noise seed")}, reason, ["sampled", "sampled", "counterfactual"])
+    assert list(table.columns) == list(STABILITY_COLUMNS)
+    assert per["spearman_x"].iloc[0] == pytest.approx(0.5) and per["spearman_x"].iloc[1] == pytest.approx(-1.0)
+    assert math.isnan(per["spearman_x"].iloc[2])  # a constant score has no rank correlation
+    t = table.set_index("kind")
+    assert t.loc["sampled", "n"] == 2 and t.loc["sampled", "median"] == pytest.approx(-0.25)
+    assert t.loc["sampled", "q25"] == pytest.approx(-0.625) and t.loc["sampled", "iqr"] == pytest.approx(0.75)
+    assert t.loc["counterfactual", "n"] == 0 and math.isnan(t.loc["counterfactual", "median"])
+    assert t.loc["all", "n"] == 2 and (table["comparison"] == "noise seed").all()
+
+
+def test_cost_table_ratio():
+    c = cost_table({"g": 2.0, "p": 3.0, "k": 1.0}, {"g": 4, "p": 4, "k": 10}, reference="g", notes={"k": "n"})
+    t = c.set_index("signal")
+    assert t.loc["g", "seconds_per_response"] == 0.5 and t.loc["g", "ratio_to_reference"] == 1.0
+    assert t.loc["p", "ratio_to_reference"] == pytest.approx(1.5)
+    assert t.loc["k", "seconds_per_response"] == pytest.approx(0.1) and t.loc["k", "note"] == "n"
+    assert cost_table({"p": 1.0}, {"p": 1}, reference="g")["ratio_to_reference"].isna().all()
+
+
 # ---------------------------------------------------------------------------------------------
 # end to end
 # ---------------------------------------------------------------------------------------------
@@ -331,22 +578,26 @@ def test_compute_signals_shapes_masks_and_ktae_abs():
 E2E_TASK = {"operands": [2, 3], "digits": 1, "operators": ["+", "-"], "filler_prob": 0.5}
 E2E_MODEL = {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64,
              "max_position_embeddings": 128}
+E2E_SFT_STEPS = 1000
 
 
 @pytest.mark.slow
 def test_attribution_from_config_end_to_end(tmp_path):
-    """A tiny model fine-tuned for 80 steps on 1-digit problems writes parseable responses part of
-    the time; the benchmark runs on them and writes the table, the per-response rows, the plot."""
+    """A tiny model fine-tuned briefly on 1-digit problems makes arithmetic mistakes and solves
+    some problems: the benchmark finds both kinds of responses, scores them with every signal and
+    writes the tables (one row per signal and kind, n > 0), the per-response rows and the figures."""
+    import json
+
     import pandas as pd
 
-    from oar.attribution import attribution_from_config
+    from oar.attribution import attribution_from_config, format_tables
     from oar.config import load_config
     from oar.models import build_tiny
     from oar.sft import run_sft
 
     model, tok = build_tiny(**E2E_MODEL, seed=0)
     recs = generate("train", 400, seed=0, **E2E_TASK)
-    run_sft(model, tok, recs, steps=80, batch_size=16, lr=1e-2, weight_decay=0.0, betas=(0.9, 0.98),
+    run_sft(model, tok, recs, steps=E2E_SFT_STEPS, batch_size=16, lr=1e-2, weight_decay=0.0, betas=(0.9, 0.98),
             warmup_steps=5, grad_clip=1.0, seed=0, progress=False)
     model_dir = tmp_path / "model"
     model.save_pretrained(model_dir)
@@ -357,40 +608,50 @@ def test_attribution_from_config_end_to_end(tmp_path):
         {
             "task": {"synthetic": E2E_TASK},
             "rollout": {"n": 6, "temperature": 0.7, "max_new_tokens": 40},
-            "attribution": {"n_responses": 24, "seed": 0},
+            # min_steps 1: this model rarely solves 3-operand problems in consistent steps
+            "attribution": {"n_sampled": 4, "n_counterfactual": 4, "max_prompts": 60, "prompts_per_round": 12,
+                            "min_steps": 1},
             "reward": {"workers": 1},
         },
     )
     out = tmp_path / "attribution"
-    fid = attribution_from_config(cfg, model_dir, out, repeats=1)
+    res = attribution_from_config(cfg, model_dir, out)
+    names = [s["name"] for s in cfg["attribution"]["signals"]]
 
-    on_disk = pd.read_csv(out / "fidelity.csv")
-    assert list(on_disk.columns) == list(FIDELITY_COLUMNS)
-    assert on_disk["signal"].tolist() == ["oar_p", "oar_p_answer_mean", "oar_g", "ktae", "ktae_signed", "random"]
-    pd.testing.assert_frame_equal(on_disk, fid, check_dtype=False)
-    assert (out / "fidelity.png").stat().st_size > 1000
-    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temporaries left
-
-    import json
-
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["n_sampled"] == 24 and summary["n_prompts"] == 4
-    assert summary["n_evaluated"] + summary["n_skipped_no_answer"] + summary["n_skipped_unparsed"] == 24
-    n = summary["n_evaluated"]
-    assert n >= 1, "the fine-tuned model produced no parseable response"
-    assert (fid["n_responses"] == n).all()
-    assert (fid["n_pivotal"] >= n).all()  # every parsed response has at least one step
-    assert fid.set_index("signal").loc["oar_p", "spearman_vs_oar_p"] == pytest.approx(1.0)
-    ok = fid["auroc_pooled"].dropna()
-    assert ((ok >= 0) & (ok <= 1)).all()
-    assert (fid["seconds_per_response"] > 0).all()
-
-    per = pd.read_csv(out / "per_response.csv", keep_default_na=False, na_values=[""])
-    assert len(per) == n
-    # the labels counted per response are the parse of its text (one token per character)
+    loc = pd.read_csv(out / "localisation.csv")
+    assert list(loc.columns) == list(localisation_columns((1, 3)))
+    assert list(zip(loc["signal"], loc["kind"])) == [(s, k) for s in names for k in ("sampled", "counterfactual")]
+    assert (loc["n_responses"] == 4).all() and (loc["n_positive"] > 0).all()
+    for col in ("top1", "top3"):
+        assert loc[col].between(0, 1).all(), col
+    assert loc["auroc_mean"].dropna().between(0, 1).all()
+    assert (loc["top3"] >= loc["top1"]).all()
+    stab = pd.read_csv(out / "stability.csv")
+    stochastic = [s["name"] for s in cfg["attribution"]["signals"]
+                  if s["kind"] in ("oar_g", "random", "ktae")]
+    assert set(stab["signal"]) == set(stochastic)
+    assert set(stab["kind"]) == {"sampled", "counterfactual", "all"}
+    n0 = stab[(stab["signal"] == "oar_g_joint_n0") & (stab["kind"] == "all")]
+    assert n0["median"].item() == pytest.approx(1.0)  # no noise: the same scores twice
+    cost = pd.read_csv(out / "cost.csv", keep_default_na=False, na_values=[""])
+    assert cost["signal"].tolist() == names and (cost["seconds_per_response"] > 0).all()
+    assert cost.set_index("signal").loc["oar_g", "ratio_to_reference"] == 1.0
+    fid = pd.read_csv(out / "fidelity.csv")
+    assert list(fid.columns) == list(FIDELITY_COLUMNS) and (fid["n_responses"] == 8).all()
+    per = pd.read_csv(out / "per_response.csv", keep_default_na=False)  # "" stays "" (original_text)
+    assert per["kind"].tolist() == ["sampled"] * 4 + ["counterfactual"] * 4
+    assert (per["reward"] <= 0).all()  # every scored response is wrong, the edits included
     for _, r in per.iterrows():
         p = parse_response(r["text"], fillers=DEFAULT_FILLERS)
-        assert p is not None
-        assert r["n_pivotal"] == sum(e - s for s, e in p.pivotal_spans)
-        assert r["n_filler"] == sum(e - s for s, e in p.filler_spans)
-        assert r["n_reasoning"] == p.reasoning_end
+        c = check_steps(p.steps, *question_terms(r["question"]), p.answer)
+        assert (c.status, c.mistake_step, c.propagated) == ("mistake", r["mistake_step"], True)
+        assert (r["original_text"] != "") == (r["kind"] == "counterfactual")
+    for name in ("localisation.png", "fidelity.png"):
+        assert (out / name).stat().st_size > 1000
+    md = (out / "attribution.md").read_text()
+    assert "## Error localisation" in md and "## Stability" in md and "## Cost" in md
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["n_sampled"] == 4 and summary["n_counterfactual"] == 4
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temporaries left
+    text = format_tables(res)
+    assert "Error localisation (sampled: n = 4, counterfactual: n = 4)" in text and "Stability" in text

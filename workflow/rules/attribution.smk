@@ -1,5 +1,5 @@
-# Attribution-fidelity benchmark of the token-importance estimators on the starting model
-# (only when attribution.enabled).
+# Attribution benchmark of the token-credit signals on the starting model (only when
+# attribution.enabled): error localisation, stability, cost, and pivotal-vs-filler fidelity.
 
 
 rule attribution:
@@ -7,17 +7,27 @@ rule attribution:
         **start_inputs(),
     output:
         csv=f"{R}/attribution/fidelity.csv",
+        localisation=f"{R}/attribution/localisation.csv",
+        stability=f"{R}/attribution/stability.csv",
+        cost=f"{R}/attribution/cost.csv",
+        md=f"{R}/attribution/attribution.md",
         png=report(
             f"{R}/attribution/fidelity.png",
             caption="../report/fidelity.rst",
             category="Figures",
             labels={"figure": "attribution fidelity"},
         ),
+        localisation_png=report(
+            f"{R}/attribution/localisation.png",
+            caption="../report/localisation.rst",
+            category="Figures",
+            labels={"figure": "error localisation"},
+        ),
     params:
         config=CONFIG_FILE,
         model=start_model_param,
         out_dir=lambda wc, output: os.path.dirname(output.csv),
-        fingerprint=fingerprint(section("attribution", "model", "task", "sft")),
+        fingerprint=fingerprint(section("attribution", "model", "task", "sft", "rollout", "reward")),
     log:
         f"{R}/logs/attribution.log",
     benchmark:

@@ -1,0 +1,308 @@
+"""Credit signals of the attribution benchmark: named, configurable scorers of response tokens.
+
+A signal is a :class:`SignalSpec` ``(name, kind, options)``; config ``attribution.signals`` lists
+them as dicts, e.g. ``{name: oar_g_joint_k4, kind: oar_g, mode: answer_joint, draws: 4}``. Kinds
+and their options (scores are response-aligned ``(n, T)``, larger = more important):
+
+- ``oar_p``: ``|OAR-P|`` (:func:`oar.credit.importance.perturbation_importance`); options ``mode``
+  (``last``), ``chunk_size`` (128), ``conclude``. The KL modes are non-negative already; in mode
+  ``answer_joint`` the signed ``phi_orig - phi_masked`` is taken in absolute value (as the
+  ``oar_p`` estimator's reshaping does).
+- ``oar_g``: OAR-G (:func:`oar.credit.importance.gradient_importance`, which returns
+  ``|grad . x|``); options ``mode`` (``answer_mean``), ``noise_std`` (1e-3), ``draws`` (1: rows
+  per response, one noise draw or path point each, in one batched pass), ``baseline`` (None;
+  ``pad`` / ``zero``: integrated gradients from that baseline), ``chunk_size`` (None),
+  ``conclude``. The noise is seeded with the benchmark's seed (per response).
+- ``ktae``: ``|K|`` of the KTAE key-token score (:func:`oar.credit.ktae.ktae_scores_batch`, group
+  statistics over the responses of each group); option ``signed`` (False: ``|K|``; True: ``K``).
+  The magnitude is the importance: ``K > 0`` marks a token id associated with correct responses,
+  ``K < 0`` one associated with wrong ones, and a wrong result is as pivotal as a right one.
+- ``random``: uniform noise in ``[0, 1)`` from a generator seeded with the benchmark's seed.
+- ``uniform``: a constant; with ties broken at random it is the exact chance level of every
+  metric (top-k hit, AUROC 0.5).
+
+``conclude`` defaults to the benchmark's (config ``attribution.conclude``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+__all__ = [
+    "SIGNAL_KINDS",
+    "SIGNAL_OPTIONS",
+    "LEGACY_SIGNALS",
+    "SIGNALS",
+    "DEFAULT_SIGNALS",
+    "SignalSpec",
+    "signal_specs",
+    "compute_signals",
+]
+
+#: Signal kinds and the options each accepts.
+SIGNAL_OPTIONS: dict[str, tuple[str, ...]] = {
+    "oar_p": ("mode", "chunk_size", "conclude"),
+    "oar_g": ("mode", "noise_std", "draws", "baseline", "chunk_size", "conclude"),
+    "ktae": ("signed",),
+    "random": (),
+    "uniform": (),
+}
+SIGNAL_KINDS: tuple[str, ...] = tuple(SIGNAL_OPTIONS)
+
+
+@dataclass(frozen=True)
+class SignalSpec:
+    """A named signal: ``kind`` from :data:`SIGNAL_KINDS` with its ``options``."""
+
+    name: str
+    kind: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def stochastic(self) -> bool:
+        """True when the scores depend on a seed (OAR-G's noise, the random baseline)."""
+        return self.kind in ("oar_g", "random")
+
+
+#: Signals known by name (the benchmark's historical set plus ``uniform``).
+LEGACY_SIGNALS: dict[str, SignalSpec] = {
+    "oar_p": SignalSpec("oar_p", "oar_p", {"mode": "last"}),
+    "oar_p_answer_mean": SignalSpec("oar_p_answer_mean", "oar_p", {"mode": "answer_mean"}),
+    "oar_g": SignalSpec("oar_g", "oar_g", {"mode": "answer_mean"}),
+    "ktae": SignalSpec("ktae", "ktae", {}),
+    "ktae_signed": SignalSpec("ktae_signed", "ktae", {"signed": True}),
+    "random": SignalSpec("random", "random", {}),
+    "uniform": SignalSpec("uniform", "uniform", {}),
+}
+#: Names :func:`signal_specs` resolves.
+SIGNALS: tuple[str, ...] = tuple(LEGACY_SIGNALS)
+#: Signals :func:`compute_signals` computes when none are given.
+DEFAULT_SIGNALS: tuple[str, ...] = ("oar_p", "oar_p_answer_mean", "oar_g", "ktae", "ktae_signed", "random")
+
+
+def signal_specs(signals: Sequence[str | Mapping[str, Any] | SignalSpec]) -> list[SignalSpec]:
+    """Resolve signals given as names (:data:`SIGNALS`), config dicts (``name``, ``kind`` and the
+    kind's options) or :class:`SignalSpec`; names must be unique.
+
+    Raises:
+        ValueError naming the signal for an unknown name, kind or option.
+    """
+    out: list[SignalSpec] = []
+    for s in signals:
+        if isinstance(s, SignalSpec):
+            spec = s
+        elif isinstance(s, str):
+            if s not in LEGACY_SIGNALS:
+                raise ValueError(f"oar.attribution: unknown signals [{s!r}]; valid names: {list(SIGNALS)} "
+                                 f"(or a dict with name and kind)")
+            spec = LEGACY_SIGNALS[s]
+        elif isinstance(s, Mapping):
+            d = dict(s)
+            name, kind = d.pop("name", None), d.pop("kind", None)
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"oar.attribution: signal {s!r} needs a name")
+            spec = SignalSpec(name, str(kind), d)
+        else:
+            raise ValueError(f"oar.attribution: cannot read signal {s!r}")
+        if spec.kind not in SIGNAL_OPTIONS:
+            raise ValueError(f"oar.attribution: signal {spec.name!r}: unknown kind {spec.kind!r}; valid: {list(SIGNAL_KINDS)}")
+        bad = sorted(set(spec.options) - set(SIGNAL_OPTIONS[spec.kind]))
+        if bad:
+            raise ValueError(f"oar.attribution: signal {spec.name!r} ({spec.kind}): unknown options {bad}; "
+                             f"valid: {list(SIGNAL_OPTIONS[spec.kind])}")
+        draws = spec.options.get("draws", 1)
+        if isinstance(draws, bool) or not isinstance(draws, int) or draws < 1:
+            raise ValueError(f"oar.attribution: signal {spec.name!r}: draws must be an int >= 1, got {draws!r}")
+        out.append(spec)
+    names = [s.name for s in out]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"oar.attribution: duplicate signal names {dup}")
+    return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _oar_g_fn(
+    model: torch.nn.Module, spec: SignalSpec, *, noise_std: float, seed: int, device: torch.device
+) -> Callable[[Any], torch.Tensor]:
+    """A scorer ``probe -> (B, L)`` for an ``oar_g`` spec.
+
+    The noise is seeded with ``seed``: passed as ``seed`` (per-response noise keyed by the probe
+    row) when :func:`~oar.credit.importance.gradient_importance` accepts it, else through a fresh
+    generator. ``draws`` and ``baseline`` are passed only when set, and must be accepted.
+    """
+    from oar.credit.importance import gradient_importance
+
+    o = spec.options
+    accepted = set(inspect.signature(gradient_importance).parameters)
+    kw: dict[str, Any] = {
+        "mode": o.get("mode", "answer_mean"),
+        "noise_std": float(o.get("noise_std", noise_std)),
+        "chunk_size": None if o.get("chunk_size") is None else int(o["chunk_size"]),
+    }
+    for key, default in (("draws", 1), ("baseline", None)):
+        if o.get(key, default) != default:
+            if key not in accepted:
+                raise ValueError(f"oar.attribution: signal {spec.name!r}: this gradient_importance has no {key!r} option")
+            kw[key] = o[key]
+    by_seed = "seed" in accepted
+
+    def fn(p: Any) -> torch.Tensor:
+        if by_seed:
+            return gradient_importance(model, p, seed=int(seed), **kw)
+        return gradient_importance(model, p, generator=torch.Generator(device=device).manual_seed(int(seed)), **kw)
+
+    return fn
+
+
+def compute_signals(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    *,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    rows: torch.Tensor,
+    signals: Sequence[str | Mapping[str, Any] | SignalSpec] = DEFAULT_SIGNALS,
+    conclude: str | None = None,
+    oar_p_chunk_size: int = 128,
+    noise_std: float = 1e-3,
+    ktae_options: Mapping[str, Any] | None = None,
+    seed: int = 0,
+    warmup: bool = True,
+    repeats: int = 1,
+) -> tuple[dict[str, torch.Tensor], dict[str, float], dict[str, Any]]:
+    """Score the responses ``rows`` with each signal, aligned with response positions.
+
+    OAR signals run on the probe of the ``rows`` only; KTAE needs whole groups, so it runs on all
+    ``B`` responses (its statistics use every response of a group) and its scores are then taken at
+    ``rows``.
+
+    Args:
+        model, tokenizer: the policy.
+        prompt_ids, prompt_mask: ``(B, P)`` left-padded prompts of every response.
+        response_ids, response_mask: ``(B, T)`` right-padded responses.
+        rewards: ``(B,)`` outcome rewards (correct when ``> 0``).
+        group_ids: ``(B,)`` group of each response (KTAE groups).
+        rows: ``(n,)`` long indices of the responses to score.
+        signals: names, config dicts or :class:`SignalSpec` (:func:`signal_specs`).
+        conclude: probe conclude string (default :data:`oar.credit.probe.DEFAULT_CONCLUDE`); a
+            signal's own ``conclude`` option wins.
+        oar_p_chunk_size: sequences per OAR-P forward (when the signal sets no ``chunk_size``).
+        noise_std: OAR-G embedding noise (when the signal sets no ``noise_std``).
+        ktae_options: keywords of :func:`oar.credit.ktae.ktae_scores_batch` (default ignores eos).
+        seed: seed of the OAR-G noise and the random baseline.
+        warmup: run each OAR signal once on one response before timing (first-call overheads).
+        repeats: run each signal's batch call this many times and report the fastest (the scores
+            of every repeat are identical, the first is kept).
+
+    Returns:
+        ``scores`` (name -> ``(n, T)`` float32 on CPU), ``seconds`` (name -> wall seconds of the
+        signal's batch call) and ``info``: ``probe_seconds``, ``n_scored`` per signal (``n`` for OAR
+        and baselines, ``B`` for KTAE), ``notes`` per signal (its options), ``reasoning_mask`` ``(n, T)`` bool
+        (the probe's reasoning tokens: response tokens before the token that starts the last
+        ``\\boxed{``), ``has_answer`` ``(n,)``.
+    """
+    from oar.credit.importance import perturbation_importance
+    from oar.credit.ktae import ktae_scores_batch
+    from oar.credit.probe import DEFAULT_CONCLUDE, build_probe
+
+    specs = signal_specs(signals)
+    if repeats < 1:
+        raise ValueError(f"oar.attribution.compute_signals: repeats must be >= 1, got {repeats}")
+    rows = torch.as_tensor(rows, dtype=torch.long)
+    n, T = int(rows.numel()), int(response_ids.shape[1])
+    device = next(model.parameters()).device
+    default_conclude = DEFAULT_CONCLUDE if conclude is None else conclude
+
+    probes: dict[str, tuple[Any, Any]] = {}  # conclude -> (cpu probe, device probe)
+    probe_seconds = 0.0
+
+    def probe_for(c: str) -> tuple[Any, Any]:
+        nonlocal probe_seconds
+        if c not in probes:
+            t0 = time.perf_counter()
+            p = build_probe(tokenizer, prompt_ids[rows], response_ids[rows], conclude=c,
+                            prompt_mask=prompt_mask[rows], response_mask=response_mask[rows])
+            probe_seconds += time.perf_counter() - t0
+            probes[c] = (p, p.to(device))
+        return probes[c]
+
+    base, _ = probe_for(default_conclude)
+    info: dict[str, Any] = {
+        "reasoning_mask": (base.to_response(base.reasoning_mask.float(), T) > 0).cpu(),
+        "has_answer": base.has_answer.cpu(),
+        "n_scored": {},
+        "notes": {},
+    }
+
+    def timed(fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, float]:
+        best, first = float("inf"), None
+        for _ in range(repeats):
+            _sync(device)
+            t0 = time.perf_counter()
+            out = fn()
+            _sync(device)
+            best = min(best, time.perf_counter() - t0)
+            first = out if first is None else first
+        assert first is not None
+        return first, best
+
+    scores: dict[str, torch.Tensor] = {}
+    seconds: dict[str, float] = {}
+    ktae_cache: dict[bool, tuple[torch.Tensor, float]] = {}
+    for spec in specs:
+        o = spec.options
+        note = ", ".join(f"{k}={v}" for k, v in o.items() if k != "conclude")
+        if spec.kind in ("oar_p", "oar_g"):
+            cpu_probe, dev_probe = probe_for(str(o.get("conclude", default_conclude)))
+            if spec.kind == "oar_p":
+                mode, cs = o.get("mode", "last"), int(o.get("chunk_size", oar_p_chunk_size))
+
+                def fn(p: Any, mode: str = mode, cs: int = cs) -> torch.Tensor:
+                    return perturbation_importance(model, p, mode=mode, chunk_size=cs).abs()
+            else:
+                fn = _oar_g_fn(model, spec, noise_std=noise_std, seed=seed, device=device)
+            answered = cpu_probe.has_answer.nonzero().flatten()
+            if warmup and answered.numel():
+                fn(dev_probe.select(answered[:1]))
+            s, seconds[spec.name] = timed(lambda: fn(dev_probe))
+            scores[spec.name] = cpu_probe.to_response(s.float().cpu(), T)
+            info["n_scored"][spec.name] = n
+        elif spec.kind == "ktae":
+            if True not in ktae_cache:
+                opts = dict(ktae_options or {})
+                if "ignore_token_ids" not in opts and getattr(tokenizer, "eos_token_id", None) is not None:
+                    opts["ignore_token_ids"] = (int(tokenizer.eos_token_id),)
+                ktae_cache[True] = timed(lambda: ktae_scores_batch(
+                    response_ids, response_mask, rewards.float(), group_ids.long(), **opts))
+            k, dt = ktae_cache[True]
+            k = k.float().cpu()[rows]
+            scores[spec.name] = k if o.get("signed", False) else k.abs()
+            seconds[spec.name] = dt
+            info["n_scored"][spec.name] = int(response_ids.shape[0])
+            note = (note + ", " if note else "") + "per group member"
+        elif spec.kind == "random":
+            scores[spec.name], seconds[spec.name] = timed(
+                lambda: torch.rand((n, T), generator=torch.Generator().manual_seed(int(seed)))
+                * response_mask[rows].cpu().float()
+            )
+            info["n_scored"][spec.name] = n
+        else:  # uniform
+            scores[spec.name], seconds[spec.name] = timed(lambda: response_mask[rows].cpu().float().clone())
+            info["n_scored"][spec.name] = n
+        info["notes"][spec.name] = note
+    info["probe_seconds"] = probe_seconds
+    return scores, seconds, info
