@@ -33,8 +33,130 @@ def test_evaluate_writes_rows_and_summary_and_resumes(tmp_path):
     assert set(rows[0]) == {"id", "question", "response", "extracted", "gold", "correct", "sample"}
     greedy = [r for r in rows if r["sample"] == -1]
     assert summary["benchmarks"]["synthetic-test"]["pass@1"] == pytest.approx(sum(r["correct"] for r in greedy) / 6)
-    assert set(summary["average"]) == {"pass@1", "avg@k"}
+    assert set(summary["average"]) == {"pass@1", "avg@k", "pass@k"}
+    sampled = {}
+    for r in rows:
+        if r["sample"] >= 0:
+            sampled.setdefault(r["id"], []).append(r["correct"])
+    assert summary["benchmarks"]["synthetic-test"]["pass@k"] == pytest.approx(sum(map(any, sampled.values())) / 6)
     # resumable: a second call reuses finished benchmarks
     stamp = (out / "synthetic-ood.json").stat().st_mtime_ns
     evaluate_from_config(cfg, None, out)
     assert (out / "synthetic-ood.json").stat().st_mtime_ns == stamp
+
+
+class _FakeEngine:
+    """Answers problem i's sample j correctly when (i + j) % 3 == 0 (greedy: when i is even); records
+    every call, so the chunking can be checked."""
+
+    needs_weights = False
+
+    def __init__(self, golds_by_prompt):
+        self.golds, self.calls = golds_by_prompt, []
+
+    def generate(self, prompts, *, n, greedy=False, seed=None, **kw):
+        import torch
+
+        from oar.rollout import Rollout
+
+        self.calls.append({"prompts": len(prompts), "n": 1 if greedy else n, "seed": seed, "greedy": greedy})
+        texts, index = [], []
+        for p, prompt in enumerate(prompts):
+            i = self.golds[prompt][1]
+            for j in range(1 if greedy else n):
+                ok = (i % 2 == 0) if greedy else ((i + j) % 3 == 0)
+                texts.append(f"so \\boxed{{{self.golds[prompt][0] if ok else 'x'}}}")
+                index.append(p)
+        N = len(texts)
+        return Rollout(prompt_ids=torch.zeros(N, 1, dtype=torch.long), prompt_mask=torch.ones(N, 1, dtype=torch.long),
+                       response_ids=torch.zeros(N, 3, dtype=torch.long), response_mask=torch.ones(N, 3, dtype=torch.long),
+                       logprobs=torch.zeros(N, 3), texts=texts, prompt_index=torch.tensor(index),
+                       truncated=torch.zeros(N, dtype=torch.bool))
+
+
+def test_evaluate_records_in_chunks_with_per_problem_counts():
+    from oar.data.prompts import render_prompt
+    from oar.evaluate import evaluate_records
+    from oar.models import build_tiny
+
+    _, tok = build_tiny(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
+    records = [{"id": f"p{i}", "question": f"{i} + 1", "answer": str(i + 1)} for i in range(10)]
+    engine = _FakeEngine({render_prompt("tiny", r["question"], tok): (r["answer"], i) for i, r in enumerate(records)})
+    summary, rows = evaluate_records(engine, tok, records, template="tiny", samples=8, chunk_size=24, seed=5, workers=1)
+    # greedy: chunks of 24 problems -> one call; sampled: 24 // 8 = 3 problems a call -> 4 calls (3, 3, 3, 1)
+    assert [c["prompts"] for c in engine.calls] == [10, 3, 3, 3, 1]
+    assert [c["seed"] for c in engine.calls] == [5 * 1_000_003, *(5 * 1_000_003 + c for c in range(4))]
+    assert len(rows) == 10 * 9 and {r["sample"] for r in rows} == {-1, *range(8)}
+    # per problem i: samples j in 0..7 with (i + j) % 3 == 0: j = 0, 3, 6 (i % 3 == 0), j = 2, 5 (i % 3 == 1),
+    # j = 1, 4, 7 (i % 3 == 2)
+    counts = [sum(r["correct"] for r in rows if r["id"] == f"p{i}" and r["sample"] >= 0) for i in range(10)]
+    assert counts == [2 if i % 3 == 1 else 3 for i in range(10)]
+    assert summary["avg@k"] == pytest.approx(sum(counts) / 80)
+    assert summary["pass@k"] == 1.0 and summary["k"] == 8
+    assert summary["pass@1"] == pytest.approx(0.5)  # the even problems
+    assert {"question", "response", "extracted"} <= set(rows[0])
+    _, lean = evaluate_records(engine, tok, records, template="tiny", greedy=False, samples=2, chunk_size=1, workers=1,
+                               keep_text=False)
+    assert set(lean[0]) == {"id", "gold", "correct", "sample"}
+    assert [c["prompts"] for c in engine.calls[5:]] == [1] * 10  # chunk_size 1: one problem per call at least
+    with pytest.raises(ValueError, match="chunk_size"):
+        evaluate_records(engine, tok, records, template="tiny", chunk_size=0)
+
+
+def test_heldout_records_are_the_test_split_not_training(tmp_path):
+    from oar.heldout import heldout_records
+    from oar.train import load_training_records
+
+    cfg = load_config(ROOT / "config" / "config.yaml", small_overrides(tmp_path, train={"heldout": {"every": 1, "size": 7}}))
+    recs = heldout_records(cfg)
+    assert len(recs) == 7 and all(r["id"].startswith("synthetic-test-") for r in recs)
+    # the first problems of the final evaluation's synthetic-test
+    assert [r["question"] for r in recs] == [r["question"] for r in load_eval_benchmarks(cfg)["synthetic-test"][:7]]
+    assert not {r["question"] for r in recs} & {r["question"] for r in load_training_records(cfg)}
+    cfg["train"]["heldout"]["benchmark"] = "math500"
+    with pytest.raises(ValueError, match="not in eval.benchmarks"):
+        heldout_records(cfg)
+
+
+@pytest.mark.slow
+def test_heldout_hook_logs_step0_every_k_and_last_and_resumes_without_duplicates(tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    from oar.train import train
+
+    def rows(run):
+        return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+    over = dict(train={"steps": 5, "save_every": 2, "heldout": {"every": 2, "size": 6, "samples": 2}},
+                eval={"max_new_tokens": 24})
+    cfg = load_config(ROOT / "config" / "config.yaml", small_overrides(tmp_path, **over))
+    full = tmp_path / "full"
+    train(cfg, "grpo", 0, full, progress=False)
+    got = rows(full)
+    held = [r for r in got if "heldout_acc" in r]
+    assert [r["step"] for r in held] == [0, 2, 4, 5]  # the start model, every 2 updates, the last one
+    assert all(0.0 <= r["heldout_acc"] <= 1.0 and r["heldout_seconds"] > 0 for r in held)
+    step_time = {r["step"]: r["time_step"] for r in got if "time_step" in r}
+    assert sorted(step_time) == [0, 1, 2, 3, 4]
+    for r in held:  # training seconds: the summed step times of the updates done, evaluations excluded
+        assert r["train_seconds"] == pytest.approx(sum(step_time[s] for s in range(r["step"])))
+    summary = json.loads((full / "train_summary.json").read_text())
+    assert summary["mean_time"]["step"] == pytest.approx(sum(step_time.values()) / 5)  # held-out rows not counted
+
+    # interrupted after 3 steps (checkpoint at 2), resumed: one row per (kind, step), same accuracies
+    part = tmp_path / "part"
+    assert train(cfg, "grpo", 0, part, progress=False, stop_after=3) == {"interrupted_at": 3}
+    train(cfg, "grpo", 0, part, progress=False)
+    held_part = [r for r in rows(part) if "heldout_acc" in r]
+    assert [r["step"] for r in held_part] == [0, 2, 4, 5]
+    assert [r["heldout_acc"] for r in held_part] == [r["heldout_acc"] for r in held]
+
+    # the evaluation does not change training: the same weights as without it
+    cfg_off = load_config(ROOT / "config" / "config.yaml",
+                          small_overrides(tmp_path, **dict(over, train=dict(over["train"], heldout={"every": 0}))))
+    off = tmp_path / "off"
+    train(cfg_off, "grpo", 0, off, progress=False)
+    assert not [r for r in rows(off) if "heldout_acc" in r]
+    wa, wb = load_file(str(full / "model" / "model.safetensors")), load_file(str(off / "model" / "model.safetensors"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)

@@ -24,6 +24,8 @@ GREEDY = {
 }
 # step times (time_step per step) per method and seed; importance time is constant per step
 STEP_TIMES = {"grpo": {0: [1.0, 3.0], 1: [2.0, 2.0]}, "oar_g": {0: [3.0, 5.0], 1: [4.0, 4.0]}}
+# held-out accuracy after 0, 1, 2 updates per method and seed
+HELDOUT = {"grpo": {0: [0.2, 0.4, 0.6], 1: [0.2, 0.3, 0.5]}, "oar_g": {0: [0.2, 0.6, 0.8], 1: [0.2, 0.3, 0.35]}}
 IMPORTANCE = {"grpo": 0.0, "oar_g": 1.0}
 
 
@@ -61,14 +63,25 @@ def _write_eval(d: Path, per_bench: dict[str, list[int]]) -> None:
     (d / "summary.json").write_text(json.dumps(summary))
 
 
-def _write_metrics(d: Path, times: list[float], importance: float, method_rank: int) -> None:
+def _write_metrics(d: Path, times: list[float], importance: float, method_rank: int,
+                   heldout: list[float] | None = None) -> None:
+    """Training rows, and (``heldout``) a held-out row before each step and after the last, as
+    oar.heldout writes them: step = updates done, train_seconds = summed time_step so far."""
     d.mkdir(parents=True, exist_ok=True)
     rows = []
+    spent = 0.0
     for step, t in enumerate(times):
+        if heldout is not None:
+            rows.append({"step": step, "heldout_acc": heldout[step], "heldout_pass_at_k": 1.0,
+                         "heldout_seconds": 9.0, "train_seconds": spent})
         rows.append({"step": step, "reward": 0.1 * step + method_rank, "accuracy": 0.2 * step,
                      "ess_ratio": 1.0 - 0.1 * method_rank, "top10_mass": 0.1 + 0.05 * method_rank,
                      "time_rollout": 0.5, "time_reward": 0.25, "time_importance": importance,
                      "time_update": t - 0.75 - importance, "time_step": t})
+        spent += t
+    if heldout is not None:
+        rows.append({"step": len(times), "heldout_acc": heldout[len(times)], "heldout_pass_at_k": 1.0,
+                     "heldout_seconds": 9.0, "train_seconds": spent})
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (d / "train_summary.json").write_text("{}")
 
@@ -82,7 +95,7 @@ def tree(tmp_path):
             _write_eval(root / "base" / "eval" if seed is None else root / row / f"seed{seed}" / "eval", per_bench)
     for rank, (m, per_seed) in enumerate(STEP_TIMES.items()):
         for seed, times in per_seed.items():
-            _write_metrics(root / m / f"seed{seed}", times, IMPORTANCE[m], rank)
+            _write_metrics(root / m / f"seed{seed}", times, IMPORTANCE[m], rank, HELDOUT[m][seed])
     return cfg, root
 
 
@@ -136,10 +149,11 @@ def test_avg_at_k_metric_uses_sampled_answers(tree):
 def test_build_report_writes_everything_deterministically(tree):
     cfg, root = tree
     out = build_report(cfg, root, seed=3)
-    assert set(out) == {"main_csv", "main_md", "main_tex", "efficiency_csv", "training_curves", "credit_concentration"}
+    assert set(out) == {"main_csv", "main_md", "main_tex", "efficiency_csv", "training_curves", "credit_concentration",
+                        "learning_curves", "steps_to_threshold_csv"}
     for p in out.values():
         assert p.exists() and p.stat().st_size > 0
-    for key in ("training_curves", "credit_concentration"):
+    for key in ("training_curves", "credit_concentration", "learning_curves"):
         assert out[key].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = out["main_md"].read_text()
     assert "| OAR" not in md and "| oar_g | 87.5 ± 17.7 |" in md
@@ -268,3 +282,153 @@ def test_paired_bootstrap_coverage_of_a_known_difference():
         _, lo, hi = paired_bootstrap([d], n_boot=400, seed=t)
         covered += lo <= 0.1 <= hi
     assert 0.90 <= covered / trials <= 0.985
+
+
+# ----------------------------------------------------------------- paired design: 3 seeds x 10 problems
+# greedy correctness per seed; the method gains problems 5, 6 (seed 0), loses 3 (seed 1), gains 6, 7 (seed 2)
+GRPO_3x10 = [[1, 1, 1, 1, 1, 0, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1, 0, 0, 0, 0]]
+METHOD_3x10 = [[1, 1, 1, 1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 0, 0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1, 0, 0]]
+START_3x10 = [1, 1, 1, 0, 0, 0, 0, 0, 0, 0]
+# d = method - GRPO, averaged over seeds per problem: (0, 0, 0, -1/3, 0, 1/3, 2/3, 1/3, 0, 0), mean 0.1;
+# sum of squares 7/9, so sd (ddof 1) = sqrt((7/9 - 10 * 0.1^2) / 9) and SE = sd / sqrt(10)
+SE_3x10 = math.sqrt((7 / 9 - 10 * 0.1**2) / 9) / math.sqrt(10) * 100.0
+
+
+@pytest.fixture
+def tree3x10(tmp_path):
+    cfg = validate_config({
+        "name": "fake", "results_dir": str(tmp_path), "seeds": [0, 1, 2], "model": {"source": "tiny"},
+        "task": {"kind": "synthetic"}, "recipes": {"grpo": {"norm_by_std": True}},
+        "methods": {"grpo": {"recipe": "grpo", "credit": "none", "label": "GRPO"},
+                    "oar_g": {"recipe": "grpo", "credit": "oar_g"}},
+        "eval": {"benchmarks": [{"name": "synthetic-test", "n": 10}], "samples": 2, "bootstrap": 400},
+    })
+    root = tmp_path / "fake"
+    _write_eval(root / "base" / "eval", {"synthetic-test": START_3x10})
+    for s in range(3):
+        _write_eval(root / "grpo" / f"seed{s}" / "eval", {"synthetic-test": GRPO_3x10[s]})
+        _write_eval(root / "oar_g" / f"seed{s}" / "eval", {"synthetic-test": METHOD_3x10[s]})
+        for m in ("grpo", "oar_g"):
+            _write_metrics(root / m / f"seed{s}", [1.0, 1.0], 0.0, 0)  # no held-out rows
+    return cfg, root
+
+
+def test_paired_se_and_mde_hand_values():
+    from oar.stats import mde, paired_se, per_seed_differences, z_power
+
+    d = np.array(METHOD_3x10, float) - np.array(GRPO_3x10, float)
+    assert paired_se([d]) * 100 == pytest.approx(SE_3x10)
+    assert SE_3x10 == pytest.approx(8.678, abs=1e-3)
+    assert z_power(0.05, 0.8) == pytest.approx(1.959964 + 0.841621, abs=1e-5)
+    assert mde(SE_3x10) == pytest.approx(2.801585 * 8.67802, abs=1e-3)
+    assert per_seed_differences(d).tolist() == pytest.approx([0.2, -0.1, 0.2])
+    # two benchmarks: SE of the mean of their means
+    assert paired_se([d, 2 * d]) == pytest.approx(math.sqrt(1 + 4) * SE_3x10 / 100 / 2)
+    # the bootstrap interval has the normal-theory width: its SE is the plug-in sd(ddof 0) / sqrt(n)
+    est, lo, hi = paired_bootstrap([d], n_boot=20000, seed=1)
+    plug_in = SE_3x10 / 100 * math.sqrt(9 / 10)
+    assert est == pytest.approx(0.1)
+    assert (hi - lo) == pytest.approx(2 * 1.96 * plug_in, rel=0.12)
+
+
+def test_main_table_paired_columns_and_mde_hand_values(tree3x10):
+    cfg, root = tree3x10
+    df = main_table(cfg, root, n_boot=400)
+    c = _cell(df, "oar_g", "synthetic-test")
+    assert c["mean"] == pytest.approx(60.0) and c["diff"] == pytest.approx(10.0)
+    assert c["se"] == pytest.approx(SE_3x10)
+    assert c["diff_per_seed"] == "20.0000;-10.0000;20.0000"
+    assert c["ci_low"] < 10.0 < c["ci_high"]
+    # against the start model (30%): 60 - 30, seeds 40, 0, 50
+    assert c["start_diff"] == pytest.approx(30.0) and c["start_ci_low"] > 0
+    g = _cell(df, "grpo", "synthetic-test")
+    assert g["start_diff"] == pytest.approx(20.0) and math.isnan(g["diff"]) and g["diff_per_seed"] == ""
+    # one method besides the reference: the MDE is 2.8016 x its SE, the same on every row of the column
+    assert df.loc[df["benchmark"] == "synthetic-test", "mde"].tolist() == [pytest.approx(2.801585 * SE_3x10, rel=1e-5)] * 3
+    assert "median over 1 method" in c["mde_source"]
+    # the base row vs GRPO: per-seed start - GRPO = 30 - (50, 40, 60)
+    assert _cell(df, "base", "synthetic-test")["diff_per_seed"] == "-20.0000;-10.0000;-30.0000"
+    assert math.isnan(_cell(df, "base", "synthetic-test")["start_diff"])
+
+
+def test_build_report_main_md_has_the_new_columns(tree3x10):
+    cfg, root = tree3x10
+    out = build_report(cfg, root)
+    md = out["main_md"].read_text()
+    # both metrics, avg@k first; the start model's greedy pass@1, avg@k and pass@k (sampled = 1 - greedy)
+    assert md.index("## avg@2 (sampled, T = 0.6)") < md.index("## pass@1 (greedy)")
+    assert "| pass@1 greedy | 30.0 |" in md and "| pass@1 at T = 0.6 (avg@2) | 70.0 |" in md
+    assert "| pass@2 at T = 0.6 | 70.0 |" in md
+    assert "| oar_g | +10.0 [" in md  # difference from GRPO with its interval
+    assert "| oar_g | +20.0 / -10.0 / +20.0 |" in md  # per-seed differences, seeds 0 / 1 / 2
+    assert "(points; seeds 0 / 1 / 2)" in md
+    assert "| GRPO | +20.0 [" in md  # difference from the start model
+    assert f"synthetic-test {2.801585 * SE_3x10:.1f}" in md and "MDE = (z_0.975 + z_0.8) x SE = 2.80 x SE" in md
+    assert "training seeds are not resampled" in md
+    assert "no held-out evaluation during training (train.heldout.every is 0)" in md
+    csv = pd.read_csv(out["main_csv"])
+    assert set(csv["metric"]) == {"avg@k", "pass@1"}
+    for col in ("se", "diff_per_seed", "start_diff", "start_ci_low", "start_ci_high", "mde"):
+        assert col in csv.columns, col
+    assert out["learning_curves"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_pass_at_k_scores(tree3x10):
+    cfg, root = tree3x10
+    df = main_table(cfg, root, metric="pass@k", n_boot=0)
+    # both samples are the complement of the greedy answer: pass@2 = 1 - greedy
+    assert _cell(df, "base", "synthetic-test")["mean"] == pytest.approx(70.0)
+    assert _cell(df, "oar_g", "synthetic-test")["mean"] == pytest.approx(40.0)
+
+
+# ---------------------------------------------------------------------------------- learning curves
+def test_first_crossing_interpolates_and_says_not_reached():
+    from oar.stats import first_crossing
+
+    assert first_crossing([0, 5, 10], [0.2, 0.4, 0.6], 0.5) == pytest.approx(7.5)  # 5 + 0.1 / 0.2 * 5
+    assert first_crossing([0, 5, 10], [0.2, 0.4, 0.6], 0.4) == pytest.approx(5.0)
+    assert first_crossing([0, 5, 10], [0.6, 0.1, 0.9], 0.5) == 0.0  # the start already reaches it
+    assert first_crossing([0, 5, 10], [0.2, 0.5, 0.3], 0.45) == pytest.approx(5 * 0.25 / 0.3)  # the first crossing
+    assert math.isnan(first_crossing([0, 5, 10], [0.2, 0.4, 0.45], 0.5))
+    assert first_crossing([0, 5, 10], [0.2, math.nan, 0.6], 0.4) == pytest.approx(5.0)  # a missing point is skipped
+    with pytest.raises(ValueError, match="must not decrease"):
+        first_crossing([0, 10, 5], [0.1, 0.2, 0.3], 0.5)
+
+
+def test_steps_to_threshold_table_and_heldout_rows(tree):
+    from oar.learning_curves import auto_threshold, load_heldout, steps_to_threshold
+
+    cfg, root = tree
+    heldout = {m: {s: load_heldout(root / m / f"seed{s}" / "metrics.jsonl") for s in (0, 1)} for m in HELDOUT}
+    assert heldout["grpo"][1]["train_seconds"].tolist() == [0.0, 2.0, 4.0]
+    # halfway between the start (0.2) and GRPO's last mean ((0.6 + 0.5) / 2)
+    thr = auto_threshold(heldout, "grpo")
+    assert thr == pytest.approx(0.375)
+    t = steps_to_threshold(heldout, thr, {"grpo": "GRPO"}).set_index("method")
+    # GRPO seed 0: 0 + 0.175 / 0.2 = 0.875 steps, train_seconds 0 -> 1: 0.875 s; seed 1: 1 + 0.075 / 0.2 = 1.375
+    # steps, train_seconds 2 -> 4: 2.75 s
+    assert t.loc["grpo", "steps"] == pytest.approx((0.875 + 1.375) / 2)
+    assert t.loc["grpo", "seconds"] == pytest.approx((0.875 + 2.75) / 2)
+    assert t.loc["grpo", "reached"] == 2 and t.loc["grpo", "label"] == "GRPO"
+    # OAR-G seed 1 ends at 0.35: not reached, so no mean
+    assert t.loc["oar_g", "reached"] == 1 and math.isnan(t.loc["oar_g", "steps"])
+    assert t.loc["oar_g", "steps_per_seed"] == "0.4375;nan"
+    md = build_report(cfg, root)["main_md"].read_text()
+    assert "### Steps to 37.5% held-out accuracy" in md and "| oar_g | not reached | not reached | 1/2 |" in md
+    assert "| GRPO | 1.1 | 2 | 2/2 |" in md and "interpolated linearly" in md
+    # GRPO ending no higher than the start: no automatic threshold between them
+    flat = {m: {s: df.assign(heldout_acc=0.2) for s, df in per_seed.items()} for m, per_seed in heldout.items()}
+    assert math.isnan(auto_threshold(flat, "grpo"))
+    # a fixed threshold from the config
+    cfg["report"]["threshold"] = 0.3
+    steps = pd.read_csv(build_report(cfg, root)["steps_to_threshold_csv"]).set_index("method")
+    assert steps.loc["oar_g", "steps"] == pytest.approx((0.25 + 1.0) / 2)  # 0.1 / 0.4 of step 0 -> 1, and step 1
+
+
+def test_heldout_rows_stay_out_of_the_training_metrics(tree):
+    from oar.report import load_metrics
+
+    cfg, root = tree
+    df = load_metrics(root / "grpo" / "seed0" / "metrics.jsonl")
+    assert df.index.tolist() == [0, 1] and "heldout_acc" not in df.columns
+    assert efficiency_table(cfg, root, skip_steps=0).set_index("method").loc["grpo", "steps"] == 2

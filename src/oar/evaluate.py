@@ -1,7 +1,9 @@
 """Evaluation of a checkpoint on one or more benchmarks (``oar evaluate``).
 
 For each benchmark: greedy pass@1 (one deterministic answer per problem) and, when
-``eval.samples = k > 0``, sampled avg@k (mean accuracy of k samples at ``eval.temperature``).
+``eval.samples = k > 0``, sampled avg@k (mean accuracy of k samples at ``eval.temperature``) and
+pass@k (share of problems with at least one correct sample). Answers are generated and scored
+``eval.chunk_size`` at a time (bounded memory, a progress bar on stderr).
 Writes, per benchmark, ``<bench>.jsonl`` (one row per answer: id, question, response, extracted
 answer, gold, correct, sample; ``sample = -1`` is the greedy answer) and ``<bench>.json`` (its
 summary), and ``summary.json`` over all benchmarks. A benchmark whose summary already exists with
@@ -16,30 +18,30 @@ from typing import Any, Sequence
 
 from oar.io import atomic_write_json, atomic_write_jsonl
 
-__all__ = ["load_eval_benchmarks", "evaluate_records", "evaluate_from_config", "records_digest"]
+__all__ = ["load_benchmark_entry", "load_eval_benchmarks", "evaluate_records", "evaluate_from_config", "records_digest"]
 
 
-def load_eval_benchmarks(config: dict) -> dict[str, list[dict]]:
-    """The config's ``eval.benchmarks`` as ``{name: records}`` (first ``n`` records when ``n`` is set).
+def load_benchmark_entry(config: dict, entry: dict, *, key: str = "eval.benchmarks") -> list[dict]:
+    """The records of one benchmark entry ``{name, source, n, filters}`` (first ``n`` when ``n`` is set).
 
     Synthetic splits (``synthetic-test``, ``synthetic-ood``) are generated with the task's options and
-    ``task.seed``, so every evaluation sees the same problems.
+    ``task.seed``, so every evaluation sees the same problems (and none of the training split's).
     """
     from oar.data.benchmarks import load_benchmark
 
-    out: dict[str, list[dict]] = {}
-    for i, b in enumerate(config["eval"]["benchmarks"]):
-        name = b["name"]
-        if name.startswith("synthetic-"):
-            if b.get("n") is None:
-                raise ValueError(f"eval.benchmarks.{i}.n: required for the generated benchmark {name!r}")
-            recs = load_benchmark(name, None, n=b["n"], seed=config["task"]["seed"], **config["task"]["synthetic"])
-        else:
-            recs = load_benchmark(name, b.get("source"), **(b.get("filters") or {}))
-            if b.get("n"):
-                recs = recs[: b["n"]]
-        out[name] = recs
-    return out
+    name = entry["name"]
+    if name.startswith("synthetic-"):
+        if entry.get("n") is None:
+            raise ValueError(f"{key}.n: required for the generated benchmark {name!r}")
+        return load_benchmark(name, None, n=entry["n"], seed=config["task"]["seed"], **config["task"]["synthetic"])
+    recs = load_benchmark(name, entry.get("source"), **(entry.get("filters") or {}))
+    return recs[: entry["n"]] if entry.get("n") else recs
+
+
+def load_eval_benchmarks(config: dict) -> dict[str, list[dict]]:
+    """The config's ``eval.benchmarks`` as ``{name: records}`` (see :func:`load_benchmark_entry`)."""
+    return {b["name"]: load_benchmark_entry(config, b, key=f"eval.benchmarks.{i}")
+            for i, b in enumerate(config["eval"]["benchmarks"])}
 
 
 def evaluate_records(
@@ -56,43 +58,84 @@ def evaluate_records(
     seed: int | None = 0,
     timeout_s: float = 5.0,
     workers: int | None = None,
+    chunk_size: int = 1024,
+    progress: bool = False,
+    desc: str = "eval",
+    keep_text: bool = True,
 ) -> tuple[dict, list[dict]]:
-    """Generate and score answers for ``records`` with a rollout ``engine``.
+    """Generate and score answers for ``records`` with a rollout ``engine``, ``chunk_size`` answers at a time.
+
+    Each pass (greedy, then ``samples`` sampled answers per problem) runs over chunks of
+    ``max(1, chunk_size // answers_per_problem)`` problems: one ``engine.generate`` call and one scoring
+    call per chunk, seeded ``seed * 1_000_003 + chunk`` (None: unseeded), so memory holds one chunk's
+    rollout at a time (500 problems x 8 samples never sit in one generate call).
+
+    Args:
+        progress: show a progress bar over answers.
+        keep_text: put question, response and extracted answer into the rows (False: id, gold,
+            correct and sample only, for the in-training held-out evaluation).
 
     Returns:
-        ``(summary, rows)``: summary has ``n``, ``pass@1`` (greedy, or None), ``avg@k`` and ``k``
-        (None when ``samples`` is 0), ``mean_response_tokens`` and ``seconds``; rows are per answer.
+        ``(summary, rows)``: summary has ``n``, ``pass@1`` (greedy, or None), ``avg@k``, ``pass@k``
+        (share of problems with at least one correct sample) and ``k`` (None when ``samples`` is 0),
+        ``mean_response_tokens`` and ``seconds``; rows are per answer (``sample = -1``: greedy).
     """
+    from tqdm.auto import tqdm
+
     from oar.data.prompts import render_prompt
     from oar.reward import extracted_answer, score_batch
+    from oar.stats import pass_at_k
 
+    if chunk_size < 1:
+        raise ValueError(f"eval.chunk_size: must be >= 1, got {chunk_size}")
     t0 = time.perf_counter()
     prompts = [render_prompt(template, r["question"], tokenizer) for r in records]
     golds = [r["answer"] for r in records]
     rows: list[dict] = []
-    summary: dict[str, Any] = {"n": len(records), "pass@1": None, "avg@k": None, "k": samples or None}
+    summary: dict[str, Any] = {"n": len(records), "pass@1": None, "avg@k": None, "pass@k": None, "k": samples or None}
     lengths: list[float] = []
     passes = []
     if greedy:
-        passes.append(("greedy", dict(n=1, greedy=True)))
+        passes.append(("greedy", 1, dict(n=1, greedy=True)))
     if samples > 0:
-        passes.append(("sampled", dict(n=samples, greedy=False)))
-    for kind, kw in passes:
-        ro = engine.generate(prompts, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed, **kw)
-        idx = ro.prompt_index.tolist()
-        scores = score_batch(ro.texts, [golds[i] for i in idx], correct=1.0, wrong=0.0, timeout_s=timeout_s, workers=workers)
-        counter: dict[int, int] = {}
-        for j, (i, text, s) in enumerate(zip(idx, ro.texts, scores)):
-            k = counter.get(i, 0)
-            counter[i] = k + 1
-            rows.append({
-                "id": records[i]["id"], "question": records[i]["question"], "response": text,
-                "extracted": extracted_answer(text), "gold": golds[i], "correct": bool(s > 0.5),
-                "sample": -1 if kind == "greedy" else k,
-            })
-        lengths.extend(ro.response_mask.sum(1).float().tolist())
-        acc = float(sum(scores) / max(1, len(scores)))
-        summary["pass@1" if kind == "greedy" else "avg@k"] = acc
+        passes.append(("sampled", samples, dict(n=samples, greedy=False)))
+    bar = tqdm(total=len(records) * sum(per for _, per, _ in passes), desc=desc, disable=not progress,
+               dynamic_ncols=True, unit="answer")
+    try:
+        for kind, per, kw in passes:
+            step = max(1, chunk_size // per)
+            n_correct = [0] * len(records)
+            total = 0.0
+            for c, lo in enumerate(range(0, len(records), step)):
+                chunk = list(range(lo, min(lo + step, len(records))))
+                ro = engine.generate([prompts[i] for i in chunk], temperature=temperature, top_p=top_p,
+                                     max_new_tokens=max_new_tokens,
+                                     seed=None if seed is None else seed * 1_000_003 + c, **kw)
+                idx = [chunk[j] for j in ro.prompt_index.tolist()]
+                scores = score_batch(ro.texts, [golds[i] for i in idx], correct=1.0, wrong=0.0, timeout_s=timeout_s,
+                                     workers=workers)
+                counter: dict[int, int] = {}
+                for i, text, s in zip(idx, ro.texts, scores):
+                    k = counter.get(i, 0)
+                    counter[i] = k + 1
+                    ok = bool(s > 0.5)
+                    n_correct[i] += ok
+                    row = {"id": records[i]["id"], "gold": golds[i], "correct": ok, "sample": -1 if kind == "greedy" else k}
+                    if keep_text:
+                        row.update(question=records[i]["question"], response=text, extracted=extracted_answer(text))
+                    rows.append(row)
+                lengths.extend(ro.response_mask.sum(1).float().tolist())
+                total += float(sum(scores))
+                bar.update(len(ro.texts))
+                del ro
+            acc = total / max(1, len(records) * per)
+            if kind == "greedy":
+                summary["pass@1"] = acc
+            else:
+                summary["avg@k"] = acc
+                summary["pass@k"] = pass_at_k(n_correct, per) if records else None
+    finally:
+        bar.close()
     summary["mean_response_tokens"] = float(sum(lengths) / max(1, len(lengths)))
     summary["seconds"] = time.perf_counter() - t0
     return summary, rows
@@ -118,7 +161,8 @@ def _read_cached(path: Path) -> dict | None:
     return prev if isinstance(prev, dict) else None
 
 
-def evaluate_from_config(config: dict, model_dir: str | Path | None, output_dir: str | Path, *, seed: int = 0) -> dict:
+def evaluate_from_config(config: dict, model_dir: str | Path | None, output_dir: str | Path, *, seed: int = 0,
+                         progress: bool = True) -> dict:
     """Evaluate the checkpoint ``model_dir`` (None: the config's ``model``) on ``eval.benchmarks``.
 
     Writes ``<output_dir>/<bench>.jsonl``, ``<output_dir>/<bench>.json`` and ``<output_dir>/summary.json``.
@@ -131,7 +175,7 @@ def evaluate_from_config(config: dict, model_dir: str | Path | None, output_dir:
     output_dir.mkdir(parents=True, exist_ok=True)
     spec = dict(config["model"], source=str(model_dir), gguf_file=None) if model_dir else config["model"]
     # cached results are reused only for the same model content, generation and scoring settings
-    settings = {k: ev[k] for k in ("greedy", "samples", "temperature", "top_p", "max_new_tokens")}
+    settings = {k: ev[k] for k in ("greedy", "samples", "temperature", "top_p", "max_new_tokens", "chunk_size")}
     settings.update(model_identity=model_identity(spec), seed=seed, template=config["task"]["template"],
                     reward=config["reward"])
     model_path = str(model_dir) if model_dir else config["model"]["source"]
@@ -155,13 +199,13 @@ def evaluate_from_config(config: dict, model_dir: str | Path | None, output_dir:
             engine, tokenizer, records, template=config["task"]["template"], greedy=ev["greedy"],
             samples=ev["samples"], temperature=ev["temperature"], top_p=ev["top_p"],
             max_new_tokens=ev["max_new_tokens"], seed=seed, timeout_s=config["reward"]["timeout_s"],
-            workers=config["reward"]["workers"],
+            workers=config["reward"]["workers"], chunk_size=ev["chunk_size"], progress=progress, desc=name,
         )
         summary.update(benchmark=name, model=model_path, settings=bench_settings)
         atomic_write_jsonl(output_dir / f"{name}.jsonl", rows)
         atomic_write_json(done, summary)
         results[name] = summary
-    keys = [k for k in ("pass@1", "avg@k") if any(r.get(k) is not None for r in results.values())]
+    keys = [k for k in ("pass@1", "avg@k", "pass@k") if results and all(r.get(k) is not None for r in results.values())]
     average = {k: sum(r[k] for r in results.values()) / len(results) for k in keys if results}
     out = {"model": model_path, "model_identity": settings["model_identity"], "benchmarks": results, "average": average}
     atomic_write_json(output_dir / "summary.json", out)

@@ -6,29 +6,39 @@ Layout read (``R`` = ``<results_dir>/<name>``, written by the workflow)::
     R/<method>/seed<seed>/eval/<bench>.jsonl     rows {id, correct, sample, ...}; sample -1 = greedy
     R/<method>/seed<seed>/eval/summary.json      {"benchmarks": {bench: {"pass@1": ...}}, ...}
     R/<method>/seed<seed>/metrics.jsonl          one row per training step (reward, accuracy, time_*, ...)
+                                                 and the held-out rows (heldout_acc, train_seconds)
 
 Layout written::
 
-    R/tables/main.csv        long format: one row per (row, benchmark incl. "Average"): mean, std,
-                             per-seed values, difference from the reference method and its CI
-    R/tables/main.md         the same as two readable tables (mean ± std; difference [95% CI])
-    R/tables/main.tex        the same as two LaTeX tabulars
+    R/tables/main.csv        long format: one row per (metric, row, benchmark incl. "Average"): mean,
+                             std, per-seed values; difference from the reference method with its
+                             interval, SE and per-seed differences; difference from the start model
+                             with its interval; the column's minimum detectable difference
+    R/tables/main.md         the start model's pass@1 / avg@k / pass@k, then per metric (avg@k, pass@1)
+                             the scores, the differences with intervals and the MDE line, the per-seed
+                             differences, the differences from the start; the steps-to-threshold table
+    R/tables/main.tex        the scores and differences as LaTeX tabulars
+    R/tables/steps_to_threshold.csv   steps and seconds each method needs to reach report.threshold
     R/tables/efficiency.csv  seconds per step by phase, overhead ratio of step time vs the reference
+    R/figures/learning_curves.png        held-out accuracy vs step and vs training seconds
     R/figures/training_curves.png        reward and accuracy per method over steps (mean over seeds)
     R/figures/credit_concentration.png   ESS ratio and top-10% advantage mass over steps
 
-Scores are per problem: the greedy answer's correctness (``sample == -1``) when the evaluation has
-greedy answers, else the mean correctness of the sampled answers (avg@k). Table cells are in percent.
-``mean ± std`` is over seeds (sample standard deviation, ddof 1; a single seed shows no ±). The
-"Average" column is the unweighted mean over benchmarks, computed per seed.
+Scores are per problem: ``pass@1`` the greedy answer's correctness (``sample == -1``; the sampled
+answers' mean when the evaluation has no greedy ones), ``avg@k`` the mean correctness of the k
+sampled answers, ``pass@k`` whether any of them is correct. Table cells are in percent. ``mean ± std``
+is over seeds (sample standard deviation, ddof 1; a single seed shows no ±). The "Average" column is
+the unweighted mean over benchmarks, computed per seed.
 
-Paired bootstrap of the difference from the reference method (GRPO by default): for each benchmark,
-the per-problem difference ``d[s, i] = score_m[s, i] - score_ref[s, i]`` is paired by (seed, problem
-id) over the seeds both have; problems are resampled with replacement (``n_boot`` times, rng
-``numpy.random.default_rng([seed, benchmark_index])``, the same resamples for every method) and the
-statistic is the mean of ``d`` over seeds and resampled problems; the Average column resamples every
-benchmark and averages the per-benchmark statistics. The interval is the percentile interval. The
-base row has a single evaluation; it is paired with every seed of the reference.
+Paired differences (:mod:`oar.stats`): for each benchmark, the per-problem difference
+``d[s, i] = score_m[s, i] - score_ref[s, i]`` is paired by (seed, problem id) over the seeds both have
+(the base row, one evaluation, is paired with every seed); the estimate is the mean of ``d``. The
+interval is the percentile interval of a bootstrap that resamples problems (``n_boot`` times, rng
+``numpy.random.default_rng([seed, benchmark_index])``, the same resamples for every method), the unit
+being the problem's difference averaged over seeds; the Average column resamples every benchmark
+and averages the per-benchmark statistics. The SE of the same mean, ``sd_i(dbar_i) / sqrt(n)``, gives
+the minimum detectable difference ``(z_{1-alpha/2} + z_power) * SE`` under each table, SE being the
+median over methods of their SE against the reference (:func:`column_mde`).
 """
 
 from __future__ import annotations
@@ -43,26 +53,36 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from oar.io import atomic_path, atomic_write_json, atomic_write_text, read_jsonl
+from oar.stats import mde, paired_bootstrap, paired_se, per_seed_differences
 
 __all__ = [
     "BASE_ROW",
     "PHASES",
     "ReportError",
     "RunScores",
+    "METRICS",
+    "REPORT_DEFAULTS",
     "load_scores",
     "paired_bootstrap",
     "main_table",
+    "column_mde",
+    "start_model_table",
     "efficiency_table",
     "load_metrics",
     "plot_training_curves",
     "plot_credit_concentration",
     "build_report",
+    "report_metrics",
     "data_manifest",
     "write_data_manifest",
 ]
 
 #: Name of the row of the starting model.
 BASE_ROW = "base"
+#: Per-problem scores a table can show (see the module docstring).
+METRICS = ("pass@1", "avg@k", "pass@k")
+#: Defaults of the config's ``report`` section (the schema fills them in a validated config).
+REPORT_DEFAULTS = {"reference": "grpo", "confidence": 0.95, "power": 0.8, "threshold": None, "band": "minmax"}
 #: Timed phases of a training step (``time_<phase>`` columns of metrics.jsonl).
 PHASES = ("rollout", "reward", "importance", "update", "step")
 
@@ -94,7 +114,9 @@ def _results_root(config: Mapping[str, Any], results: str | Path | None) -> Path
 
 
 def _read_scores_file(path: Path, *, metric: str) -> dict[str, float]:
-    """Per-problem score of one ``<bench>.jsonl``: greedy correctness, or mean sampled correctness.
+    """Per-problem score of one ``<bench>.jsonl``: greedy correctness (``pass@1``; the sampled answers'
+    mean when there are no greedy ones), mean sampled correctness (``avg@k``), or whether any sampled
+    answer is correct (``pass@k``).
 
     Raises:
         ReportError: the file is missing.
@@ -102,6 +124,8 @@ def _read_scores_file(path: Path, *, metric: str) -> dict[str, float]:
             without ``id``/``correct`` or with a non-integer ``sample``, a second greedy answer for a
             problem (``<file>: row <k>``), or no answers of the kind ``metric`` needs.
     """
+    if metric not in METRICS:
+        raise ValueError(f"metric: unknown metric {metric!r}; valid: {list(METRICS)}")
     if not path.exists():
         raise ReportError(f"missing evaluation file: {path}")
     greedy: dict[str, float] = {}
@@ -122,6 +146,8 @@ def _read_scores_file(path: Path, *, metric: str) -> dict[str, float]:
         return greedy
     if metric in ("pass@1", "avg@k") and sampled:
         return {k: float(np.mean(v)) for k, v in sampled.items()}
+    if metric == "pass@k" and sampled:
+        return {k: float(max(v)) for k, v in sampled.items()}
     raise ValueError(f"{path}: no {'greedy' if metric == 'pass@1' else 'sampled'} answers to score ({metric})")
 
 
@@ -166,56 +192,10 @@ def _check_summary(eval_dir: Path, benchmark: str, scores: dict[str, float] | np
         )
 
 
-# ------------------------------------------------------------------------------------- bootstrap
-def paired_bootstrap(
-    diffs: Sequence[np.ndarray],
-    *,
-    n_boot: int = 1000,
-    seed: int = 0,
-    confidence: float = 0.95,
-    streams: Sequence[int] | None = None,
-) -> tuple[float, float, float]:
-    """Percentile bootstrap interval of a mean paired difference, resampling problems.
-
-    Args:
-        diffs: one array per benchmark of shape ``(n_seeds, n_problems)``: the paired per-problem
-            differences. With several benchmarks the statistic is the unweighted mean over
-            benchmarks of each benchmark's mean difference (each benchmark resampled on its own).
-        n_boot: number of resamples (0: no interval, NaN bounds).
-        seed: base seed; benchmark ``k`` uses ``numpy.random.default_rng([seed, streams[k]])``
-            (``streams`` defaults to ``0, 1, ...``), so an interval depends only on the seed, the
-            streams and the data; give a benchmark the same stream everywhere (its index in the
-            config) and every comparison on it sees the same resamples.
-        confidence: coverage of the interval.
-
-    Returns:
-        ``(estimate, low, high)`` in the units of ``diffs``.
-    """
-    if not diffs:
-        raise ValueError("paired_bootstrap: no benchmarks")
-    streams = list(range(len(diffs))) if streams is None else list(streams)
-    if len(streams) != len(diffs):
-        raise ValueError(f"paired_bootstrap: {len(diffs)} benchmarks but {len(streams)} streams")
-    estimate = float(np.mean([np.mean(d) for d in diffs]))
-    if n_boot <= 0:
-        return estimate, math.nan, math.nan
-    stats = np.zeros(n_boot)
-    for j, d in enumerate(diffs):
-        d = np.asarray(d, dtype=np.float64)
-        if d.ndim != 2 or d.shape[1] == 0:
-            raise ValueError(f"paired_bootstrap: benchmark {j}: expected (n_seeds, n_problems>0), got {d.shape}")
-        per_problem = d.mean(axis=0)  # equal seeds per problem: mean over (seed, problem) = mean of these
-        rng = np.random.default_rng([seed, streams[j]])
-        idx = rng.integers(0, per_problem.shape[0], size=(n_boot, per_problem.shape[0]))
-        stats += per_problem[idx].mean(axis=1)
-    stats /= len(diffs)
-    alpha = (1.0 - confidence) / 2.0
-    low, high = np.quantile(stats, [alpha, 1.0 - alpha])
-    return estimate, float(low), float(high)
-
-
+# ------------------------------------------------------------------------------------- pairing
 def _paired_diff(row: RunScores, ref: RunScores, benchmark: str) -> np.ndarray:
-    """``(n_seeds, n)`` differences row - reference, paired by (seed, problem id)."""
+    """``(n_seeds, n)`` differences row - reference, paired by (seed, problem id); a single evaluation
+    (the base row, seeds ``[None]``) is paired with every seed of the other side."""
     if row.ids != ref.ids:
         raise ValueError(
             f"{benchmark}: {row.files[0]} and {ref.files[0]} hold different problems; "
@@ -223,12 +203,25 @@ def _paired_diff(row: RunScores, ref: RunScores, benchmark: str) -> np.ndarray:
         )
     if row.seeds == [None]:  # base: one evaluation, paired with every seed of the reference
         return row.scores[0][None, :] - ref.scores
+    if ref.seeds == [None]:  # a method against its start model
+        return row.scores - ref.scores[0][None, :]
     common = [s for s in row.seeds if s in ref.seeds]
     if not common:
         raise ValueError(f"{benchmark}: {row.files[0]} shares no seed with the reference {ref.files[0]}")
     a = row.scores[[row.seeds.index(s) for s in common]]
     b = ref.scores[[ref.seeds.index(s) for s in common]]
     return a - b
+
+
+def _compare(row: dict[str, RunScores], ref: dict[str, RunScores], benches: Sequence[str], bidx: Sequence[int], *,
+             n_boot: int, seed: int, confidence: float) -> dict[str, Any]:
+    """Paired difference (points) of ``row`` minus ``ref`` over the benchmarks ``bidx`` (one, or all
+    for the Average column): estimate, bootstrap interval, SE and per-seed differences."""
+    ds = [_paired_diff(row[benches[i]], ref[benches[i]], benches[i]) * 100.0 for i in bidx]
+    # the same resamples for every row: benchmark i always uses rng [seed, i]
+    est, lo, hi = paired_bootstrap(ds, n_boot=n_boot, seed=seed, confidence=confidence, streams=list(bidx))
+    seeds_diff = np.mean([per_seed_differences(d) for d in ds], axis=0)
+    return {"diff": est, "low": lo, "high": hi, "se": paired_se(ds), "per_seed": seeds_diff}
 
 
 # ----------------------------------------------------------------------------------------- tables
@@ -253,34 +246,48 @@ def _missing(paths: Sequence[Path]) -> None:
         raise ReportError(f"missing result file(s): {', '.join(gone[:10])}{more}; run the workflow first")
 
 
+def _report_option(config: Mapping[str, Any], key: str, value: Any) -> Any:
+    return (config.get("report") or {}).get(key, REPORT_DEFAULTS[key]) if value is None else value
+
+
 def main_table(
     config: Mapping[str, Any],
     results: str | Path | None = None,
     *,
-    reference: str = "grpo",
+    reference: str | None = None,
     n_boot: int | None = None,
     seed: int = 0,
-    confidence: float = 0.95,
+    confidence: float | None = None,
     metric: str = "pass@1",
+    power: float | None = None,
 ) -> "pd.DataFrame":  # noqa: F821
-    """The main comparison table in long format (values in percent).
+    """The main comparison table of one metric in long format (values in percent, differences in points).
 
-    Columns: ``row``, ``label``, ``benchmark`` (each benchmark, then ``Average``), ``n_problems``,
-    ``n_seeds``, ``mean``, ``std`` (NaN for one seed), ``per_seed`` (";"-joined values),
-    ``diff`` (mean difference from ``reference`` in points), ``ci_low``, ``ci_high`` (NaN for the
-    reference itself, or when the config has no method named ``reference``).
+    Columns: ``row``, ``label``, ``metric``, ``benchmark`` (each benchmark, then ``Average``),
+    ``n_problems``, ``n_seeds``, ``mean``, ``std`` (NaN for one seed), ``per_seed`` (";"-joined values);
+    against ``reference``: ``diff`` (mean paired difference), ``ci_low``, ``ci_high`` (paired
+    bootstrap interval), ``se`` (:func:`oar.stats.paired_se`), ``diff_per_seed`` (";"-joined per-seed
+    mean differences), all NaN for the reference itself or when the config has no method named
+    ``reference``; against the start model (the base row): ``start_diff``, ``start_ci_low``,
+    ``start_ci_high``, ``start_se`` (NaN for the base row); ``mde``: the minimum detectable difference
+    of the column (see :func:`column_mde`; the same on every row), and ``mde_source``.
 
     Args:
-        config: a validated config (``eval.benchmarks``, ``seeds``, ``methods``).
+        config: a validated config (``eval.benchmarks``, ``seeds``, ``methods``, ``report``).
         results: the results folder ``R``; default ``<results_dir>/<name>``.
-        reference: the method differences are taken against.
+        reference: the method differences are taken against (default ``report.reference``).
         n_boot: bootstrap resamples (default ``eval.bootstrap``).
         seed: bootstrap seed.
-        confidence: interval coverage.
-        metric: ``pass@1`` (greedy; falls back to sampled answers when there are none) or ``avg@k``.
+        confidence: interval coverage (default ``report.confidence``); the MDE's alpha is 1 - confidence.
+        metric: ``pass@1`` (greedy; falls back to sampled answers when there are none), ``avg@k``
+            or ``pass@k``.
+        power: power of the MDE (default ``report.power``).
     """
     import pandas as pd
 
+    reference = _report_option(config, "reference", reference)
+    confidence = float(_report_option(config, "confidence", confidence))
+    power = float(_report_option(config, "power", power))
     root = _results_root(config, results)
     seeds = list(config.get("seeds") or [0])
     benches = [b["name"] for b in config["eval"]["benchmarks"]]
@@ -301,120 +308,102 @@ def main_table(
         for b in benches:
             rs = load_scores(dirs, b, metric=metric)
             for k, (s, d) in enumerate(dirs.items()):
-                _check_summary(d, b, rs.scores[k], "pass@1" if metric == "pass@1" else "avg@k")
+                _check_summary(d, b, rs.scores[k], metric)
             scores[row][b] = rs
     has_ref = reference in scores and reference != BASE_ROW
+    opts = dict(n_boot=n_boot, seed=seed, confidence=confidence)
 
     records = []
     for row, label in rows:
         per_bench = {b: scores[row][b].scores.mean(axis=1) * 100.0 for b in benches}  # (n_seeds,)
-        cols = [(b, per_bench[b], [scores[row][b]]) for b in benches]
-        cols.append(("Average", np.mean([per_bench[b] for b in benches], axis=0), [scores[row][b] for b in benches]))
-        for j, (bname, values, _) in enumerate(cols):
-            diff = lo = hi = math.nan
+        cols = [(b, per_bench[b], [j]) for j, b in enumerate(benches)]
+        cols.append(("Average", np.mean([per_bench[b] for b in benches], axis=0), list(range(len(benches)))))
+        for bname, values, bidx in cols:
+            vs_ref = vs_start = None
             if has_ref and row != reference:
-                bidx = list(range(len(benches))) if bname == "Average" else [j]
-                ds = [_paired_diff(scores[row][benches[i]], scores[reference][benches[i]], benches[i]) * 100.0
-                      for i in bidx]
-                # the same resamples for every row: benchmark i always uses rng [seed, i]
-                est, lo, hi = paired_bootstrap(ds, n_boot=n_boot, seed=seed, confidence=confidence, streams=bidx)
-                diff = est
+                vs_ref = _compare(scores[row], scores[reference], benches, bidx, **opts)
+            if row != BASE_ROW:
+                vs_start = _compare(scores[row], scores[BASE_ROW], benches, bidx, **opts)
+            nan = math.nan
             records.append({
                 "row": row,
                 "label": label,
+                "metric": metric,
                 "benchmark": bname,
                 "n_problems": int(sum(len(scores[row][b].ids) for b in benches)) if bname == "Average"
                 else len(scores[row][bname].ids),
                 "n_seeds": len(values),
                 "mean": float(np.mean(values)),
-                "std": float(np.std(values, ddof=1)) if len(values) > 1 else math.nan,
+                "std": float(np.std(values, ddof=1)) if len(values) > 1 else nan,
                 "per_seed": ";".join(f"{v:.4f}" for v in values),
-                "diff": diff,
-                "ci_low": lo,
-                "ci_high": hi,
+                "diff": vs_ref["diff"] if vs_ref else nan,
+                "ci_low": vs_ref["low"] if vs_ref else nan,
+                "ci_high": vs_ref["high"] if vs_ref else nan,
+                "se": vs_ref["se"] if vs_ref else nan,
+                "diff_per_seed": ";".join(f"{v:.4f}" for v in vs_ref["per_seed"]) if vs_ref else "",
+                "start_diff": vs_start["diff"] if vs_start else nan,
+                "start_ci_low": vs_start["low"] if vs_start else nan,
+                "start_ci_high": vs_start["high"] if vs_start else nan,
+                "start_se": vs_start["se"] if vs_start else nan,
             })
-    return pd.DataFrame.from_records(records)
+    df = pd.DataFrame.from_records(records)
+    mdes = column_mde(df, reference=reference, alpha=1.0 - confidence, power=power)
+    df["mde"] = df["benchmark"].map(lambda b: mdes[b][0])
+    df["mde_source"] = df["benchmark"].map(lambda b: mdes[b][1])
+    return df
 
 
-def _fmt_cell(mean: float, std: float, digits: int = 1) -> str:
-    if math.isnan(std):
-        return f"{mean:.{digits}f}"
-    return f"{mean:.{digits}f} ± {std:.{digits}f}"
+def column_mde(df: "pd.DataFrame", *, reference: str, alpha: float = 0.05,  # noqa: F821
+               power: float = 0.8) -> dict[str, tuple[float, str]]:
+    """Per benchmark column: the minimum detectable difference from ``reference`` of this design and
+    where its SE comes from.
+
+    ``MDE = (z_{1-alpha/2} + z_power) * SE`` (:func:`oar.stats.mde`) with SE the median over the
+    methods (every row but the base row and the reference) of the SE of their paired difference from
+    the reference; with no such method, the SE of the reference's difference from the start model.
+    """
+    out = {}
+    for b in dict.fromkeys(df["benchmark"]):
+        col = df[df["benchmark"] == b]
+        ses = col.loc[(col["row"] != BASE_ROW) & (col["row"] != reference), "se"].dropna()
+        if len(ses):
+            out[b] = (mde(float(np.median(ses)), alpha=alpha, power=power),
+                      f"median over {len(ses)} method(s) of the SE of the difference from the reference")
+            continue
+        ref = col.loc[col["row"] == reference, "start_se"].dropna()
+        out[b] = ((mde(float(ref.iloc[0]), alpha=alpha, power=power), "SE of the reference's difference from the start")
+                  if len(ref) else (math.nan, "no paired comparison"))
+    return out
 
 
-def _fmt_diff(diff: float, lo: float, hi: float, digits: int = 1) -> str:
-    if math.isnan(diff):
-        return "—"
-    if math.isnan(lo):
-        return f"{diff:+.{digits}f}"
-    return f"{diff:+.{digits}f} [{lo:+.{digits}f}, {hi:+.{digits}f}]"
-
-
-def _wide(df, column: str) -> "pd.DataFrame":  # noqa: F821
+def start_model_table(config: Mapping[str, Any], results: str | Path | None = None) -> "pd.DataFrame":  # noqa: F821
+    """The start model's (base row's) accuracy per benchmark, in percent: ``pass@1`` (greedy),
+    ``avg@k`` (pass@1 of a sample at ``eval.temperature``) and ``pass@k`` (share of problems with at
+    least one correct answer among its k samples); NaN for what the evaluation did not produce."""
     import pandas as pd
 
-    order = list(dict.fromkeys(df["benchmark"]))
-    rows = list(dict.fromkeys(df["label"]))
-    fmt = _fmt_cell if column == "cell" else _fmt_diff
-    cells = {}
-    for r in df.itertuples(index=False):
-        cells[(r.label, r.benchmark)] = fmt(r.mean, r.std) if column == "cell" else fmt(r.diff, r.ci_low, r.ci_high)
-    return pd.DataFrame([[cells[(lab, b)] for b in order] for lab in rows], index=pd.Index(rows, name="Method"),
-                        columns=order)
-
-
-def _markdown(df, *, reference_label: str, metric: str, confidence: float, n_boot: int, seed: int) -> str:
-    def table(w):
-        head = "| " + " | ".join([w.index.name] + list(w.columns)) + " |"
-        sep = "|" + "|".join(["---"] + ["---:"] * len(w.columns)) + "|"
-        body = ["| " + " | ".join([str(i)] + list(map(str, r))) + " |" for i, r in zip(w.index, w.values)]
-        return "\n".join([head, sep, *body])
-
-    n_seeds = int(df.loc[df["row"] != BASE_ROW, "n_seeds"].max()) if (df["row"] != BASE_ROW).any() else 1
-    parts = [
-        f"### {metric} (%), mean ± std over {n_seeds} seed(s)",
-        "",
-        table(_wide(df, "cell")),
-        "",
-    ]
-    if df["diff"].notna().any():
-        parts += [
-            f"### Difference from {reference_label} (points), paired bootstrap {confidence:.0%} interval",
-            f"({n_boot} resamples of problems, seed {seed}; pairs = same seed and problem)",
-            "",
-            table(_wide(df, "diff")),
-            "",
-        ]
-    return "\n".join(parts)
-
-
-def _latex(df, *, reference_label: str, metric: str, confidence: float) -> str:
-    def esc(s: str) -> str:
-        for a, b in (("\\", r"\textbackslash{}"), ("_", r"\_"), ("%", r"\%"), ("&", r"\&"), ("#", r"\#"),
-                     ("±", r"$\pm$"), ("—", "--")):
-            s = s.replace(a, b)
-        return s
-
-    def tabular(w, caption):
-        cols = "l" + "r" * len(w.columns)
-        lines = [r"\begin{table}[t]", r"\centering", rf"\caption{{{esc(caption)}}}", rf"\begin{{tabular}}{{{cols}}}",
-                 r"\toprule", " & ".join([esc(w.index.name)] + [esc(c) for c in w.columns]) + r" \\", r"\midrule"]
-        for i, r in zip(w.index, w.values):
-            cells = [esc(str(v)) for v in r]
-            lines.append(" & ".join([esc(str(i))] + cells) + r" \\")
-        lines += [r"\bottomrule", r"\end{tabular}", r"\end{table}"]
-        return "\n".join(lines)
-
-    out = [tabular(_wide(df, "cell"), f"{metric} (%), mean ± std over seeds")]
-    if df["diff"].notna().any():
-        out.append(tabular(_wide(df, "diff"),
-                           f"Difference from {reference_label} (points), paired bootstrap {confidence:.0%} interval"))
-    return "% generated by oar.report (needs \\usepackage{booktabs})\n" + "\n\n".join(out) + "\n"
+    root = _results_root(config, results)
+    d = {None: root / BASE_ROW / "eval"}
+    recs = []
+    for b in [b["name"] for b in config["eval"]["benchmarks"]]:
+        rec: dict[str, Any] = {"benchmark": b}
+        for metric in METRICS:
+            try:
+                rs = load_scores(d, b, metric=metric)
+                rec[metric] = float(rs.scores.mean()) * 100.0
+                rec["n_problems"] = len(rs.ids)
+            except ValueError:  # no answers of that kind
+                rec[metric] = math.nan
+        if config["eval"].get("greedy") is False:  # pass@1 fell back to the samples
+            rec["pass@1"] = math.nan
+        recs.append(rec)
+    return pd.DataFrame.from_records(recs)
 
 
 # ------------------------------------------------------------------------------------ efficiency
 def load_metrics(path: str | Path) -> "pd.DataFrame":  # noqa: F821
-    """One run's ``metrics.jsonl`` as a DataFrame indexed by step (the last row of a repeated step wins).
+    """One run's ``metrics.jsonl`` training rows as a DataFrame indexed by step (the last row of a
+    repeated step wins; the held-out rows are left out).
 
     Raises:
         ReportError: the file is missing or empty.
@@ -430,6 +419,12 @@ def load_metrics(path: str | Path) -> "pd.DataFrame":  # noqa: F821
     for k, r in enumerate(rows, 1):
         if "step" not in r:
             raise ValueError(f"{path}:{k}: metrics row without 'step'")
+    from oar.heldout import HELDOUT_KEYS
+
+    # the held-out rows (oar.heldout) are read by oar.learning_curves.load_heldout
+    rows = [r for r in rows if set(r) - {"step", *HELDOUT_KEYS}] or rows[:0]
+    if not rows:
+        raise ReportError(f"no training rows in {path}")
     df = pd.DataFrame.from_records(rows)
     df = df.drop_duplicates("step", keep="last").set_index("step").sort_index()
     return df.apply(pd.to_numeric, errors="coerce")
@@ -546,15 +541,31 @@ def plot_credit_concentration(path: str | Path, metrics, labels: Mapping[str, st
 
 
 # ---------------------------------------------------------------------------------------- report
+def report_metrics(config: Mapping[str, Any]) -> list[str]:
+    """The metrics the main tables show: ``avg@k`` when ``eval.samples`` > 0, ``pass@1`` when
+    ``eval.greedy`` (at least one of them)."""
+    ev = config["eval"]
+    out = (["avg@k"] if ev.get("samples") else []) + (["pass@1"] if ev.get("greedy", True) else [])
+    return out or ["pass@1"]
+
+
+def _all_heldout(config: Mapping[str, Any], root: Path) -> dict[str, dict[int, "pd.DataFrame"]]:  # noqa: F821
+    from oar.learning_curves import load_heldout
+
+    seeds = list(config.get("seeds") or [0])
+    methods = [name for name, _ in _rows_of(config) if name != BASE_ROW]
+    return {m: {s: load_heldout(root / m / f"seed{s}" / "metrics.jsonl") for s in seeds} for m in methods}
+
+
 def build_report(
     config: Mapping[str, Any],
     results: str | Path | None = None,
     *,
-    reference: str = "grpo",
+    reference: str | None = None,
     seed: int = 0,
     n_boot: int | None = None,
-    confidence: float = 0.95,
-    metric: str = "pass@1",
+    confidence: float | None = None,
+    metric: str | None = None,
     skip_steps: int = 1,
 ) -> dict[str, Path]:
     """Write the tables and figures of a finished results tree (see the module docstring).
@@ -562,41 +573,78 @@ def build_report(
     Args:
         config: a validated config (:func:`oar.config.load_config`).
         results: the results folder ``R`` (default ``<results_dir>/<name>``).
-        reference: the method differences and overheads are relative to.
+        reference: the method differences and overheads are relative to (default ``report.reference``).
         seed: bootstrap seed.
         n_boot: bootstrap resamples (default ``eval.bootstrap``).
-        confidence: interval coverage.
-        metric: ``pass@1`` (greedy) or ``avg@k`` (sampled).
+        confidence: interval coverage (default ``report.confidence``).
+        metric: only this metric's tables (default: :func:`report_metrics`).
         skip_steps: warm-up steps left out of the efficiency means (see :func:`efficiency_table`).
 
     Returns:
-        ``{"main_csv", "main_md", "main_tex", "efficiency_csv", "training_curves",
-        "credit_concentration"}`` -> the paths written.
+        ``{"main_csv", "main_md", "main_tex", "steps_to_threshold_csv", "efficiency_csv",
+        "learning_curves", "training_curves", "credit_concentration"}`` -> the paths written.
 
     Raises:
         ReportError: a result file is missing (every missing file is named).
     """
+    import pandas as pd
+
+    from oar.learning_curves import auto_threshold, plot_learning_curves, steps_to_threshold, threshold_markdown
+    from oar.report_format import main_latex, main_markdown
+
     root = _results_root(config, results)
     labels = dict(_rows_of(config))
+    reference = _report_option(config, "reference", reference)
+    confidence = float(_report_option(config, "confidence", confidence))
+    power = float(_report_option(config, "power", None))
     n_boot = int(config["eval"].get("bootstrap", 1000)) if n_boot is None else int(n_boot)
-    table = main_table(config, root, reference=reference, n_boot=n_boot, seed=seed, confidence=confidence,
-                       metric=metric)
+    metrics_shown = [metric] if metric else report_metrics(config)
+    tables = {m: main_table(config, root, reference=reference, n_boot=n_boot, seed=seed, confidence=confidence,
+                            metric=m, power=power) for m in metrics_shown}
+    start = start_model_table(config, root)
     metrics = _all_metrics(config, root)
     eff = efficiency_table(config, root, reference=reference, metrics=metrics, skip_steps=skip_steps)
+    heldout = _all_heldout(config, root)
+    threshold = _report_option(config, "threshold", None)
+    ref_label = labels.get(reference, reference)
+    if threshold is None:
+        threshold = auto_threshold(heldout, reference)
+        how = f"halfway between the start model's held-out accuracy and {ref_label}'s last one"
+    else:
+        how = "report.threshold"
+    if not any(len(df) for per_seed in heldout.values() for df in per_seed.values()):
+        threshold, how = math.nan, "no held-out evaluation during training (train.heldout.every is 0)"
+    elif math.isnan(threshold):
+        how = (f"{ref_label}'s last held-out accuracy is not above the start model's, so no accuracy lies "
+               "between them; set report.threshold")
+    steps = steps_to_threshold(heldout, threshold, labels) if not math.isnan(threshold) else steps_to_threshold({}, 0.0)
     ref_label = labels.get(reference, reference)
     out = {
         "main_csv": root / "tables" / "main.csv",
         "main_md": root / "tables" / "main.md",
         "main_tex": root / "tables" / "main.tex",
+        "steps_to_threshold_csv": root / "tables" / "steps_to_threshold.csv",
         "efficiency_csv": root / "tables" / "efficiency.csv",
+        "learning_curves": root / "figures" / "learning_curves.png",
         "training_curves": root / "figures" / "training_curves.png",
         "credit_concentration": root / "figures" / "credit_concentration.png",
     }
-    atomic_write_text(out["main_csv"], table.to_csv(index=False, float_format="%.6g"))
-    atomic_write_text(out["main_md"], _markdown(table, reference_label=ref_label, metric=metric,
-                                                confidence=confidence, n_boot=n_boot, seed=seed))
-    atomic_write_text(out["main_tex"], _latex(table, reference_label=ref_label, metric=metric, confidence=confidence))
+    ev = config["eval"]
+    k = int(ev.get("samples") or 0) or None
+    temperature = float(ev.get("temperature", 0.6))
+    rollout_t = (config.get("rollout") or {}).get("temperature")
+    atomic_write_text(out["main_csv"], pd.concat(list(tables.values()), ignore_index=True)
+                      .to_csv(index=False, float_format="%.6g"))
+    atomic_write_text(out["main_md"], main_markdown(
+        tables, start=start, reference=reference, reference_label=ref_label, confidence=confidence, power=power,
+        n_boot=n_boot, seed=seed, k=k, temperature=temperature, rollout_temperature=rollout_t,
+        seeds=list(config.get("seeds") or [0]), extra=threshold_markdown(steps, threshold=threshold, how=how)))
+    atomic_write_text(out["main_tex"], main_latex(tables, reference=reference, reference_label=ref_label,
+                                                  confidence=confidence, k=k, temperature=temperature))
+    atomic_write_text(out["steps_to_threshold_csv"], steps.to_csv(index=False, float_format="%.6g"))
     atomic_write_text(out["efficiency_csv"], eff.to_csv(index=False, float_format="%.6g"))
+    plot_learning_curves(out["learning_curves"], heldout, labels, band=_report_option(config, "band", None),
+                         threshold=threshold)
     plot_training_curves(out["training_curves"], metrics, labels)
     plot_credit_concentration(out["credit_concentration"], metrics, labels)
     return out

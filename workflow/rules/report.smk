@@ -1,5 +1,11 @@
-# Tables (main comparison with bootstrap intervals, efficiency) and figures (training curves,
-# credit concentration) from every evaluation and training run of the config.
+# Tables (main comparison with paired intervals and the minimum detectable difference, steps to a
+# held-out accuracy, efficiency) and figures (learning curves, training curves, credit concentration)
+# from every evaluation and training run of the config (src/oar/report.py).
+
+REPORT_OUTPUTS.update(
+    learning=f"{R}/figures/learning_curves.png",
+    steps=f"{R}/tables/steps_to_threshold.csv",
+)
 
 
 rule report:
@@ -15,6 +21,18 @@ rule report:
         ),
         md=REPORT_OUTPUTS["md"],
         tex=REPORT_OUTPUTS["tex"],
+        steps=report(
+            REPORT_OUTPUTS["steps"],
+            caption="../report/steps_to_threshold.rst",
+            category="Tables",
+            labels={"table": "steps to threshold"},
+        ),
+        learning=report(
+            REPORT_OUTPUTS["learning"],
+            caption="../report/learning_curves.rst",
+            category="Figures",
+            labels={"figure": "learning curves"},
+        ),
         efficiency=report(
             REPORT_OUTPUTS["efficiency"],
             caption="../report/efficiency.rst",
@@ -36,7 +54,8 @@ rule report:
     params:
         config=CONFIG_FILE,
         results=lambda wc, output: os.path.dirname(os.path.dirname(output.main)),
-        fingerprint=fingerprint(config["eval"].get("bootstrap"), {m: v.label for m, v in METHODS.items()}),
+        fingerprint=fingerprint(config["eval"].get("bootstrap"), config.get("report"),
+                                {m: v.label for m, v in METHODS.items()}),
     log:
         f"{R}/logs/report.log",
     benchmark:

@@ -1,0 +1,159 @@
+"""Statistics of the reports: paired intervals over problems, power, steps to a threshold.
+
+Plain numpy functions on small arrays, used by :mod:`oar.report` and :mod:`oar.learning_curves`.
+
+Paired design. Two rows of a table (a method and GRPO, or a method and its start model) are scored
+on the same problems with the same seeds; ``d[s, i]`` is the score difference on problem ``i`` of
+seed ``s`` of one minus seed ``s`` of the other (a single start-model evaluation is paired with every
+seed). The estimate is the mean of ``d``; the intervals here resample (or treat as random) the
+*problems* only: the per-problem difference averaged over seeds, ``dbar_i = mean_s d[s, i]``, is the
+unit of the interval. They say how far the estimate could move on another draw of problems from the
+same distribution, for these trained seeds; the seed-to-seed variation of training is not resampled
+(the per-seed differences ``mean_i d[s, i]`` show it).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+__all__ = [
+    "z_power",
+    "paired_bootstrap",
+    "paired_se",
+    "mde",
+    "per_seed_differences",
+    "first_crossing",
+    "pass_at_k",
+]
+
+
+def _z(p: float) -> float:
+    from scipy.stats import norm
+
+    return float(norm.ppf(p))
+
+
+def z_power(alpha: float = 0.05, power: float = 0.8) -> float:
+    """``z_{1-alpha/2} + z_{power}`` (2.8016 for two-sided alpha 0.05 and 80% power)."""
+    return _z(1.0 - alpha / 2.0) + _z(power)
+
+
+def paired_bootstrap(
+    diffs: Sequence[np.ndarray],
+    *,
+    n_boot: int = 1000,
+    seed: int = 0,
+    confidence: float = 0.95,
+    streams: Sequence[int] | None = None,
+) -> tuple[float, float, float]:
+    """Percentile bootstrap interval of a mean paired difference, resampling problems.
+
+    Args:
+        diffs: one array per benchmark of shape ``(n_seeds, n_problems)``: the paired per-problem
+            differences. With several benchmarks the statistic is the unweighted mean over
+            benchmarks of each benchmark's mean difference (each benchmark resampled on its own).
+        n_boot: number of resamples (0: no interval, NaN bounds).
+        seed: base seed; benchmark ``k`` uses ``numpy.random.default_rng([seed, streams[k]])``
+            (``streams`` defaults to ``0, 1, ...``), so an interval depends only on the seed, the
+            streams and the data; give a benchmark the same stream everywhere (its index in the
+            config) and every comparison on it sees the same resamples.
+        confidence: coverage of the interval.
+
+    Returns:
+        ``(estimate, low, high)`` in the units of ``diffs``.
+    """
+    if not diffs:
+        raise ValueError("paired_bootstrap: no benchmarks")
+    streams = list(range(len(diffs))) if streams is None else list(streams)
+    if len(streams) != len(diffs):
+        raise ValueError(f"paired_bootstrap: {len(diffs)} benchmarks but {len(streams)} streams")
+    estimate = float(np.mean([np.mean(d) for d in diffs]))
+    if n_boot <= 0:
+        return estimate, math.nan, math.nan
+    stats = np.zeros(n_boot)
+    for j, d in enumerate(diffs):
+        d = np.asarray(d, dtype=np.float64)
+        if d.ndim != 2 or d.shape[1] == 0:
+            raise ValueError(f"paired_bootstrap: benchmark {j}: expected (n_seeds, n_problems>0), got {d.shape}")
+        per_problem = d.mean(axis=0)  # equal seeds per problem: mean over (seed, problem) = mean of these
+        rng = np.random.default_rng([seed, streams[j]])
+        idx = rng.integers(0, per_problem.shape[0], size=(n_boot, per_problem.shape[0]))
+        stats += per_problem[idx].mean(axis=1)
+    stats /= len(diffs)
+    alpha = (1.0 - confidence) / 2.0
+    low, high = np.quantile(stats, [alpha, 1.0 - alpha])
+    return estimate, float(low), float(high)
+
+
+def paired_se(diffs: Sequence[np.ndarray]) -> float:
+    """Standard error of the mean paired difference over problems (the normal-theory twin of
+    :func:`paired_bootstrap`).
+
+    For one benchmark with ``d`` of shape ``(S, n)``: ``dbar_i = mean_s d[s, i]`` and
+    ``SE = sd(dbar, ddof=1) / sqrt(n)``. For several benchmarks (their unweighted mean):
+    ``SE = sqrt(sum_b SE_b^2) / B``. NaN when a benchmark has fewer than 2 problems.
+    """
+    if not diffs:
+        raise ValueError("paired_se: no benchmarks")
+    ses = []
+    for j, d in enumerate(diffs):
+        d = np.asarray(d, dtype=np.float64)
+        if d.ndim != 2 or d.shape[1] == 0:
+            raise ValueError(f"paired_se: benchmark {j}: expected (n_seeds, n_problems>0), got {d.shape}")
+        per_problem = d.mean(axis=0)
+        n = per_problem.shape[0]
+        ses.append(float(np.std(per_problem, ddof=1) / math.sqrt(n)) if n > 1 else math.nan)
+    return float(math.sqrt(sum(s * s for s in ses)) / len(ses))
+
+
+def mde(se: float, *, alpha: float = 0.05, power: float = 0.8) -> float:
+    """Minimum detectable difference of a two-sided z test: ``(z_{1-alpha/2} + z_power) * se``."""
+    return z_power(alpha, power) * float(se)
+
+
+def per_seed_differences(d: np.ndarray) -> np.ndarray:
+    """``(S,)`` mean difference of each seed over problems, from ``d`` of shape ``(S, n)``."""
+    d = np.asarray(d, dtype=np.float64)
+    if d.ndim != 2:
+        raise ValueError(f"per_seed_differences: expected (n_seeds, n_problems), got {d.shape}")
+    return d.mean(axis=1)
+
+
+def first_crossing(x: Sequence[float], y: Sequence[float], threshold: float) -> float:
+    """The first ``x`` at which the piecewise-linear curve through ``(x, y)`` reaches ``threshold``.
+
+    ``x`` must increase. If ``y[0] >= threshold`` the answer is ``x[0]``; otherwise, with ``j`` the
+    first point where ``y[j] >= threshold``, linear interpolation between points ``j-1`` and ``j``:
+    ``x[j-1] + (threshold - y[j-1]) / (y[j] - y[j-1]) * (x[j] - x[j-1])``. NaN when no point reaches
+    it ("not reached"); NaN values of ``y`` (missing evaluations) are skipped.
+    """
+    xs = np.asarray(x, dtype=np.float64)
+    ys = np.asarray(y, dtype=np.float64)
+    if xs.shape != ys.shape or xs.ndim != 1:
+        raise ValueError(f"first_crossing: x and y must be 1-D of one length, got {xs.shape} and {ys.shape}")
+    keep = ~np.isnan(ys) & ~np.isnan(xs)
+    xs, ys = xs[keep], ys[keep]
+    if np.any(np.diff(xs) < 0):
+        raise ValueError("first_crossing: x must not decrease")
+    hit = np.nonzero(ys >= threshold)[0]
+    if hit.size == 0:
+        return math.nan
+    j = int(hit[0])
+    if j == 0:
+        return float(xs[0])
+    x0, x1, y0, y1 = xs[j - 1], xs[j], ys[j - 1], ys[j]
+    return float(x0 + (threshold - y0) / (y1 - y0) * (x1 - x0))
+
+
+def pass_at_k(correct_counts: Sequence[int], k: int) -> float:
+    """Share of problems with at least one correct answer among their ``k`` samples (``correct_counts``:
+    per problem, how many of its ``k`` samples were correct)."""
+    c = np.asarray(correct_counts)
+    if c.size == 0:
+        return math.nan
+    if np.any(c > k) or np.any(c < 0):
+        raise ValueError(f"pass_at_k: counts must lie in [0, {k}]")
+    return float(np.mean(c > 0))
