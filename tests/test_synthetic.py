@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from oar.answer import extract_boxed, last_boxed_span
 from oar.data.synthetic import DEFAULT_FILLERS, answer_of, format_solution, generate, solve_steps
 
-KEYS = {"id", "question", "answer", "solution", "source", "n_operands", "result_spans", "filler_spans"}
+KEYS = {"id", "question", "answer", "solution", "source", "n_operands", "result_spans", "filler_spans", "demo_errors"}
 
 
 def py_eval(question: str) -> int:
@@ -221,3 +221,38 @@ def test_bad_split_and_unknown_option():
         generate("train", 3, seed=0, num_digits=2)
     with pytest.raises(ValueError, match="n"):
         generate("train", -1, seed=0)
+
+
+def test_corrupt_steps_hand_example_continues_consistently():
+    import random
+
+    from oar.data.synthetic import ERROR_OFFSETS, corrupt_steps
+
+    steps, wrong = corrupt_steps([2, 3, 4], ["+", "-"], 1.0, random.Random(0))
+    assert wrong == [0, 1]
+    (a0, _, b0, c0), (a1, op1, b1, c1) = steps
+    assert (a0, b0) == (2, 3) and c0 - 5 in ERROR_OFFSETS
+    assert a1 == c0 and op1 == "-" and b1 == 4 and c1 - (c0 - 4) in ERROR_OFFSETS  # builds on the wrong value
+    assert corrupt_steps([2, 3, 4], ["+", "*"], 0.0, random.Random(0)) == (solve_steps([2, 3, 4], ["+", "*"]), [])
+
+
+def test_demo_errors_only_in_train_at_the_rate_and_questions_unchanged():
+    clean = generate("train", 3000, seed=5, digits=1)
+    noisy = generate("train", 3000, seed=5, digits=1, demo_error_rate=0.3)
+    assert [r["question"] for r in clean] == [r["question"] for r in noisy]
+    assert [r["answer"] for r in clean] == [r["answer"] for r in noisy]  # rewards use the true answer
+    n_steps = sum(r["n_operands"] - 1 for r in noisy)
+    n_wrong = sum(len(r["demo_errors"]) for r in noisy)
+    assert abs(n_wrong / n_steps - 0.3) < 0.03
+    boxed_wrong = sum(extract_boxed(r["solution"]) != r["answer"] for r in noisy)
+    assert boxed_wrong > 0.3 * len(noisy)
+    for r in noisy[:300]:  # the wrong steps are the listed ones, and each step builds on the written value
+        written = [(int(a), op, int(b), int(c)) for a, op, b, c in re.findall(r"(-?\d+)([+-])(\d+)=(-?\d+)", r["solution"])]
+        assert len(written) == r["n_operands"] - 1
+        off = [k for k, (a, op, b, c) in enumerate(written) if c != (a + b if op == "+" else a - b)]
+        assert off == r["demo_errors"]
+        assert all(written[k + 1][0] == written[k][3] for k in range(len(written) - 1))
+        assert extract_boxed(r["solution"]) == str(written[-1][3])
+    for split in ("test", "ood"):
+        assert all(not r["demo_errors"] for r in generate(split, 200, seed=5, digits=1, demo_error_rate=0.3))
+        assert all(extract_boxed(r["solution"]) == r["answer"] for r in generate(split, 200, seed=5, digits=1, demo_error_rate=0.3))

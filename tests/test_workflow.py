@@ -581,6 +581,9 @@ def check_every_method_did_something(R: Path, cfg: dict) -> None:
     sft = load_file(R / "sft" / "model" / "model.safetensors")
     for name, m in methods.items():
         rows = [json.loads(line) for line in (R / name / "seed0" / "metrics.jsonl").read_text().splitlines() if line]
+        held = [r["step"] for r in rows if "heldout_acc" in r]  # oar.heldout's rows, beside the step rows
+        assert held == list(range(cfg["train"]["steps"] + 1)), (name, held)
+        rows = [r for r in rows if "heldout_acc" not in r]
         assert len(rows) == cfg["train"]["steps"], name
         assert any(0 < r["accuracy"] < 1 for r in rows), (name, [r["accuracy"] for r in rows])
         if m.credit in ("oar_p", "oar_g"):

@@ -77,11 +77,11 @@ def _cmd_data(args: argparse.Namespace) -> int:
 
 
 def _cmd_attribution(args: argparse.Namespace) -> int:
-    from oar.attribution import attribution_from_config
+    from oar.attribution import attribution_from_config, format_tables
     from oar.config import load_config
 
-    df = attribution_from_config(load_config(args.config), args.model, args.output)
-    print(df.to_string(index=False))
+    result = attribution_from_config(load_config(args.config), args.model, args.output)
+    print(format_tables(result))
     return 0
 
 
@@ -170,18 +170,22 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--output", required=True, help="manifest JSON path")
     s.set_defaults(fn=_cmd_data)
 
-    s = sub.add_parser("attribution", help="attribution-fidelity benchmark of OAR-P, OAR-G, KTAE and random scores")
+    s = sub.add_parser("attribution", help="error localisation, stability and cost of the token-credit signals "
+                       "(OAR-P, OAR-G variants, KTAE, baselines)")
     s.add_argument("--config", required=True)
     s.add_argument("--model", required=True, help="warm-started model folder (e.g. results/tiny/sft/model)")
-    s.add_argument("--output", required=True, help="folder for fidelity.csv, per_response.csv, fidelity.png")
+    s.add_argument("--output", required=True, help="folder for localisation/stability/cost/fidelity .csv, "
+                   "attribution.md, localisation.png, fidelity.png, summary.json")
     s.set_defaults(fn=_cmd_attribution)
 
     s = sub.add_parser("report", help="comparison tables (main, efficiency) and figures from a results folder")
     s.add_argument("--config", required=True)
     s.add_argument("--results", default=None, help="results folder of the config (default results_dir/name)")
-    s.add_argument("--reference", default="grpo", help="method the paired differences are taken against")
+    s.add_argument("--reference", default=None, help="method the paired differences are taken against "
+                   "(default: report.reference)")
     s.add_argument("--seed", type=_seed, default=0, help="bootstrap seed")
-    s.add_argument("--metric", default="pass@1", choices=["pass@1", "avg@k"])
+    s.add_argument("--metric", default=None, choices=["pass@1", "avg@k", "pass@k"],
+                   help="only this metric's tables (default: avg@k when eval.samples > 0, and pass@1 when eval.greedy)")
     s.set_defaults(fn=_cmd_report)
 
     s = sub.add_parser("init-tracking", help="create the MLflow store and experiment (once, before parallel jobs)")

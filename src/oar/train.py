@@ -36,7 +36,8 @@ from oar.credit import CreditBatch, get_estimator
 from oar.credit.metrics import ess_ratio, top_mass
 from oar.io import atomic_write_json, read_jsonl
 from oar.loss import aggregate, k3_kl, policy_loss
-from oar.rollout import Rollout, generate_per_prompt, make_engine, token_logprobs
+from oar.packing import MicroBatch, micro_batch_logprobs, plan_micro_batches
+from oar.rollout import Rollout, generate_per_prompt, make_engine
 from oar.strategy import Strategy
 from oar.runs import STATE_FILE, RunFolder, load_trainer_state, restore_rng, run_identity, save_trainer_state
 
@@ -72,37 +73,37 @@ def policy_forward(
     *,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    packing: str = "length_grouped",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (and entropy) of the response tokens under ``model``.
+    """Log-probs (and entropy) of the response tokens under ``model``, all rows in one forward.
 
     Positions are ``cumsum(attention_mask) - 1`` as in ``generate`` with left padding, so the
-    result matches the rollout's log-probs.
+    result matches the rollout's log-probs. ``packing`` is the layout of the forward
+    (:mod:`oar.packing`): ``none`` runs the rows as given (``[left-padded prompt | right-padded
+    response]``), ``length_grouped`` (default) each sequence contiguous with right padding only and
+    the lm_head only on positions that predict a response token; the results agree up to rounding.
 
     Args:
         prompt_ids, prompt_mask: ``(B, P)`` left-padded prompts.
-        response_ids, response_mask: ``(B, T)`` right-padded responses.
+        response_ids, response_mask: ``(B, T)`` right-padded responses (the mask a prefix).
     Returns:
         logp ``(B, T)`` and entropy ``(B, T)`` (or None), both 0 outside ``response_mask``.
     """
-    device = next(model.parameters()).device
-    input_ids = torch.cat([prompt_ids, response_ids], dim=1).to(device)
-    attn = torch.cat([prompt_mask, response_mask], dim=1).to(device)
-    position_ids = (attn.long().cumsum(-1) - 1).clamp(min=0)
-    T = response_ids.shape[1]
-    # logits only where they predict response tokens (positions P-1 .. P+T-2)
-    logits = model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids, use_cache=False,
-                   logits_to_keep=T + 1).logits
-    logits = logits[:, :-1].float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    mask = response_mask.to(device).float()
-    logp = token_logprobs(logits, response_ids.to(device)) * mask
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            lsm = torch.log_softmax(logits, dim=-1)
-            entropy = -(lsm.exp() * lsm).sum(-1) * mask
-    return logp, entropy
+    B, T = response_ids.shape
+    (mb,) = plan_micro_batches(prompt_ids, prompt_mask, response_ids, response_mask, torch.arange(B),
+                               packing=packing, micro_batch_size=max(B, 1)) or [None]
+    if mb is None:  # no rows
+        z = torch.zeros(B, T)
+        return z, (z.clone() if with_entropy else None)
+    logp, ent = micro_batch_logprobs(model, mb, temperature=temperature, with_entropy=with_entropy)
+    # back to the caller's row order and width
+    out = logp.new_zeros(B, T)
+    out[mb.rows, : mb.T] = logp
+    ent_out = None
+    if ent is not None:
+        ent_out = ent.new_zeros(B, T)
+        ent_out[mb.rows, : mb.T] = ent
+    return out, ent_out
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer, *, warmup_steps: int, total_steps: int, schedule: str) -> torch.optim.lr_scheduler.LambdaLR:
@@ -259,6 +260,7 @@ def _train(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder, s
     from tqdm.auto import tqdm
 
     from oar.data.prompts import render_prompt
+    from oar.heldout import HeldoutEval
     from oar.models import load_policy
     from oar.tracking import Tracker, end_orphan_run
 
@@ -291,7 +293,7 @@ def _train(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder, s
     records = load_training_records(config)
     prompts_all = [render_prompt(config["task"]["template"], r["question"], tokenizer) for r in records]
     stream = _PromptStream(len(records), seed, state["cursor"])
-    engine = make_engine(rcfg["engine"], policy, tokenizer, batch_size=rcfg["batch_size"], seed=seed,
+    engine = make_engine(rcfg["engine"], policy, tokenizer, batch_size=rcfg["batch_size"], seed=seed, sampler=rcfg["sampler"],
                          model_path=str(start_spec["source"]), vllm_kwargs=rcfg.get("vllm"),
                          sleep_mode=rcfg["sleep_mode"])
     if saved is not None and engine.needs_weights:  # the engine starts from the start model's weights
@@ -326,6 +328,10 @@ def _train(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder, s
     bar = tqdm(total=tcfg["steps"], initial=state["step"], desc=f"{method.name} seed{seed}",
                disable=not (progress and strategy.is_main), dynamic_ncols=True)
     steps_this_call = 0
+    # held-out accuracy of the start model (or of the resume point), then every train.heldout.every steps
+    heldout = HeldoutEval(config, engine=engine, tokenizer=tokenizer, strategy=strategy, model=model, tracker=tracker,
+                          seed=seed, metrics_path=folder.metrics, total_steps=tcfg["steps"])
+    heldout.after_step(state["step"], 0.0)
 
     while state["step"] < tcfg["steps"]:
         step = state["step"]
@@ -409,6 +415,7 @@ def _train(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder, s
             )
         state["step"] = step + 1
         state["cursor"] = stream.cursor
+        heldout.after_step(state["step"], metrics["time_step"])  # not counted in any step's time
         bar.update(1)
         bar.set_postfix(reward=f"{metrics['reward']:.3f}", acc=f"{metrics['accuracy']:.3f}")
         steps_this_call += 1
@@ -432,7 +439,8 @@ def _train(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder, s
             "strategy": strategy.name,
             "world_size": strategy.world,
             "final": last_metrics or (rows[-1] if rows else {}),
-            "mean_time": {k: _mean([r.get(f"time_{k}") or 0.0 for r in rows]) for k in [*phase_totals, "step"]},
+            "mean_time": {k: _mean([r.get(f"time_{k}") or 0.0 for r in rows if "time_step" in r])  # not held-out rows
+                          for k in [*phase_totals, "step"]},
             "mlflow_run_id": state["run_id"],
         }
         atomic_write_json(folder.summary, summary)
@@ -506,91 +514,128 @@ def _collect_batch(engine: Any, stream: _PromptStream, prompts_all: list[str], r
 def _update_policy(model: Any, optimizer: Any, strategy: Strategy, ro: Rollout, token_adv: torch.Tensor,
                    ref_model: Any, *, recipe: dict, tcfg: dict, temperature: float, agg_max_len: int | None,
                    generator: torch.Generator) -> tuple[dict[str, list[float]], int]:
-    """Step 4 of the loop: ``ppo_epochs`` passes over shuffled mini-batches of ``ro`` (micro-batched,
-    right padding trimmed per micro-batch), PPO clip loss with the recipe's range and aggregation,
-    optional k3 KL to ``ref_model``, gradient clipping, one optimizer step per mini-batch (skipped
-    when the loss or gradient is not finite on any process).
+    """Step 4 of the loop: ``ppo_epochs`` passes over shuffled mini-batches of ``ro``, each split
+    into micro-batches laid out by ``train.packing`` (:mod:`oar.packing`; default ``shared_prompt``:
+    one copy of each prompt followed by its responses, no padding inside a row, rows of similar
+    length, at most ``train.micro_batch_tokens`` positions and ``micro_batch_size`` sequences per
+    forward, the lm_head only where a response token is predicted), PPO clip loss with the recipe's range
+    and aggregation, optional k3 KL to ``ref_model``, gradient clipping, one optimizer step per
+    mini-batch (skipped when the loss or gradient is not finite on any process).
 
-    Gradients are reduced once per mini-batch (``strategy.sync_context``), not per micro-batch.
-    Every process runs the same number of mini- and micro-batches (the maximum over processes; a
-    process short of rows runs zero-weight ones), so their collectives stay in step.
+    Each micro-batch's loss is weighted so that the micro-batches add up to the mini-batch's
+    aggregate whatever their sizes (:func:`_micro_weight`): the loss and gradient do not depend on
+    the layout. Gradients are reduced once per mini-batch (``strategy.sync_context``), not per
+    micro-batch. Every process runs the same number of mini-batches and, in each, of micro-batches
+    (the maximum over processes; a process short of them runs zero-weight ones), so their
+    collectives stay in step.
 
     Args:
         ro: the step's rollout, ``(N, T)`` responses; token_adv: ``(N, T)`` token advantages.
     Returns:
-        per-micro/mini-batch statistics (loss, pg_loss, kl_ref, clipfrac, approx_kl, grad_norm,
-        entropy) and the number of skipped (non-finite) updates.
+        statistics, one value per mini-batch, each the mini-batch's own aggregate (loss, pg_loss,
+        kl_ref: its loss aggregation; clipfrac, approx_kl, entropy: token means; grad_norm), and
+        ``tokens_real`` / ``tokens_computed`` (token positions of the forwards: real, and computed
+        with padding); and the number of skipped (non-finite) updates.
     """
     model.train()
     N = ro.response_ids.shape[0]
-    mb, micro = min(tcfg["mini_batch_size"], N), min(tcfg["micro_batch_size"], tcfg["mini_batch_size"], N)
-    n_mini, n_micro = strategy.max_over_ranks([math.ceil(N / mb), math.ceil(mb / micro)])
+    agg = recipe["loss_agg"]
+    mb = min(tcfg["mini_batch_size"], N)
+    micro = min(tcfg["micro_batch_size"], tcfg["mini_batch_size"], max(N, 1))
+    layout = dict(packing=tcfg.get("packing", "shared_prompt"), micro_batch_size=micro,
+                  micro_batch_tokens=tcfg.get("micro_batch_tokens", 1024), pack_length=tcfg.get("pack_length"))
+
+    def plan(rows: torch.Tensor) -> list[MicroBatch]:
+        return plan_micro_batches(ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask, rows, **layout)
+
+    n_mini = strategy.max_over_ranks([math.ceil(N / max(mb, 1))])[0]
+    perms = [torch.randperm(N, generator=generator) for _ in range(tcfg["ppo_epochs"])]
+    minis = [perm[b * mb : (b + 1) * mb] for perm in perms for b in range(n_mini)]
+    plans = [plan(rows) for rows in minis]
+    n_micro = strategy.max_over_ranks([len(p) for p in plans])  # per mini-batch, over processes
+    dummy = plan(torch.arange(min(N, 1)))  # a zero-weight micro-batch for a process short of them
     upd: dict[str, list[float]] = {"loss": [], "pg_loss": [], "kl_ref": [], "clipfrac": [], "approx_kl": [],
-                                   "grad_norm": [], "entropy": []}
+                                   "grad_norm": [], "entropy": [], "tokens_real": [], "tokens_computed": []}
     nonfinite = 0
-    for _epoch in range(tcfg["ppo_epochs"]):
-        perm = torch.randperm(N, generator=generator)
-        for b in range(n_mini):
-            rows = perm[b * mb : (b + 1) * mb]
-            optimizer.zero_grad(set_to_none=True)
-            n_tok, n_seq = float(ro.response_mask[rows].sum()), len(rows)
-            total = 0.0
-            for u in range(n_micro):
-                r = rows[u * micro : (u + 1) * micro]
-                real = len(r) > 0
-                if not real:  # this process has no rows left: a zero-weight micro-batch keeps it in step
-                    r = perm[:1]
-                resp, rmask = ro.response_ids[r], ro.response_mask[r]
-                # trim right padding of this micro-batch
-                T = int(rmask.sum(1).max().clamp(min=1))
-                resp, rmask = resp[:, :T], rmask[:, :T]
-                with strategy.sync_context(model, sync=u == n_micro - 1):
-                    with strategy.forward_context():
-                        logp, ent = policy_forward(model, ro.prompt_ids[r], ro.prompt_mask[r], resp, rmask,
-                                                   temperature=temperature, with_entropy=True)
-                        dev = logp.device
-                        adv = token_adv[r, :T].to(dev)
-                        old = ro.logprobs[r, :T].to(dev)
-                        m = rmask.to(dev)
-                        pg, stats = policy_loss(logp, old, adv, m, eps_low=recipe["eps_low"],
-                                                eps_high=recipe["eps_high"], clip_ratio_c=recipe["clip_ratio_c"],
-                                                agg=recipe["loss_agg"], max_len=agg_max_len)
-                        loss = pg
-                        kl_val = 0.0
-                        if ref_model is not None:
-                            with torch.no_grad():
-                                ref_lp, _ = policy_forward(ref_model, ro.prompt_ids[r], ro.prompt_mask[r], resp,
-                                                           rmask, temperature=temperature)
-                            kl = aggregate(k3_kl(logp, ref_lp), m, recipe["loss_agg"], max_len=agg_max_len)
-                            loss = loss + recipe["kl_coef"] * kl
-                            kl_val = float(kl.detach())
-                    # weight so that the micro-batches add up to the mini-batch aggregate
-                    if not real:
-                        w = 0.0
-                    elif recipe["loss_agg"] == "token-mean":
-                        w = float(m.sum()) / max(n_tok, 1.0)
-                    else:
-                        w = len(r) / n_seq
-                    strategy.backward(loss * w)
-                if not real:
-                    continue
-                total += float(loss.detach()) * w
-                upd["pg_loss"].append(float(pg.detach()))
-                upd["kl_ref"].append(kl_val)
-                upd["clipfrac"].append(stats["clipfrac"])
-                upd["approx_kl"].append(stats["approx_kl"])
-                upd["entropy"].append(float(ent.sum() / m.sum().clamp(min=1)))
-            grad_norm = strategy.clip_grad_norm_(model, tcfg["grad_clip"])
-            bad = strategy.max_over_ranks([int(not (math.isfinite(total) and math.isfinite(grad_norm)))])[0]
-            if bad:
-                optimizer.zero_grad(set_to_none=True)  # skip this update (on every process)
-                nonfinite += 1
+    for rows, micro_batches, count in zip(minis, plans, n_micro):
+        optimizer.zero_grad(set_to_none=True)
+        resp_mask = ro.response_mask[rows]
+        n_tok, n_seq = float(resp_mask.sum()), len(rows)
+        n_has = int((resp_mask.sum(1) > 0).sum())
+        total, pg_total, kl_total, clip_sum, akl_sum, ent_sum = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
+        for u in range(count):
+            real = u < len(micro_batches)
+            mbatch = micro_batches[u] if real else dummy[0]
+            r, T = mbatch.rows, mbatch.T
+            with strategy.sync_context(model, sync=u == count - 1):
+                with strategy.forward_context():
+                    logp, ent = micro_batch_logprobs(model, mbatch, temperature=temperature, with_entropy=True)
+                    dev = logp.device
+                    adv = token_adv[r, :T].to(dev)
+                    old = ro.logprobs[r, :T].to(dev)
+                    m = ro.response_mask[r, :T].to(dev)
+                    pg, stats = policy_loss(logp, old, adv, m, eps_low=recipe["eps_low"], eps_high=recipe["eps_high"],
+                                            clip_ratio_c=recipe["clip_ratio_c"], agg=agg, max_len=agg_max_len)
+                    loss = pg
+                    kl_val = 0.0
+                    if ref_model is not None:
+                        with torch.no_grad():
+                            ref_lp, _ = micro_batch_logprobs(ref_model, mbatch, temperature=temperature)
+                        kl = aggregate(k3_kl(logp, ref_lp), m, agg, max_len=agg_max_len)
+                        loss = loss + recipe["kl_coef"] * kl
+                        kl_val = float(kl.detach())
+                # weight so that the micro-batches add up to the mini-batch aggregate
+                w = _micro_weight(agg, m, n_tok=n_tok, n_seq=n_seq, n_has=n_has) if real else 0.0
+                strategy.backward(loss * w)
+            if not real:
                 continue
-            optimizer.step()
-            if n_seq:
-                upd["loss"].append(total)
-            upd["grad_norm"].append(grad_norm)
+            tokens = float(m.sum())
+            total += float(loss.detach()) * w
+            pg_total += float(pg.detach()) * w
+            kl_total += kl_val * w
+            clip_sum += stats["clipfrac"] * tokens
+            akl_sum += stats["approx_kl"] * tokens
+            ent_sum += float(ent.sum())
+            upd["tokens_real"].append(float(mbatch.real_tokens))
+            upd["tokens_computed"].append(float(mbatch.computed_tokens))
+        if n_seq:
+            upd["pg_loss"].append(pg_total)
+            upd["kl_ref"].append(kl_total)
+            upd["clipfrac"].append(clip_sum / max(n_tok, 1.0))
+            upd["approx_kl"].append(akl_sum / max(n_tok, 1.0))
+            upd["entropy"].append(ent_sum / max(n_tok, 1.0))
+        grad_norm = strategy.clip_grad_norm_(model, tcfg["grad_clip"])
+        bad = strategy.max_over_ranks([int(not (math.isfinite(total) and math.isfinite(grad_norm)))])[0]
+        if bad:
+            optimizer.zero_grad(set_to_none=True)  # skip this update (on every process)
+            nonfinite += 1
+            continue
+        optimizer.step()
+        if n_seq:
+            upd["loss"].append(total)
+        upd["grad_norm"].append(grad_norm)
     return upd, nonfinite
+
+
+def _micro_weight(agg: str, mask: torch.Tensor, *, n_tok: float, n_seq: int, n_has: int) -> float:
+    """Weight of a micro-batch's aggregated loss so that the weighted micro-batches of a mini-batch
+    add up to the mini-batch's aggregate (:func:`oar.loss.aggregate`), whatever their sizes.
+
+    Args:
+        agg: the loss aggregation mode.
+        mask: ``(b, T)`` the micro-batch's response mask.
+        n_tok, n_seq, n_has: the mini-batch's response tokens, sequences, and sequences with at
+            least one response token.
+    Returns:
+        ``token-mean``: its share of the tokens; ``seq-mean-token-sum-norm`` (divides by all
+        sequences): its share of the sequences; the other ``seq-mean`` modes (mean over sequences
+        with tokens): its share of those.
+    """
+    if agg == "token-mean":
+        return float(mask.sum()) / max(n_tok, 1.0)
+    if agg == "seq-mean-token-sum-norm":
+        return mask.shape[0] / max(n_seq, 1)
+    return float((mask.sum(1) > 0).sum()) / max(n_has, 1)
 
 
 def _mean(xs: Sequence[float]) -> float:

@@ -43,7 +43,10 @@ import random
 import re
 from typing import Sequence
 
-__all__ = ["SPLITS", "OPERATORS", "DEFAULT_FILLERS", "generate", "answer_of", "solve_steps", "format_solution"]
+__all__ = [
+    "SPLITS", "OPERATORS", "DEFAULT_FILLERS", "ERROR_OFFSETS", "generate", "answer_of", "solve_steps",
+    "corrupt_steps", "format_solution",
+]
 
 #: Split names accepted by :func:`generate`.
 SPLITS: tuple[str, ...] = ("train", "test", "ood")
@@ -95,6 +98,46 @@ def solve_steps(operands: Sequence[int], ops: Sequence[str]) -> list[tuple[int, 
         vals[i : i + 2] = [c]
         del ops_[i]
     return steps
+
+
+#: Offsets a wrong demonstration step adds to the correct result (:func:`corrupt_steps`).
+ERROR_OFFSETS: tuple[int, ...] = (-2, -1, 1, 2)
+
+
+def corrupt_steps(
+    operands: Sequence[int], ops: Sequence[str], rate: float, rng: random.Random
+) -> tuple[list[tuple[int, str, int, int]], list[int]]:
+    """Steps of a demonstration with wrong results, each step wrong with probability ``rate``.
+
+    The reduction order is :func:`solve_steps`'; a wrong step's result is the true ``a op b`` plus an
+    offset drawn from :data:`ERROR_OFFSETS`, and every later step continues consistently from the
+    values written so far (its operands are the previous, possibly wrong, results), so the boxed
+    answer is the value this wrong arithmetic leads to.
+
+    >>> corrupt_steps([2, 3, 4], ["+", "+"], 0.0, random.Random(0))
+    ([(2, '+', 3, 5), (5, '+', 4, 9)], [])
+
+    Returns:
+        ``(steps, wrong)``: steps as ``(a, op, b, c)`` and the indices of the wrong steps.
+    """
+    steps: list[tuple[int, str, int, int]] = []
+    wrong: list[int] = []
+    vals, rest = list(operands), list(ops)
+    for op_kind in ("*", None):  # the order of solve_steps: "*" first, then "+"/"-" left to right
+        i = 0
+        while i < len(rest):
+            if (op_kind == "*") != (rest[i] == "*"):
+                i += 1
+                continue
+            a, op, b = vals[i], rest[i], vals[i + 1]
+            c = a * b if op == "*" else a + b if op == "+" else a - b
+            if rate > 0 and rng.random() < rate:
+                c += rng.choice(ERROR_OFFSETS)
+                wrong.append(len(steps))
+            steps.append((a, op, b, c))
+            vals[i : i + 2] = [c]
+            del rest[i]
+    return steps, wrong
 
 
 def _parse_question(question: str) -> tuple[list[int], list[str]]:
@@ -173,6 +216,7 @@ def _check_options(
     filler_prob: float,
     fillers: Sequence[str],
     test_share: float,
+    demo_error_rate: float = 0.0,
 ) -> None:
     if split not in SPLITS:
         raise ValueError(f"split: unknown split {split!r}; valid: {list(SPLITS)}")
@@ -191,7 +235,7 @@ def _check_options(
     for op in operators:
         if op not in OPERATORS:
             raise ValueError(f"operators: unknown operator {op!r}; valid: {list(OPERATORS)}")
-    for key, p in (("long_share", long_share), ("filler_prob", filler_prob)):
+    for key, p in (("long_share", long_share), ("filler_prob", filler_prob), ("demo_error_rate", demo_error_rate)):
         if not 0.0 <= p <= 1.0:
             raise ValueError(f"{key}: must be in [0, 1], got {p!r}")
     if not 0.0 < test_share < 1.0:
@@ -219,6 +263,7 @@ def generate(
     filler_prob: float = 0.3,
     fillers: Sequence[str] = DEFAULT_FILLERS,
     test_share: float = 0.2,
+    demo_error_rate: float = 0.0,
     max_tries_per_record: int = 1000,
 ) -> list[dict]:
     """Generate ``n`` synthetic problems of ``split`` ("train", "test" or "ood").
@@ -237,6 +282,10 @@ def generate(
         filler_prob: probability that a gap in the solution gets a filler word.
         fillers: the filler words.
         test_share: share of all questions held out (by stable hash) for test/ood.
+        demo_error_rate: ``train`` only: probability that a step of the reference solution (the SFT
+            demonstration) is wrong, continued consistently (:func:`corrupt_steps`); ``answer``
+            stays the true value, so rewards are unaffected. Drawn from a stream of its own: the
+            questions and fillers do not change with it. ``demo_errors`` lists the wrong steps.
         max_tries_per_record: give up (ValueError) when the question space is too small for ``n``
             distinct held-out questions.
 
@@ -250,11 +299,13 @@ def generate(
     """
     operands = [operands] if isinstance(operands, int) else list(operands)  # type: ignore[list-item]
     _check_options(split, n, operands, long_operands, long_share, ood_operands, digits, operators,
-                   filler_prob, fillers, test_share)
+                   filler_prob, fillers, test_share, demo_error_rate)
     operators = list(operators)
     fillers = list(fillers)
     q_rng = random.Random(_derived_seed("oar-synthetic-questions", split, seed))
     f_rng = random.Random(_derived_seed("oar-synthetic-fillers", split, seed))
+    e_rng = random.Random(_derived_seed("oar-synthetic-demo-errors", split, seed))
+    error_rate = demo_error_rate if split == "train" else 0.0
     held_out_wanted = split != "train"
     seen: set[str] = set()
     records: list[dict] = []
@@ -283,8 +334,9 @@ def generate(
                 continue
             seen.add(question)
         steps = solve_steps(nums, ops)
+        demo_steps, demo_errors = corrupt_steps(nums, ops, error_rate, e_rng) if error_rate > 0 else (steps, [])
         gap_fillers = [f_rng.choice(fillers) if f_rng.random() < filler_prob else None for _ in steps]
-        solution, result_spans, filler_spans = format_solution(steps, gap_fillers)
+        solution, result_spans, filler_spans = format_solution(demo_steps, gap_fillers)
         records.append(
             {
                 "id": f"synthetic-{split}-{len(records)}",
@@ -295,6 +347,7 @@ def generate(
                 "n_operands": k,
                 "result_spans": result_spans,
                 "filler_spans": filler_spans,
+                "demo_errors": demo_errors,
             }
         )
     return records
