@@ -80,7 +80,7 @@ def start(tmp_path_factory):
     sft_from_config(cfg, tmp / "sft", progress=False)
     raw = deep_merge(yaml.safe_load((ROOT / "config" / "smoke.yaml").read_text()), over)
     raw["train"].update({"steps": 3, "prompts_per_step": 8, "mini_batch_size": 64, "micro_batch_size": 16,
-                         "save_every": 1, "schedule": "constant", "lr": 1e-4})
+                         "save_every": 1, "schedule": "constant", "lr": 1e-4, "heldout": {"every": 0}})
     return tmp, raw
 
 

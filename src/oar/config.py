@@ -22,6 +22,7 @@ __all__ = [
     "schema",
     "schema_path",
     "load_config",
+    "resolve_extends",
     "validate_config",
     "ResolvedMethod",
     "resolve_method",
@@ -122,9 +123,40 @@ def load_config(path: str | Path, overrides: dict | None = None) -> dict:
         mark = getattr(e, "problem_mark", None)
         where = f":{mark.line + 1}" if mark is not None else ""
         raise ConfigError(f"{path}{where}: invalid YAML: {getattr(e, 'problem', e)}") from None
+    config = resolve_extends(config or {}, path)
     if overrides:
-        config = deep_merge(config or {}, overrides)
+        config = deep_merge(config, overrides)
     return validate_config(config, source=str(path))
+
+
+def resolve_extends(config: dict, path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
+    """``config`` merged on top of the config its ``extends`` key names (recursively).
+
+    ``extends: config.yaml`` (a path relative to the file ``path`` that holds ``config``) makes a
+    config a set of changes to another: mappings merge key by key (so ``methods`` adds methods to
+    the base's), other values replace. The result has no ``extends`` key.
+
+    Raises:
+        ConfigError: the base does not exist, is not valid YAML, or the chain loops; the message
+            names the file that says ``extends``.
+    """
+    if not isinstance(config, dict) or "extends" not in config:
+        return config
+    path = Path(path)
+    top = dict(config)
+    base_path = (path.parent / str(top.pop("extends"))).resolve()
+    if base_path in _seen or base_path == path.resolve():
+        raise ConfigError(f"{path}: key extends: {base_path} extends itself (a loop)")
+    if not base_path.is_file():
+        raise ConfigError(f"{path}: key extends: no such config file {base_path}")
+    try:
+        base = yaml.safe_load(base_path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{base_path}{where}: invalid YAML (extended by {path}): {getattr(e, 'problem', e)}") from None
+    base = resolve_extends(base, base_path, (*_seen, path.resolve()))
+    return deep_merge(base, top)
 
 
 def deep_merge(base: dict, top: dict) -> dict:

@@ -11,7 +11,7 @@ import yaml
 from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
-from oar.config import ConfigError, deep_merge, resolve_methods, validate_config
+from oar.config import ConfigError, deep_merge, resolve_extends, resolve_methods, validate_config
 from oar.io import atomic_write_text
 from oar.plan import train_layout as _train_layout
 
@@ -30,6 +30,15 @@ if not workflow.overwrite_configfiles:
         )
     with open(DEFAULT_CONFIGFILE, encoding="utf-8") as _f:
         _merged = deep_merge(yaml.safe_load(_f) or {}, dict(config))
+    config.clear()
+    config.update(_merged)
+
+# a --configfile that says `extends: config.yaml` is a set of changes to that config (oar.config.resolve_extends)
+if workflow.overwrite_configfiles and "extends" in config:
+    try:
+        _merged = resolve_extends(dict(config), workflow.overwrite_configfiles[-1])
+    except ConfigError as e:
+        raise WorkflowError(str(e))
     config.clear()
     config.update(_merged)
 

@@ -354,7 +354,7 @@ def run_attribution(
         rows.append(group_rows[r.prompt][id(r)])
     for e in edited:
         members = [e if m is e.source else m for m in groups[e.prompt]]
-        rows.append(batch.add_group(members)[members.index(e)])
+        rows.append(batch.add_group(members)[next(i for i, m in enumerate(members) if m is e)])  # identity, not ==
     summary_counts = {"n_prompts_sampled": n_prompts_used, "n_sampled_responses": sum(len(g) for g in groups.values()),
                       "status": counts, "n_sampled": len(sampled), "n_counterfactual": len(edited),
                       "counterfactual_still_correct": int(sum(e.reward > 0 for e in edited))}
