@@ -1,4 +1,5 @@
-"""Tests for the benchmark loaders (oar.data.benchmarks)."""
+"""Tests for the benchmark loaders (oar.data.benchmarks) and the long-response case of the
+step-time benchmarks (benchmarks/common.py)."""
 
 from __future__ import annotations
 
@@ -232,3 +233,89 @@ def test_synthetic_entry_point():
         load_benchmark("synthetic-test", "x.jsonl", n=5, seed=0)
     with pytest.raises(TypeError, match="split"):
         load_benchmark("synthetic-test", None, n=5, seed=0, split="train")
+
+
+# ---- the long-response SmolLM2 benchmark case (benchmarks/common.py, ``--model smollm2_long``)
+
+def _bench_common():
+    """``benchmarks/common.py`` as a module (imports only the standard library at load time)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "common.py"
+    spec = importlib.util.spec_from_file_location("oar_bench_common", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_EQ = re.compile(r"(-?\d+)([+\-*])(\(-\d+\)|\d+)=(-?\d+)")
+
+
+def _true_equations(line: str) -> int:
+    """Number of ``a<op>b=c`` equations in ``line``; fails on a false one."""
+    found = _EQ.findall(line)
+    for a, op, b, c in found:
+        x, y = int(a), int(b.strip("()"))
+        assert {"+": x + y, "-": x - y, "*": x * y}[op] == int(c), (line, a, op, b, c)
+    return len(found)
+
+
+def test_smollm2_long_sft_targets():
+    from oar.answer import extract_boxed
+
+    bc = _bench_common()
+    # hand-counted: SmolLM2's tokenizer splits this into 26 tokens (Check, ' ', 3, :, ' ', 6, 5, -,
+    # 1, 8, =, 4, 7, ',', ' so', ' ', 4, 7, +, 1, 8, =, 6, 5, ' holds', .), one per digit
+    assert bc.token_lower_bound("Check 3: 65-18=47, so 47+18=65 holds.") == 26
+    # pieces The, ' answer', ' is', ' \\', boxed, {, 6, 5, }: 9; the tokenizer splits box|ed, 10
+    assert bc.token_lower_bound("The answer is \\boxed{65}") == 9
+    assert bc.smollm2_long_solution({"solution": "47+18=65. \\boxed{65}", "answer": "65"}, checks=3) == (
+        "Let me solve this step by step, then check the result several times.\n47+18=65.\n"
+        "Check 1: 65-18=47, so 47+18=65 holds.\nCheck 2: 65-47=18, which agrees.\n"
+        "Check 3: 18+47=65, the same result.\nThe answer is \\boxed{65}")
+
+    recs = (synthetic.generate("train", 300, seed=bc.SMOLLM2_SFT_DATA_SEED, **bc.SMOLLM2_SYNTHETIC)
+            + synthetic.generate("test", 50, seed=bc.SMOLLM2_SFT_DATA_SEED, **bc.SMOLLM2_SYNTHETIC))
+    assert any(r["answer"].startswith("-") for r in recs) and any("+" in r["question"] for r in recs)
+    lengths = []
+    for r in recs:
+        t = bc.smollm2_long_solution(r)
+        assert t.endswith(f"\\boxed{{{r['answer']}}}"), t[-40:]
+        assert extract_boxed(t) == r["answer"]
+        assert t.count("\\boxed{") == 1  # the final answer is the only box: all before it is reasoning
+        lines = t.split("\n")
+        assert len(lines) == bc.SMOLLM2_LONG_CHECKS + 3
+        assert lines[1] == r["solution"][: r["solution"].rindex("\\boxed{")].strip()
+        assert all(_true_equations(x) >= 1 for x in lines[1:-1])
+        n = bc.token_lower_bound(t)
+        assert n >= bc.SMOLLM2_LONG_MIN_TOKENS, (n, t)
+        lengths.append(n)
+    # a lower bound; the tokenizer measured 268-338 tokens (mean 321, eos included) on 2,000 targets
+    assert 280 <= sum(lengths) / len(lengths) <= 340
+
+    # longer problems (three operands, *, negative intermediate values): every restatement is true
+    multi = synthetic.generate("train", 100, seed=0, operands=[3], long_share=0.0, digits=2,
+                               operators=["+", "-", "*"], filler_prob=0.0)
+    assert any("(-" in bc.smollm2_long_solution(r) for r in multi)
+    for r in multi:
+        t = bc.smollm2_long_solution(r)
+        assert extract_boxed(t) == r["answer"]
+        assert all(_true_equations(x) >= 1 for x in t.split("\n")[2:-1])
+    with pytest.raises(ValueError, match="no boxed answer or no step"):
+        bc.smollm2_long_solution({"solution": "no steps here", "answer": "1"})
+
+
+def test_smollm2_long_overrides(tmp_path):
+    bc = _bench_common()
+    (tmp_path / "smollm2_hf").mkdir()
+    (tmp_path / "smollm2_hf" / "config.json").write_text("{}")  # a converted SmolLM2 in the cache
+    short = bc.bench_overrides("smollm2", tmp_path / "w", steps=2, cache=tmp_path)
+    long = bc.bench_overrides("smollm2_long", tmp_path / "w", steps=2, cache=tmp_path)
+    assert long["rollout"] == {"n": 4, "max_new_tokens": 384, "temperature": bc.SMOLLM2_TEMPERATURE}
+    assert short["rollout"]["max_new_tokens"] == 64
+    assert (long["train"]["prompts_per_step"], long["train"]["micro_batch_size"]) == (2, 8)
+    assert long["task"] == short["task"] and long["model"] == short["model"]  # same prompts, same model
+    with pytest.raises(ValueError, match="smollm2_long"):
+        bc.bench_overrides("smollm3", tmp_path / "w", steps=2, cache=tmp_path)
+    with pytest.raises(ValueError, match="smollm2-long-sft-steps"):
+        bc.start_model("smollm2_long", tmp_path, tiny_sft_steps=1, smollm2_sft_steps=1, smollm2_long_sft_steps=0)

@@ -355,3 +355,33 @@ def test_load_training_records_folder_source_names_its_file(tmp_path):
         "name": "math_train", "source": str(tmp_path)}}))
     with pytest.raises(ValueError, match=rf"no records in {tmp_path / 'train.jsonl'}"):
         load_training_records(cfg)
+
+
+# ------------------------------------------------------------------ extends: a config as changes to another
+
+
+def test_ablations_config_extends_the_default_adding_methods():
+    from oar.config import load_config, resolve_methods
+
+    base = load_config(ROOT / "config" / "config.yaml")
+    abl = load_config(ROOT / "config" / "ablations.yaml")
+    assert abl["name"] == "ablations" and "extends" not in abl
+    assert list(resolve_methods(abl))[: len(base["methods"])] == list(base["methods"])
+    assert {"dapo_ktae", "oar_g_q50", "oar_g_nomass", "dapo_oar_g"} <= set(abl["methods"]) - set(base["methods"])
+    assert abl["task"] == base["task"] and abl["train"] == base["train"]  # same testbed
+    assert abl["attribution"]["enabled"] is False and base["attribution"]["enabled"] is True
+
+
+def test_extends_chain_merges_and_names_the_file_for_a_missing_base_or_a_loop(tmp_path):
+    from oar.config import ConfigError, resolve_extends
+
+    (tmp_path / "a.yaml").write_text("name: a\ntrain: {steps: 5, lr: 0.1}\n")
+    (tmp_path / "b.yaml").write_text("extends: a.yaml\ntrain: {steps: 7}\n")
+    top = {"extends": "b.yaml", "name": "c"}
+    assert resolve_extends(top, tmp_path / "c.yaml") == {"name": "c", "train": {"steps": 7, "lr": 0.1}}
+    with pytest.raises(ConfigError, match=r"c\.yaml: key extends: no such config file .*nope\.yaml"):
+        resolve_extends({"extends": "nope.yaml"}, tmp_path / "c.yaml")
+    (tmp_path / "x.yaml").write_text("extends: y.yaml\n")
+    (tmp_path / "y.yaml").write_text("extends: x.yaml\n")
+    with pytest.raises(ConfigError, match="loop"):
+        resolve_extends({"extends": "x.yaml"}, tmp_path / "z.yaml")

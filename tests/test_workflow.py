@@ -119,6 +119,17 @@ def test_dry_run_paper_config(tmp_path):
 
 
 @pytest.mark.slow  # one snakemake process: a few seconds
+def test_dry_run_ablations_config_extends_the_default(tmp_path):
+    from oar.config import load_config
+
+    n_seeds = len(load_config(ROOT / "config" / "config.yaml")["seeds"])
+    n = len(load_config(ROOT / "config" / "ablations.yaml")["methods"])  # the default's six plus the ablations
+    counts, jobs = dry_run("--configfile", "config/ablations.yaml", results=tmp_path)
+    assert n > 6 and counts["train"] == counts["evaluate"] == n * n_seeds and "attribution" not in counts
+    assert any(f"{tmp_path}/ablations/oar_g_q50/seed0" in o for j in jobs for o in j["output"])
+
+
+@pytest.mark.slow  # one snakemake process: a few seconds
 def test_configfile_replaces_the_default_instead_of_merging(tmp_path):
     cfg = _config("smoke.yaml")
     cfg["methods"] = {"grpo": {"recipe": "grpo", "credit": "none"}, "oar_g": {"recipe": "grpo", "credit": "oar_g"}}

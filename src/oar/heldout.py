@@ -37,7 +37,11 @@ HELDOUT_KEYS = ("heldout_acc", "heldout_pass_at_k", "heldout_seconds", "train_se
 
 
 def heldout_records(config: dict) -> list[dict]:
-    """The first ``train.heldout.size`` problems of ``train.heldout.benchmark``.
+    """``train.heldout.size`` problems spread evenly over ``train.heldout.benchmark`` (as evaluated).
+
+    Evenly spaced rather than the first ones: a synthetic split exhausts its small pool of
+    two-operand questions first (the one-digit test split starts with a third of them against a
+    tenth overall), so its head is easier than the whole.
 
     The benchmark is looked up in ``eval.benchmarks`` (its ``source`` and ``filters`` are used); a
     synthetic split (``synthetic-test``, ``synthetic-ood``) may also be named without an entry.
@@ -54,13 +58,16 @@ def heldout_records(config: dict) -> list[dict]:
         raise ValueError("train.heldout.benchmark: synthetic-train holds the training problems; use synthetic-test")
     entries = {b["name"]: b for b in config["eval"]["benchmarks"]}
     if name in entries:
-        entry = dict(entries[name], n=size if entries[name].get("n") is None else min(size, entries[name]["n"]))
+        entry = dict(entries[name])
     elif name.startswith("synthetic-"):
         entry = {"name": name, "n": size}
     else:
         raise ValueError(f"train.heldout.benchmark: {name!r} is not in eval.benchmarks "
                          f"({sorted(entries)}) and not a synthetic split")
-    return load_benchmark_entry(config, entry, key="train.heldout")[:size]
+    records = load_benchmark_entry(config, entry, key="train.heldout")
+    if len(records) <= size:
+        return records
+    return [records[(i * len(records)) // size] for i in range(size)]
 
 
 class HeldoutEval:

@@ -118,7 +118,7 @@ def threshold_markdown(df: "pd.DataFrame", *, threshold: float, how: str) -> str
             steps, secs = f"{r.steps:.1f}", f"{r.seconds:.0f}"
         else:
             steps = secs = "not reached"
-        per = " / ".join("—" if v == "nan" else v for v in str(r.steps_per_seed).split(";"))
+        per = " / ".join("—" if v == "nan" else f"{float(v):.1f}" for v in str(r.steps_per_seed).split(";"))
         lines.append(f"| {r.label} | {steps} | {secs} | {r.reached}/{r.n_seeds} | {per} |")
     lines += ["", "Mean over seeds of the first step (and training second: summed step time, held-out "
               "evaluations excluded) at which the held-out sampled accuracy reaches the threshold, "
