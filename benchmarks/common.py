@@ -273,7 +273,8 @@ def bench_overrides(model: str, workdir: Path, *, steps: int, seed_task: int = 1
     """
     over: dict[str, Any] = {
         "task": {"train_size": 1000, "seed": seed_task},
-        "train": {"steps": steps, "save_every": 1, "warmup_steps": 0, **train_over},
+        # no held-out evaluations (learning curves): the benchmarks time the training step only
+        "train": {"steps": steps, "save_every": 1, "warmup_steps": 0, "heldout": {"every": 0}, **train_over},
         "tracking": {"enabled": False, "uri": f"sqlite:///{workdir}/mlflow.db"},
         "results_dir": str(workdir),
     }

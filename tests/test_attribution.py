@@ -655,3 +655,18 @@ def test_attribution_from_config_end_to_end(tmp_path):
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temporaries left
     text = format_tables(res)
     assert "Error localisation (sampled: n = 4, counterfactual: n = 4)" in text and "Stability" in text
+
+
+def test_localisation_by_position_splits_last_and_earlier_mistakes():
+    import pandas as pd
+
+    from oar.attribution.metrics import localisation_by_position
+
+    per = pd.DataFrame({"kind": ["sampled"] * 4 + ["counterfactual"] * 2,
+                        "mistake_step": [1, 1, 0, -1, 0, 2], "n_steps": [2, 2, 2, 2, 3, 3],
+                        "top3_a": [1.0, 0.0, 0.5, 1.0, 0.25, 1.0], "top3_b": [0.0, 0.0, 1.0, 0.0, 1.0, 0.0]})
+    tab = localisation_by_position(per, ["a", "b"], top_k=(3,))
+    got = {(r.kind, r.position): (r.n_responses, r.top3_a, r.top3_b) for r in tab.itertuples()}
+    # the response without a located mistake (-1) is left out
+    assert got == {("sampled", "last"): (2, 0.5, 0.0), ("sampled", "earlier"): (1, 0.5, 1.0),
+                   ("counterfactual", "earlier"): (1, 0.25, 1.0), ("counterfactual", "last"): (1, 1.0, 0.0)}

@@ -66,7 +66,8 @@ def test_resume_refuses_other_settings_method_or_start_model(tmp_path, capsys):
     lr_cfg = _config_file(tmp_path, "lr.yaml", train={"save_every": 1, "lr": 1e-3})
     rc, err = _oar(capsys, "train", "--config", str(lr_cfg), "--output", str(run), "--no-progress", "--method",
                    "grpo", "--steps", "3")
-    assert rc == 2 and "train.lr: 1e-05 -> 0.001" in err and "--restart" in err, err
+    first_lr = yaml.safe_load(cfg.read_text())["train"]["lr"]
+    assert rc == 2 and f"train.lr: {first_lr!r} -> 0.001" in err and "--restart" in err, err
 
     rc, err = _oar(capsys, *base, "dapo", "--steps", "3")
     assert rc == 2 and 'method.method: grpo -> dapo' in err and "--restart" in err, err

@@ -91,7 +91,8 @@ def test_dry_run_default_config(tmp_path):
 def test_dry_run_smoke_config_runs_every_method_once(tmp_path):
     cfg = _config("smoke.yaml")
     assert cfg["seeds"] == [0] and cfg["sft"]["enabled"] and cfg["attribution"]["enabled"]
-    assert set(cfg["methods"]) == set(_config("config.yaml")["methods"])  # every method and ablation
+    # every method and ablation: the default's and config/ablations.yaml's
+    assert set(cfg["methods"]) >= set(_config("config.yaml")["methods"]) | set(_config("ablations.yaml")["methods"])
     counts, _ = dry_run("--configfile", "config/smoke.yaml", results=tmp_path)
     n = len(cfg["methods"])
     assert counts == Counter({"data": 1, "sft": 1, "train": n, "evaluate": n, "evaluate_base": 1,
@@ -144,10 +145,10 @@ def test_configfile_replaces_the_default_instead_of_merging(tmp_path):
 
 @pytest.mark.slow  # one snakemake process: a few seconds
 def test_one_ablation_target_builds_only_its_chain(tmp_path):
-    target = f"{tmp_path}/tiny/oar_g_q50/seed0/eval/summary.json"
-    counts, jobs = dry_run(target, results=tmp_path)
+    target = f"{tmp_path}/ablations/oar_g_q50/seed0/eval/summary.json"
+    counts, jobs = dry_run(target, "--configfile", "config/ablations.yaml", results=tmp_path)
     assert counts == Counter({"data": 1, "sft": 1, "train": 1, "evaluate": 1})
-    assert [j["output"] for j in jobs if j["rule"] == "train"] == [[f"{tmp_path}/tiny/oar_g_q50/seed0/train_summary.json"]]
+    assert [j["output"] for j in jobs if j["rule"] == "train"] == [[f"{tmp_path}/ablations/oar_g_q50/seed0/train_summary.json"]]
 
 
 @pytest.mark.slow  # one snakemake process: a few seconds

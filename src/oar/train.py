@@ -388,6 +388,8 @@ def _train(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder, s
             "loss": _mean(upd["loss"]),
             "pg_loss": _mean(upd["pg_loss"]),
             "grad_norm": _mean(upd["grad_norm"]),
+            # share of the update's computed token positions that are padding (train.packing)
+            "update_padding": 1.0 - sum(upd["tokens_real"]) / max(sum(upd["tokens_computed"]), 1.0),
             "ess_ratio": float(ess_ratio(weights, ro.response_mask).mean()),
             "top10_mass": float(top_mass(token_adv, ro.response_mask, frac=0.1).mean()),
             "nonfinite_updates": float(nonfinite),
@@ -486,7 +488,10 @@ def _collect_batch(engine: Any, stream: _PromptStream, prompts_all: list[str], r
                                                  cache_length=recipe["overlong_buffer"],
                                                  penalty_factor=recipe["overlong_penalty"])
         timings["reward"] += time.perf_counter() - t0
-        group_ids = ro.prompt_index + gen_total  # unique across rounds
+        # the prompt's position in the step (over all processes) and round: unique across rounds and processes,
+        # so what is keyed by group (OAR-G's per-response noise) does not depend on the number of processes
+        positions_t = torch.arange(tcfg["prompts_per_step"])[rank::world]
+        group_ids = positions_t[ro.prompt_index] + (rounds * tcfg["prompts_per_step"])
         gen_total += len(idx)
         rounds += 1
         sb = StepBatch(ro, rewards, correct, group_ids, rounds, 1.0)

@@ -268,3 +268,31 @@ def cost_table(
         for k, v in per.items()
     ]
     return pd.DataFrame(rows, columns=list(COST_COLUMNS))
+
+
+def localisation_by_position(per_response: Any, signals: Sequence[str], *, top_k: Sequence[int] = (1, 3)) -> Any:
+    """Top-k hit of each signal split by where the mistake sits: the ``last`` step or an ``earlier`` one.
+
+    An earlier step's result is restated as an operand of the next step, so the answer depends on it
+    only through that copy; an outcome-sensitivity signal (OAR) scores the copy's step rather than the
+    mistake, and this table shows by how much.
+
+    Args:
+        per_response: the per-response frame of :func:`localisation_table` with ``mistake_step`` and
+            ``n_steps`` columns added (``mistake_step`` -1: none).
+        signals: signal names (their ``top{k}_<signal>`` columns).
+    Returns:
+        One row per (kind, position) with ``n_responses`` and ``top{k}_<signal>`` means.
+    """
+    import pandas as pd
+
+    df = per_response[per_response["mistake_step"] >= 0]
+    position = np.where(df["mistake_step"] == df["n_steps"] - 1, "last", "earlier")
+    rows = []
+    for (kind, pos), grp in df.groupby([df["kind"], position], sort=False):
+        row: dict[str, Any] = {"kind": kind, "position": pos, "n_responses": len(grp)}
+        for name in signals:
+            for k in top_k:
+                row[f"top{k}_{name}"] = float(grp[f"top{k}_{name}"].mean())
+        rows.append(row)
+    return pd.DataFrame(rows).sort_values(["kind", "position"], ascending=[False, False]).reset_index(drop=True) if rows else pd.DataFrame(rows)

@@ -63,6 +63,10 @@ def format_tables(result: Any) -> str:
     stability (signal x median / IQR, all responses) and cost (seconds per response, ratio)."""
     loc, stab, cost = result.localisation, result.stability, result.cost
     parts = [f"Error localisation ({_n_by_kind(loc)}):", localisation_wide(loc).to_string(index=False, float_format=_fmt)]
+    by_pos = _by_position(result)
+    if by_pos is not None:
+        parts += ["", "Top-3 hit by where the mistake sits (last step / an earlier step, restated by the next):",
+                  by_pos.to_string(index=False, float_format=_fmt)]
     if len(stab):
         s = stab[stab["kind"] == "all"][["signal", "comparison", "n", "median", "q25", "q75", "iqr"]]
         parts += ["", "Stability (per-response Spearman between two computations, all responses):",
@@ -75,10 +79,31 @@ def format_tables(result: Any) -> str:
     return "\n".join(parts)
 
 
+def _by_position(result: Any) -> Any:
+    """Top-3 hit per signal by mistake position (:func:`localisation_by_position`), signals as rows."""
+    from oar.attribution.metrics import localisation_by_position
+
+    per, loc = result.per_response, result.localisation
+    if per is None or not len(per) or "mistake_step" not in per or "top3" not in loc:
+        return None
+    signals = list(dict.fromkeys(loc["signal"]))
+    tab = localisation_by_position(per, signals, top_k=(3,))
+    if not len(tab):
+        return None
+    out = tab.set_index(["kind", "position"])[[f"top3_{s}" for s in signals]].T
+    out.index = signals
+    out.columns = [f"{k} {p} (n={n})" for (k, p), n in zip(out.columns, tab["n_responses"])]
+    return out.reset_index(names="signal")
+
+
 def _markdown(result: Any) -> str:
     loc, stab, cost = result.localisation, result.stability, result.cost
+    by_pos = _by_position(result)
     out = ["# Attribution benchmark", "", f"## Error localisation ({_n_by_kind(loc)})", "",
-           markdown_table(localisation_wide(loc)), "", "Long form (with n per kind):", "", markdown_table(loc), "",
+           markdown_table(localisation_wide(loc)), "",
+           *(["Top-3 hit by where the mistake sits (the last step, or an earlier step whose wrong value the "
+              "next step restates):", "", markdown_table(by_pos), ""] if by_pos is not None else []),
+           "Long form (with n per kind):", "", markdown_table(loc), "",
            "## Stability (per-response Spearman between two computations)", "",
            markdown_table(stab) if len(stab) else "not computed", "",
            "## Cost (seconds per response, one process)", "", markdown_table(cost), "",
