@@ -740,3 +740,32 @@ def test_oar_p_runs_no_padding_queries(tiny):
     for c in pert:
         q = c["input_ids"].shape[1]
         assert bool(c["attention_mask"][:, -q:].bool().all())
+
+
+
+@pytest.mark.parametrize("draws", [1, 2])
+def test_oar_g_chunks_by_run_length_give_the_same_scores_with_less_padding(tiny, draws):
+    """chunk_tokens groups rows of similar run length: the scores are those of one chunk (each
+    response has its own noise), and the chunks compute fewer positions than one left-padded chunk."""
+    from oar.credit.importance._common import _answered
+    from oar.credit.importance.oar_g import _chunks
+
+    model, tok = tiny
+    p_ids, p_mask, r_ids, r_mask = make_batch(tok, CACHE_PROMPTS, CACHE_RESPONSES)
+    probe = build_probe(tok, p_ids, r_ids, conclude=CONC, prompt_mask=p_mask, response_mask=r_mask)
+    kw = dict(mode="answer_joint", noise_std=0.1, seed=9, draws=draws)
+    one = gradient_importance(model, probe, **kw)
+    assert (one[probe.reasoning_mask] > 0).any()
+    rows, sub = _answered(probe)
+    L = probe.reasoning_mask.shape[1]
+    first = probe.reasoning_mask.long().argmax(-1)
+
+    def computed(chunks):  # rows x (L - the chunk's first reasoning column)
+        return sum(len(c) * (L - int(first[c].min())) for c in chunks)
+
+    budget = computed([rows]) * draws // 2  # forces at least two chunks
+    chunks = _chunks(sub, rows, None, budget, draws)
+    assert len(chunks) >= 2 and sorted(torch.cat(chunks).tolist()) == sorted(rows.tolist())
+    assert computed(chunks) < computed([rows])
+    grouped = gradient_importance(model, probe, chunk_tokens=budget, **kw)
+    torch.testing.assert_close(grouped, one, atol=1e-5 * float(one.abs().max()), rtol=1e-4)

@@ -59,7 +59,7 @@ def _oar_estimator(name: str, batch: CreditBatch, options: dict[str, Any]) -> Cr
     from oar.credit.advantages import check_options, grpo_advantages
     from oar.credit.reshape import bilevel_weights
 
-    extra = ("chunk_size",) if name == "oar_p" else ("noise_std", "seed", "chunk_size", "draws", "baseline")
+    extra = ("chunk_size",) if name == "oar_p" else ("noise_std", "seed", "chunk_size", "chunk_tokens", "draws", "baseline")
     check_options(name, options, _COMMON_OPTIONS + extra)
     for field in ("model", "tokenizer", "prompt_ids"):
         if getattr(batch, field) is None:
@@ -112,6 +112,7 @@ def _oar_estimator(name: str, batch: CreditBatch, options: dict[str, Any]) -> Cr
                 draws=int(options.get("draws", 1)),
                 baseline=options.get("baseline"),
                 chunk_size=None if cs is None else int(cs),
+                chunk_tokens=int(options.get("chunk_tokens", 512)),
             )
         if mode == "answer_joint":
             # phi differences are signed; the reshaping uses the size of the influence
@@ -171,8 +172,8 @@ def oar_g_estimator(batch: CreditBatch, **options: Any) -> CreditResult:
 
     Options: as ``oar_p`` but ``mode`` defaults to ``answer_mean``, plus ``noise_std`` (1e-3),
     ``seed`` (None: ``CreditBatch.extras["seed"]``, and the global RNG without it; combined with
-    ``extras["step"]`` when present), ``chunk_size`` (None: all scored rows in one
-    forward/backward), ``draws`` (1: rows per response, noise draws or path points) and
+    ``extras["step"]`` when present), ``chunk_size`` (None: scored rows grouped by
+    run length, ``chunk_tokens`` (512) computed positions per forward/backward), ``draws`` (1: rows per response, noise draws or path points) and
     ``baseline`` (None | ``pad`` | ``zero``: integrated gradients from that embedding). Each
     response's noise is drawn from its own generator (:func:`oar.credit.importance.noise_keys`),
     so its scores do not depend on the batch's chunking.

@@ -189,6 +189,7 @@ def gradient_importance(
     draws: int = 1,
     baseline: str | None = None,
     chunk_size: int | None = None,
+    chunk_tokens: int | None = None,
     naive: bool = False,
 ) -> torch.Tensor:
     """OAR-G: gradient x input saliency ``s_t = |sum_h dJ/de_{t,h} * e_{t,h}|`` (module doc).
@@ -225,8 +226,14 @@ def gradient_importance(
         draws: ``k >= 1`` rows per response (noise draws, or path points with a baseline).
         baseline: None (noise draws around the clean embeddings) | ``pad`` | ``zero`` (integrated
             gradients from the pad token's embedding or from 0).
-        chunk_size: responses per forward/backward (None = all answered rows at once); a forward
-            holds ``chunk_size * draws`` sequences.
+        chunk_size: responses per forward/backward (None = all answered rows at once, or grouped by
+            ``chunk_tokens``); a forward holds ``chunk_size * draws`` sequences.
+        chunk_tokens: with ``chunk_size`` None: group the answered rows by the length each must run
+            (from its first reasoning position to the end), longest first, into chunks of at most
+            ``chunk_tokens`` computed positions (``rows x longest x draws``):
+            :func:`oar.packing.group_by_length`. Rows of a left-padded probe then no longer compute
+            the padding and prompt tokens of the longer rows beside them (38% of the positions of one
+            chunk on the tiny default). None: one chunk.
         naive: run the forward over the whole probe instead of reusing the prompt prefix's KV
             cache. The cached path needs a plain full-attention ``DynamicCache``
             (Llama/Qwen2-like models); for other caches it warns and falls back to the naive path.
@@ -239,6 +246,8 @@ def gradient_importance(
         raise ValueError(f"oar.credit.importance.gradient_importance: noise_std must be >= 0, got {noise_std}")
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"oar.credit.importance.gradient_importance: chunk_size must be >= 1, got {chunk_size}")
+    if chunk_tokens is not None and chunk_tokens < 1:
+        raise ValueError(f"oar.credit.importance.gradient_importance: chunk_tokens must be >= 1, got {chunk_tokens}")
     if int(draws) < 1:
         raise ValueError(f"oar.credit.importance.gradient_importance: draws must be >= 1, got {draws}")
     if baseline is not None and baseline not in BASELINES:
@@ -260,12 +269,10 @@ def gradient_importance(
     if rows_all.numel() == 0 or not bool(sub_all.reasoning_mask.any()):
         return scores
     dev = _model_device(model)
-    step = rows_all.numel() if chunk_size is None else chunk_size
     embed = model.get_input_embeddings()
     keys = row_keys.cpu()
     with _eval_mode(model):
-        for g0 in range(0, rows_all.numel(), step):
-            rows = rows_all[g0 : g0 + step]
+        for rows in _chunks(sub_all, rows_all, chunk_size, chunk_tokens, int(draws)):
             sub = probe.select(rows).to(dev)
             s = _oar_g_group(
                 model,
@@ -282,6 +289,28 @@ def gradient_importance(
             # the group's probe may have dropped leading pad columns: align on the right
             scores[rows, scores.shape[1] - s.shape[1] :] = s.to(scores.device)
     return scores * probe.reasoning_mask
+
+
+def _chunks(sub: Probe, rows: torch.Tensor, chunk_size: int | None, chunk_tokens: int | None,
+            draws: int) -> list[torch.Tensor]:
+    """Row chunks of :func:`gradient_importance`: consecutive ``chunk_size`` rows, or (``chunk_size``
+    None) groups of similar run length under ``chunk_tokens`` positions, or all rows.
+
+    Args:
+        sub: the probe's answered rows (``R`` rows, aligned with ``rows``); rows: ``(R,)`` their
+            indices in the full probe.
+    """
+    if chunk_size is not None:
+        return [rows[g0 : g0 + chunk_size] for g0 in range(0, rows.numel(), chunk_size)]
+    if chunk_tokens is None or rows.numel() <= 1:
+        return [rows]
+    from oar.packing import group_by_length
+
+    L = sub.reasoning_mask.shape[1]
+    first = torch.where(sub.reasoning_mask.any(-1), sub.reasoning_mask.long().argmax(-1), torch.full_like(rows, L - 1))
+    lengths = (L - first).tolist()
+    groups = group_by_length(lengths, max_rows=rows.numel(), max_tokens=max(1, chunk_tokens // max(1, draws)))
+    return [rows[torch.tensor(g, dtype=torch.long)] for g in groups]
 
 
 def _oar_g_group(
