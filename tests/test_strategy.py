@@ -138,17 +138,20 @@ def test_fsdp_on_two_processes_equals_ddp_on_two_processes(start, method):
 
 
 @pytest.mark.slow
-def test_fsdp_on_two_processes_equals_one_process_with_batch_invariant_sampling(start, method="grpo"):
+@pytest.mark.parametrize("method", ["grpo", "oar_g"])
+def test_fsdp_on_two_processes_equals_one_process_with_batch_invariant_sampling(start, method):
     """rollout.batch_invariant seeds each prompt's group by its position in the step, so one process
     and two sample the same responses; FSDP over two processes then trains as one DDP process does.
-    (Not OAR-G: its embedding noise is drawn per chunk of responses, so it depends on the split;
-    grad_norm differed by up to 10%. OAR-G is compared at a fixed split above.)"""
+    OAR-G too: each response's embedding noise is seeded by its prompt's position in the step (over
+    all processes) and its rank in the group, not by how rows are split into chunks or processes."""
     tmp, raw = start
     raw = deep_merge(raw, {"rollout": {"batch_invariant": True}})
     one = _launch(tmp, raw, f"bi-ddp1-{method}", method, procs=1, strategy="ddp")
     two = _launch(tmp, raw, f"bi-fsdp2-{method}", method, procs=2, strategy="fsdp")
     a, b = _rows(one), _rows(two)
     assert any(0 < r["accuracy"] < 1 for r in a), a
+    if method == "oar_g":
+        assert any(r["credit_scored_fraction"] > 0 for r in a), a
     # global means; per-micro-batch token means (entropy, clipfrac) depend on how rows are split
     for k in ("reward", "accuracy", "response_length", "truncated", "loss", "pg_loss", "grad_norm", "ess_ratio",
               "top10_mass", "lr"):
