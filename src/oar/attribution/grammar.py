@@ -30,7 +30,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from oar.data.synthetic import _parse_question, format_solution, solve_steps
+from oar.data.synthetic import _parse_question, apply_op, format_solution, next_operation, reduce_steps, solve_steps
 
 __all__ = [
     "STEP_STATUSES",
@@ -55,26 +55,10 @@ STEP_STATUSES: tuple[str, ...] = (
 )
 
 
-def apply_op(a: int, op: str, b: int) -> int:
-    """``a op b`` for ``op`` in ``+ - *``."""
-    if op == "+":
-        return a + b
-    if op == "-":
-        return a - b
-    if op == "*":
-        return a * b
-    raise ValueError(f"oar.attribution.apply_op: unknown operator {op!r}")
-
-
 def question_terms(question: str) -> tuple[list[int], list[str]]:
     """Operands and operators of a synthetic question (``"Compute 47+18-25."`` ->
     ``([47, 18, 25], ["+", "-"])``)."""
     return _parse_question(question)
-
-
-def _next_index(ops: Sequence[str]) -> int:
-    """Index of the operation the reduction order takes next: the leftmost ``*``, else the first."""
-    return list(ops).index("*") if "*" in ops else 0
 
 
 @dataclass(frozen=True)
@@ -129,7 +113,7 @@ def check_steps(
                 return StepCheck("extra_steps", None, False, tuple(expected))
             clean_after = False
             break
-        j = _next_index(rest)
+        j = next_operation(rest)
         want = (vals[j], rest[j], vals[j + 1])
         expected.append(want)
         if (a, op, b) != want:
@@ -197,25 +181,23 @@ def counterfactual_edit(
         a :class:`Counterfactual`; :func:`check_steps` on its steps finds the mistake at ``step``,
         propagated.
     """
-    vals, rest = list(operands), list(ops)
-    if not 0 <= step < len(rest):
-        raise ValueError(f"oar.attribution.counterfactual_edit: step {step} outside 0..{len(rest) - 1}")
-    if len(gap_fillers) != len(rest):
-        raise ValueError(f"oar.attribution.counterfactual_edit: {len(gap_fillers)} fillers for {len(rest)} gaps")
-    steps: list[tuple[int, str, int, int]] = []
+    n_steps = len(ops)
+    if not 0 <= step < n_steps:
+        raise ValueError(f"oar.attribution.counterfactual_edit: step {step} outside 0..{n_steps - 1}")
+    if len(gap_fillers) != n_steps:
+        raise ValueError(f"oar.attribution.counterfactual_edit: {len(gap_fillers)} fillers for {n_steps} gaps")
     original = 0
-    while rest:
-        j = _next_index(rest)
-        a, op, b = vals[j], rest[j], vals[j + 1]
-        c = apply_op(a, op, b)
-        if len(steps) == step:
-            original = c
-            if new_result == c:
-                raise ValueError(f"oar.attribution.counterfactual_edit: new_result {new_result} is the right result")
-            c = int(new_result)
-        steps.append((a, op, b, c))
-        vals[j : j + 2] = [c]
-        del rest[j]
+
+    def result(k: int, c: int) -> int:
+        nonlocal original
+        if k != step:
+            return c
+        original = c
+        if new_result == c:
+            raise ValueError(f"oar.attribution.counterfactual_edit: new_result {new_result} is the right result")
+        return int(new_result)
+
+    steps = reduce_steps(operands, ops, result)
     text, _, _ = format_solution(steps, list(gap_fillers))
     return Counterfactual(text, tuple(steps), step, original, int(new_result), str(steps[-1][3]))
 

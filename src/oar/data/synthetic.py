@@ -41,11 +41,11 @@ from __future__ import annotations
 import hashlib
 import random
 import re
-from typing import Sequence
+from typing import Callable, Sequence
 
 __all__ = [
-    "SPLITS", "OPERATORS", "DEFAULT_FILLERS", "ERROR_OFFSETS", "generate", "answer_of", "solve_steps",
-    "corrupt_steps", "format_solution",
+    "SPLITS", "OPERATORS", "DEFAULT_FILLERS", "ERROR_OFFSETS", "generate", "answer_of", "apply_op",
+    "next_operation", "reduce_steps", "solve_steps", "corrupt_steps", "format_solution",
 ]
 
 #: Split names accepted by :func:`generate`.
@@ -69,6 +69,47 @@ def _derived_seed(*parts: object) -> int:
     return int.from_bytes(hashlib.sha256("\x00".join(map(str, parts)).encode()).digest()[:8], "big")
 
 
+def apply_op(a: int, op: str, b: int) -> int:
+    """``a op b`` for ``op`` in :data:`OPERATORS`."""
+    if op == "+":
+        return a + b
+    if op == "-":
+        return a - b
+    if op == "*":
+        return a * b
+    raise ValueError(f"unknown operator {op!r}; valid: {OPERATORS}")
+
+
+def next_operation(ops: Sequence[str]) -> int:
+    """Index of the operation the reduction order takes next: the leftmost ``*``, else the first."""
+    return list(ops).index("*") if "*" in ops else 0
+
+
+def reduce_steps(
+    operands: Sequence[int], ops: Sequence[str], result: Callable[[int, int], int] | None = None
+) -> list[tuple[int, str, int, int]]:
+    """Reduce ``operands[0] ops[0] operands[1] ...`` step by step: list of ``(a, op, b, c)``.
+
+    ``*`` first (leftmost first), then ``+``/``-`` left to right (:func:`next_operation`). Step
+    ``k`` writes ``c = result(k, a op b)`` (default: ``a op b``), and every later step continues
+    from the values written, so a changed result is carried forward consistently.
+    """
+    if len(operands) != len(ops) + 1 or len(operands) < 2:
+        raise ValueError(f"need len(operands) == len(ops) + 1 >= 2, got {len(operands)} operands, {len(ops)} ops")
+    vals, rest = list(operands), list(ops)
+    steps: list[tuple[int, str, int, int]] = []
+    while rest:
+        i = next_operation(rest)
+        a, op, b = vals[i], rest[i], vals[i + 1]
+        c = apply_op(a, op, b)
+        if result is not None:
+            c = result(len(steps), c)
+        steps.append((a, op, b, c))
+        vals[i : i + 2] = [c]
+        del rest[i]
+    return steps
+
+
 def solve_steps(operands: Sequence[int], ops: Sequence[str]) -> list[tuple[int, str, int, int]]:
     """Reduce ``operands[0] ops[0] operands[1] ...`` step by step: list of ``(a, op, b, a op b)``.
 
@@ -78,26 +119,7 @@ def solve_steps(operands: Sequence[int], ops: Sequence[str]) -> list[tuple[int, 
     >>> solve_steps([2, 3, 4], ["+", "*"])
     [(3, '*', 4, 12), (2, '+', 12, 14)]
     """
-    if len(operands) != len(ops) + 1 or len(operands) < 2:
-        raise ValueError(f"need len(operands) == len(ops) + 1 >= 2, got {len(operands)} operands, {len(ops)} ops")
-    vals = list(operands)
-    ops_ = list(ops)
-    steps: list[tuple[int, str, int, int]] = []
-    while ops_:
-        i = ops_.index("*") if "*" in ops_ else 0
-        a, op, b = vals[i], ops_[i], vals[i + 1]
-        if op == "+":
-            c = a + b
-        elif op == "-":
-            c = a - b
-        elif op == "*":
-            c = a * b
-        else:
-            raise ValueError(f"unknown operator {op!r}; valid: {OPERATORS}")
-        steps.append((a, op, b, c))
-        vals[i : i + 2] = [c]
-        del ops_[i]
-    return steps
+    return reduce_steps(operands, ops)
 
 
 #: Offsets a wrong demonstration step adds to the correct result (:func:`corrupt_steps`).
@@ -120,24 +142,15 @@ def corrupt_steps(
     Returns:
         ``(steps, wrong)``: steps as ``(a, op, b, c)`` and the indices of the wrong steps.
     """
-    steps: list[tuple[int, str, int, int]] = []
     wrong: list[int] = []
-    vals, rest = list(operands), list(ops)
-    for op_kind in ("*", None):  # the order of solve_steps: "*" first, then "+"/"-" left to right
-        i = 0
-        while i < len(rest):
-            if (op_kind == "*") != (rest[i] == "*"):
-                i += 1
-                continue
-            a, op, b = vals[i], rest[i], vals[i + 1]
-            c = a * b if op == "*" else a + b if op == "+" else a - b
-            if rate > 0 and rng.random() < rate:
-                c += rng.choice(ERROR_OFFSETS)
-                wrong.append(len(steps))
-            steps.append((a, op, b, c))
-            vals[i : i + 2] = [c]
-            del rest[i]
-    return steps, wrong
+
+    def result(k: int, c: int) -> int:
+        if rate > 0 and rng.random() < rate:
+            wrong.append(k)
+            return c + rng.choice(ERROR_OFFSETS)
+        return c
+
+    return reduce_steps(operands, ops, result), wrong
 
 
 def _parse_question(question: str) -> tuple[list[int], list[str]]:
