@@ -117,16 +117,24 @@ def load_config(path: str | Path, overrides: dict | None = None) -> dict:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"config file not found: {path}")
-    try:
-        config = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f":{mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{path}{where}: invalid YAML: {getattr(e, 'problem', e)}") from None
-    config = resolve_extends(config or {}, path)
+    config = resolve_extends(_read_yaml(path), path)
     if overrides:
         config = deep_merge(config, overrides)
     return validate_config(config, source=str(path))
+
+
+def _read_yaml(path: Path, context: str = "") -> dict:
+    """The YAML mapping in ``path`` ({} for an empty file).
+
+    Raises:
+        ConfigError: invalid YAML, naming the file, the line and ``context``.
+    """
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}{where}: invalid YAML{context}: {getattr(e, 'problem', e)}") from None
 
 
 def resolve_extends(config: dict, path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
@@ -149,13 +157,7 @@ def resolve_extends(config: dict, path: str | Path, _seen: tuple[Path, ...] = ()
         raise ConfigError(f"{path}: key extends: {base_path} extends itself (a loop)")
     if not base_path.is_file():
         raise ConfigError(f"{path}: key extends: no such config file {base_path}")
-    try:
-        base = yaml.safe_load(base_path.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f":{mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{base_path}{where}: invalid YAML (extended by {path}): {getattr(e, 'problem', e)}") from None
-    base = resolve_extends(base, base_path, (*_seen, path.resolve()))
+    base = resolve_extends(_read_yaml(base_path, f" (extended by {path})"), base_path, (*_seen, path.resolve()))
     return deep_merge(base, top)
 
 

@@ -464,14 +464,14 @@ def _collect_batch(engine: Any, stream: _PromptStream, prompts_all: list[str], r
     kept: list[StepBatch] = []
     n_kept_groups, rounds, gen_total = 0, 0, 0
     max_rounds = recipe["max_num_gen_batches"] if recipe["dynamic_sampling"] else 1
+    positions = torch.arange(tcfg["prompts_per_step"])[rank::world]  # this process's prompts' places in the step
     while True:
         idx = stream.take(tcfg["prompts_per_step"])[rank::world]
         t0 = time.perf_counter()
         prompts = [prompts_all[i] for i in idx]
         gen = dict(n=n, temperature=rcfg["temperature"], top_p=rcfg["top_p"], max_new_tokens=rcfg["max_new_tokens"])
         if rcfg["batch_invariant"]:  # seeded by the prompt's position in the step, not by the process
-            positions = list(range(tcfg["prompts_per_step"]))[rank::world]
-            seeds = [_step_seed(_step_seed(seed, step, rounds), pos) for pos in positions]
+            seeds = [_step_seed(_step_seed(seed, step, rounds), pos) for pos in positions.tolist()]
             ro = generate_per_prompt(engine, prompts, seeds=seeds, pad_id=pad_id, **gen)
         else:
             ro = engine.generate(prompts, seed=_step_seed(seed, step, rounds) + rank, **gen)
@@ -490,8 +490,7 @@ def _collect_batch(engine: Any, stream: _PromptStream, prompts_all: list[str], r
         timings["reward"] += time.perf_counter() - t0
         # the prompt's position in the step (over all processes) and round: unique across rounds and processes,
         # so what is keyed by group (OAR-G's per-response noise) does not depend on the number of processes
-        positions_t = torch.arange(tcfg["prompts_per_step"])[rank::world]
-        group_ids = positions_t[ro.prompt_index] + (rounds * tcfg["prompts_per_step"])
+        group_ids = positions[ro.prompt_index] + (rounds * tcfg["prompts_per_step"])
         gen_total += len(idx)
         rounds += 1
         sb = StepBatch(ro, rewards, correct, group_ids, rounds, 1.0)

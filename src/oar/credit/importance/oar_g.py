@@ -107,6 +107,12 @@ def draw_noise(
     return out
 
 
+def _first_reasoning(reasoning_mask: torch.Tensor, default: int) -> torch.Tensor:
+    """``(N,)`` first reasoning column of each row of an ``(N, L)`` mask; ``default`` for a row without one."""
+    first = reasoning_mask.long().argmax(-1)
+    return torch.where(reasoning_mask.any(-1), first, torch.full_like(first, default))
+
+
 def _noise_start(reasoning_mask: torch.Tensor, tail: int) -> int:
     """First column that OAR-G's noisy forward must run: the first column where any row has a
     reasoning token (every earlier column gets no noise and no score), at most ``tail`` (the
@@ -143,7 +149,7 @@ def _shared_prefix_kv(model: torch.nn.Module, probe: Probe, start: int) -> list[
     N, L = probe.input_ids.shape
     pad = L - probe.attention_mask.long().sum(-1)  # (N,) left padding of each row
     has_r = probe.reasoning_mask.any(-1)
-    first_r = torch.where(has_r, probe.reasoning_mask.long().argmax(-1), torch.full_like(pad, L))
+    first_r = _first_reasoning(probe.reasoning_mask, L)
     ids, pads, firsts = probe.input_ids.tolist(), pad.tolist(), first_r.tolist()
     groups: dict[tuple, int] = {}  # prompt -> donor row
     keys: list[tuple] = []
@@ -307,8 +313,7 @@ def _chunks(sub: Probe, rows: torch.Tensor, chunk_size: int | None, chunk_tokens
     from oar.packing import group_by_length
 
     L = sub.reasoning_mask.shape[1]
-    first = torch.where(sub.reasoning_mask.any(-1), sub.reasoning_mask.long().argmax(-1), torch.full_like(rows, L - 1))
-    lengths = (L - first).tolist()
+    lengths = (L - _first_reasoning(sub.reasoning_mask, L - 1)).tolist()
     groups = group_by_length(lengths, max_rows=rows.numel(), max_tokens=max(1, chunk_tokens // max(1, draws)))
     return [rows[torch.tensor(g, dtype=torch.long)] for g in groups]
 
