@@ -91,6 +91,12 @@ def reference_outcome(model, ids: torch.Tensor, n_answer: int, mode: str):
     answer."""
     L = ids.numel()
     logits = model(input_ids=ids[None], position_ids=torch.arange(L)[None]).logits[0].float()
+    return _outcome_of_logits(logits, ids, n_answer, mode)
+
+
+def _outcome_of_logits(logits: torch.Tensor, ids: torch.Tensor, n_answer: int, mode: str):
+    """The outcome of ``mode`` from the ``(L, V)`` logits of the 1-D sequence ``ids``."""
+    L = ids.numel()
     pred = torch.arange(L - n_answer - 1, L - 1)  # positions predicting the answer tokens
     if mode == "last":
         return F.log_softmax(logits[L - n_answer - 1], -1)
@@ -556,13 +562,7 @@ def reference_outcome_embeds(model, x: torch.Tensor, ids: torch.Tensor, n_answer
     """``reference_outcome`` of one unpadded sequence from its input embeddings ``x`` (L, H)."""
     L = ids.numel()
     logits = model(inputs_embeds=x[None], position_ids=torch.arange(L)[None]).logits[0].float()
-    pred = torch.arange(L - n_answer - 1, L - 1)
-    if mode == "last":
-        return F.log_softmax(logits[L - n_answer - 1], -1)
-    if mode == "answer_mean":
-        return F.log_softmax(logits[pred].mean(0), -1)
-    lp = F.log_softmax(logits[pred], -1)
-    return lp[torch.arange(n_answer), ids[pred + 1]].mean()
+    return _outcome_of_logits(logits, ids, n_answer, mode)
 
 
 def reference_oar_g(model, ids, reasoning, n_answer, mode, *, seed, key, noise_std, draws=1, baseline=None):
