@@ -181,7 +181,8 @@ class ResolvedMethod:
         recipe_name: ``grpo``, ``drgrpo``, ``dapo`` or any recipe of the config.
         recipe: every recipe setting (clip range, loss aggregation, reward values, dynamic sampling,
             overlong shaping, KL coefficient), defaults filled.
-        credit: ``none``, ``ktae``, ``oar_p`` or ``oar_g``.
+        credit: ``none`` or a registered estimator (``ktae``, ``oar_p``, ``oar_g``, the controls of
+            :mod:`oar.credit.controls`).
         credit_options: options passed to the estimator.
         estimator: registered estimator name (``grpo``/``drgrpo`` when credit is ``none``).
         label: display name for tables.
@@ -263,6 +264,13 @@ def resolve_method(config: dict, name: str, *, source: str = "<config>") -> Reso
             e = errs[0]
             raise ConfigError(f"{source}: key methods.{name}.{_key_path(e)}: {e.message} ({what} setting)")
     estimator = credit if credit != "none" else ("grpo" if recipe["norm_by_std"] else "drgrpo")
+    # a control that reads a task's ground truth says so in the schema (x-task), checked before any work
+    needs_task, task_kind = credit_schemas[credit].get("x-task"), (config.get("task") or {}).get("kind")
+    if needs_task is not None and task_kind is not None and task_kind != needs_task:
+        raise ConfigError(
+            f"{source}: key methods.{name}.credit: {credit!r} is a control that reads the {needs_task} task's "
+            f"ground truth; it cannot run with task.kind {task_kind!r}"
+        )
     return ResolvedMethod(
         name=name,
         recipe_name=recipe_name,

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from oar.config import ResolvedMethod, resolve_method
-from oar.credit import CreditBatch, get_estimator
+from oar.credit import CreditBatch, estimator_needs_model, get_estimator
 from oar.credit.metrics import ess_ratio, top_mass
 from oar.io import atomic_write_json, read_jsonl
 from oar.loss import aggregate, k3_kl, policy_loss
@@ -50,10 +50,6 @@ __all__ = [
     "make_scheduler",
     "dynamic_sampling_keep",
 ]
-
-
-#: Token-credit methods whose estimator calls the policy (forwards, OAR-G's input-gradient backward).
-MODEL_CREDITS = ("oar_p", "oar_g")
 
 
 class TrainingError(RuntimeError):
@@ -348,13 +344,13 @@ def _train(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder, s
         ro = batch.rollout
 
         # ---- 3. token advantages from the method's estimator
-        with strategy.local_phase(model) if method.credit in MODEL_CREDITS else contextlib.nullcontext():
+        with strategy.local_phase(model) if estimator_needs_model(method.estimator) else contextlib.nullcontext():
             t0 = time.perf_counter()
             credit = estimator(
                 CreditBatch(response_ids=ro.response_ids, response_mask=ro.response_mask, rewards=batch.rewards,
                             group_ids=batch.group_ids, prompt_ids=ro.prompt_ids, prompt_mask=ro.prompt_mask,
                             model=policy, tokenizer=tokenizer,
-                            extras={"old_logprobs": ro.logprobs, "step": step, "seed": seed}),
+                            extras={"old_logprobs": ro.logprobs, "step": step, "seed": seed, "task": config["task"]}),
                 **est_options,
             )
             timings["importance"] = time.perf_counter() - t0

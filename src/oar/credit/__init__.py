@@ -23,6 +23,7 @@ __all__ = [
     "register_estimator",
     "get_estimator",
     "list_estimators",
+    "estimator_needs_model",
 ]
 
 
@@ -76,10 +77,20 @@ class Estimator(Protocol):
 
 
 _REGISTRY: dict[str, Callable[..., CreditResult]] = {}
+_NEEDS_MODEL: dict[str, bool] = {}
 
 
-def register_estimator(name: str) -> Callable[[Callable[..., CreditResult]], Callable[..., CreditResult]]:
+def register_estimator(
+    name: str, *, needs_model: bool = False
+) -> Callable[[Callable[..., CreditResult]], Callable[..., CreditResult]]:
     """Decorator: register ``fn`` as the estimator called ``name``.
+
+    Args:
+        name: the name configs use (``credit: <name>``).
+        needs_model: the estimator calls ``CreditBatch.model`` (OAR-P, OAR-G and the nulls built on
+            them); the trainer gathers a sharded policy for it.
+        task: the only ``task.kind`` the estimator works on (``"synthetic"`` for the oracle controls,
+            which read the task's ground truth), or None for any task.
 
     Raises:
         ValueError: if ``name`` is already registered to a different function.
@@ -90,6 +101,7 @@ def register_estimator(name: str) -> Callable[[Callable[..., CreditResult]], Cal
         if old is not None and old is not fn and old.__qualname__ != fn.__qualname__:
             raise ValueError(f"estimator {name!r} is already registered to {old.__module__}.{old.__qualname__}")
         _REGISTRY[name] = fn
+        _NEEDS_MODEL[name] = needs_model
         return fn
 
     return deco
@@ -99,8 +111,8 @@ def _load_builtin() -> None:
     # Importing the modules registers their estimators.
     from oar.credit import advantages, ktae  # noqa: F401
 
-    try:  # token-importance estimators (OAR-P, OAR-G)
-        from oar.credit import importance  # noqa: F401
+    try:  # token-importance estimators (OAR-P, OAR-G) and the controls beside them (oracles, nulls)
+        from oar.credit import controls, importance  # noqa: F401
     except ImportError:
         pass
 
@@ -122,3 +134,10 @@ def list_estimators() -> list[str]:
     """Names of all registered estimators, sorted."""
     _load_builtin()
     return sorted(_REGISTRY)
+
+
+def estimator_needs_model(name: str) -> bool:
+    """Whether the estimator ``name`` calls the policy (see :func:`register_estimator`)."""
+    get_estimator(name)
+    return _NEEDS_MODEL[name]
+

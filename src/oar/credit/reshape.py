@@ -17,7 +17,7 @@ import math
 
 import torch
 
-__all__ = ["bilevel_weights", "masked_row_quantile"]
+__all__ = ["bilevel_weights", "masked_row_quantile", "reshaped_advantages"]
 
 
 def masked_row_quantile(values: torch.Tensor, mask: torch.Tensor, q: float) -> torch.Tensor:
@@ -135,3 +135,37 @@ def bilevel_weights(
         scale = torch.where(ok, length / torch.where(ok, total, 1.0), 1.0)
         w = torch.where(ok, w * scale, 1.0)
     return torch.where(m, w, 1.0)
+
+
+def reshaped_advantages(
+    seq_adv: torch.Tensor,
+    scores: torch.Tensor,
+    score_mask: torch.Tensor,
+    active: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    quantile: float = 0.25,
+    beta: float = 1.0,
+    floor: float = 0.1,
+    preserve_mass: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token advantages ``A_i * w_{i,t}`` from importance scores, the step every reshaping method
+    shares (OAR-P, OAR-G, the oracle controls and the nulls): only the scores differ between them.
+
+    Args:
+        seq_adv: ``(B,)`` sequence advantages ``A_i``.
+        scores: ``(B, T)`` non-negative importance scores in response coordinates.
+        score_mask: ``(B, T)`` positions reweighted by :func:`bilevel_weights` (the reasoning tokens).
+        active: ``(B,)`` bool, rows that were scored; the other rows keep weight 1 (plain GRPO).
+        response_mask: ``(B, T)`` 1 on real response tokens.
+        quantile, beta, floor, preserve_mass: as :func:`bilevel_weights`.
+
+    Returns:
+        ``(weights, token_advantages)``, both ``(B, T)``: weights are the Bi-Level weights on
+        scored positions of active rows, 1 on the other response tokens, 0 on padding.
+    """
+    m = response_mask.to(torch.float32)
+    w = bilevel_weights(scores.to(m.device), score_mask.to(m.device), quantile=quantile, beta=beta, floor=floor,
+                        preserve_mass=preserve_mass)
+    weights = torch.where(active.to(w.device).unsqueeze(-1), w, torch.ones_like(w)) * m.to(w.dtype)
+    return weights, seq_adv.to(weights.dtype).unsqueeze(-1) * weights

@@ -45,6 +45,10 @@ __all__ = [
     "noise_keys",
     "oar_p_estimator",
     "oar_g_estimator",
+    "importance_scores",
+    "reshape_options",
+    "sequence_advantages",
+    "OAR_G_OPTIONS",
 ]
 
 
@@ -55,24 +59,28 @@ __all__ = [
 _COMMON_OPTIONS = ("norm_by_std", "eps", "quantile", "beta", "floor", "preserve_mass", "mode", "conclude")
 
 
-def _oar_estimator(name: str, batch: CreditBatch, options: dict[str, Any]) -> CreditResult:
-    from oar.credit.advantages import check_options, grpo_advantages
-    from oar.credit.reshape import bilevel_weights
+def importance_scores(
+    name: str, batch: CreditBatch, options: dict[str, Any], seq_adv: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, float]]:
+    """OAR-P's (``name="oar_p"``) or OAR-G's (``"oar_g"``) importance scores of a batch.
 
-    extra = ("chunk_size",) if name == "oar_p" else ("noise_std", "seed", "chunk_size", "chunk_tokens", "draws", "baseline")
-    check_options(name, options, _COMMON_OPTIONS + extra)
+    Only responses with an answer and ``seq_adv != 0`` are scored (the others keep GRPO's weight).
+
+    Args:
+        batch: the step's :class:`oar.credit.CreditBatch` (``model``, ``tokenizer``, ``prompt_ids`` set).
+        options: the estimator's options (as :func:`oar_p_estimator` / :func:`oar_g_estimator`).
+        seq_adv: ``(B,)`` sequence advantages.
+
+    Returns:
+        ``(scores, reasoning, active, stats)``: ``(B, T)`` non-negative scores and ``(B, T)`` float
+        mask of the reasoning tokens, both in response coordinates; ``(B,)`` bool scored rows;
+        timing and coverage statistics.
+    """
     for field in ("model", "tokenizer", "prompt_ids"):
         if getattr(batch, field) is None:
             raise ValueError(f"estimator {name!r}: CreditBatch.{field} is None (the OAR probe needs it)")
     mode = options.get("mode", "last" if name == "oar_p" else "answer_mean")
     _check_mode(mode, name)
-
-    A = grpo_advantages(
-        batch.rewards,
-        batch.group_ids,
-        norm_by_std=bool(options.get("norm_by_std", True)),
-        eps=float(options.get("eps", 1e-6)),
-    )
     rmask = batch.response_mask
     B, T = batch.response_ids.shape
     t_probe = time.perf_counter()
@@ -85,7 +93,7 @@ def _oar_estimator(name: str, batch: CreditBatch, options: dict[str, Any]) -> Cr
         response_mask=rmask,
     )
     # Only responses with an answer and a nonzero advantage need importance scores.
-    active = probe.has_answer & (A.to(probe.has_answer.device) != 0)
+    active = probe.has_answer & (seq_adv.to(probe.has_answer.device) != 0)
     scores = torch.zeros_like(probe.input_ids, dtype=torch.float32)
     t0 = time.perf_counter()
     probe_seconds = t0 - t_probe
@@ -120,36 +128,55 @@ def _oar_estimator(name: str, batch: CreditBatch, options: dict[str, Any]) -> Cr
             s = s.abs()
         rows = active.nonzero().flatten()
         scores[rows, scores.shape[1] - s.shape[1] :] = s
-    seconds = time.perf_counter() - t0
+    stats = {
+        "importance_s": float(time.perf_counter() - t0),
+        "probe_s": float(probe_seconds),
+        "probe_fraction": float(probe.has_answer.float().mean()) if B else 0.0,
+        "scored_fraction": float(active.float().mean()) if B else 0.0,
+    }
+    return probe.to_response(scores, T), probe.to_response(probe.reasoning_mask.float(), T), active, stats
 
-    scores_resp = probe.to_response(scores, T)
-    reason_resp = probe.to_response(probe.reasoning_mask.float(), T)
-    w = bilevel_weights(
-        scores_resp.to(rmask.device),
-        reason_resp.to(rmask.device),
-        quantile=float(options.get("quantile", 0.25)),
-        beta=float(options.get("beta", 1.0)),
-        floor=float(options.get("floor", 0.1)),
-        preserve_mass=bool(options.get("preserve_mass", True)),
+
+def reshape_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The Bi-Level options (``quantile``, ``beta``, ``floor``, ``preserve_mass``) of an estimator's
+    options, defaults filled (:func:`oar.credit.reshape.bilevel_weights`)."""
+    return {
+        "quantile": float(options.get("quantile", 0.25)),
+        "beta": float(options.get("beta", 1.0)),
+        "floor": float(options.get("floor", 0.1)),
+        "preserve_mass": bool(options.get("preserve_mass", True)),
+    }
+
+
+def sequence_advantages(batch: CreditBatch, options: dict[str, Any]) -> torch.Tensor:
+    """``(B,)`` GRPO (or, with ``norm_by_std: false``, Dr. GRPO) advantages of the batch."""
+    from oar.credit.advantages import grpo_advantages
+
+    return grpo_advantages(
+        batch.rewards,
+        batch.group_ids,
+        norm_by_std=bool(options.get("norm_by_std", True)),
+        eps=float(options.get("eps", 1e-6)),
     )
-    m = rmask.to(w.dtype)
-    # Rows that were not scored (no answer, or A_i == 0): weight 1 on every response token.
-    weights = torch.where(active.to(w.device).unsqueeze(-1), w, torch.ones_like(w)) * m
-    token_adv = A.to(weights.dtype).unsqueeze(-1) * weights
-    return CreditResult(
-        token_advantages=token_adv,
-        seq_advantages=A,
-        weights=weights,
-        stats={
-            "importance_s": float(seconds),
-            "probe_s": float(probe_seconds),
-            "probe_fraction": float(probe.has_answer.float().mean()) if B else 0.0,
-            "scored_fraction": float(active.float().mean()) if B else 0.0,
-        },
-    )
 
 
-@register_estimator("oar_p")
+#: Options of OAR-G (and of the nulls built on its scores).
+OAR_G_OPTIONS = _COMMON_OPTIONS + ("noise_std", "seed", "chunk_size", "chunk_tokens", "draws", "baseline")
+
+
+def _oar_estimator(name: str, batch: CreditBatch, options: dict[str, Any]) -> CreditResult:
+    from oar.credit.advantages import check_options
+    from oar.credit.reshape import reshaped_advantages
+
+    check_options(name, options, (_COMMON_OPTIONS + ("chunk_size",)) if name == "oar_p" else OAR_G_OPTIONS)
+    A = sequence_advantages(batch, options)
+    scores, reasoning, active, stats = importance_scores(name, batch, options, A)
+    weights, token_adv = reshaped_advantages(A, scores, reasoning, active, batch.response_mask,
+                                             **reshape_options(options))
+    return CreditResult(token_advantages=token_adv, seq_advantages=A, weights=weights, stats=stats)
+
+
+@register_estimator("oar_p", needs_model=True)
 def oar_p_estimator(batch: CreditBatch, **options: Any) -> CreditResult:
     """OAR-P: GRPO advantage reshaped by perturbation importance (METHODS 4.2, 4.4).
 
@@ -166,7 +193,7 @@ def oar_p_estimator(batch: CreditBatch, **options: Any) -> CreditResult:
     return _oar_estimator("oar_p", batch, options)
 
 
-@register_estimator("oar_g")
+@register_estimator("oar_g", needs_model=True)
 def oar_g_estimator(batch: CreditBatch, **options: Any) -> CreditResult:
     """OAR-G: GRPO advantage reshaped by gradient x input saliency (METHODS 4.3, 4.4).
 

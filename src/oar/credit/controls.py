@@ -1,0 +1,315 @@
+"""Controls for token credit: oracle importance from the synthetic task's ground truth, and nulls.
+
+They answer "could token credit win here at all?". Every control but ``oracle_progress`` goes
+through the same Bi-Level reshaping and loss as OAR (:func:`oar.credit.reshape.reshaped_advantages`),
+so only the importance scores differ from OAR-P / OAR-G:
+
+- ``oracle_first_mistake`` (synthetic task only): in a wrong response whose first arithmetic
+  mistake the task grammar locates (:func:`oar.attribution.grammar.check_steps`, the locator of
+  ``oar attribution``), importance 1 on the result tokens of that step (sign included), 0 on every
+  other reasoning token, including the later restatements of the wrong value. Correct responses,
+  and wrong ones without a located mistake, keep GRPO's uniform credit.
+- ``oracle_decisive`` (synthetic task only): importance 1 on the result tokens of every step of
+  every parsed response, without knowing which one is wrong: what an ideal OAR would find.
+- ``oracle_progress`` (synthetic task only; PAV's form, arXiv 2410.08146, not reshaped):
+  ``A_{i,t} = A_i + alpha * (P_k - P_{k-1})`` on the tokens of step ``k`` with
+  ``P_k = 1[the results of steps 1..k equal the reference solution's]`` and ``P_0 = 1``: ``-alpha``
+  on the first step whose result departs from the reference, 0 elsewhere.
+- ``shuffled``: OAR-G's scores permuted at random among each response's reasoning tokens (same
+  options as ``oar_g``): the reweighting without the signal.
+- ``inverted``: OAR-G's scores reflected within each response (``max + min - s``): the least
+  important tokens get the boost.
+
+Shapes as :mod:`oar.credit`: ``B`` responses, ``T`` response tokens (right-padded).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from oar.credit import CreditBatch, CreditResult, register_estimator
+
+__all__ = [
+    "SyntheticTaskRequired",
+    "OracleLabels",
+    "oracle_labels",
+    "shuffle_scores",
+    "invert_scores",
+    "oracle_first_mistake_estimator",
+    "oracle_decisive_estimator",
+    "oracle_progress_estimator",
+    "shuffled_estimator",
+    "inverted_estimator",
+]
+
+_QUESTION_IN_PROMPT = re.compile(r"Compute ([0-9+\-*]+)\.")
+_RESHAPE = ("norm_by_std", "eps", "quantile", "beta", "floor", "preserve_mass")
+
+
+class SyntheticTaskRequired(ValueError):
+    """An oracle control was asked to score responses that are not of the synthetic task."""
+
+
+@dataclass
+class OracleLabels:
+    """Ground truth of a batch of synthetic-task responses, in response coordinates.
+
+    Attributes:
+        first_mistake: ``(B, T)`` float, 1 on the result tokens of the located first mistake.
+        results: ``(B, T)`` float, 1 on the result tokens of every step.
+        progress: ``(B, T)`` float, ``P_k - P_{k-1}`` on the tokens of step ``k`` (0 or -1).
+        reasoning: ``(B, T)`` float, 1 on the tokens before the answer marker of parsed rows.
+        parsed: ``(B,)`` bool, the response follows the task grammar.
+        located: ``(B,)`` bool, a first arithmetic mistake was located.
+    """
+
+    first_mistake: torch.Tensor
+    results: torch.Tensor
+    progress: torch.Tensor
+    reasoning: torch.Tensor
+    parsed: torch.Tensor
+    located: torch.Tensor
+
+
+def _questions(batch: CreditBatch, name: str) -> list[tuple[list[int], list[str]]]:
+    """The synthetic question (operands, operators) of every row, read from its prompt."""
+    from oar.attribution.grammar import question_terms
+
+    task = batch.extras.get("task") or {}
+    if task.get("kind", "synthetic") != "synthetic":
+        raise SyntheticTaskRequired(
+            f"estimator {name!r} reads the synthetic task's ground truth; task.kind is {task.get('kind')!r}"
+        )
+    if batch.tokenizer is None or batch.prompt_ids is None:
+        raise ValueError(f"estimator {name!r}: CreditBatch.tokenizer and prompt_ids are needed to read the question")
+    out = []
+    pmask = batch.prompt_mask if batch.prompt_mask is not None else torch.ones_like(batch.prompt_ids)
+    for b in range(batch.prompt_ids.shape[0]):
+        ids = batch.prompt_ids[b][pmask[b].bool()].tolist()
+        text = batch.tokenizer.decode(ids, skip_special_tokens=True)
+        found = _QUESTION_IN_PROMPT.findall(text)
+        if not found:
+            raise SyntheticTaskRequired(
+                f"estimator {name!r} works on the synthetic task only (task.kind: synthetic): the prompt of row {b} "
+                f"holds no 'Compute <expression>.' question: {text[:80]!r}"
+            )
+        out.append(question_terms(f"Compute {found[-1]}."))
+    return out
+
+
+def oracle_labels(batch: CreditBatch, *, fillers: Sequence[str], name: str = "oracle") -> OracleLabels:
+    """Read the ground-truth token labels of a batch of synthetic-task responses.
+
+    Each response is decoded token by token (:func:`oar.attribution.parsing.token_char_spans`),
+    parsed by the task grammar (:func:`oar.attribution.parsing.parse_response`) and its steps are
+    replayed against the question's reduction order (:func:`oar.attribution.grammar.check_steps`).
+    Rows that do not parse get all-zero labels and ``parsed`` False.
+
+    Args:
+        batch: ``response_ids`` / ``response_mask`` ``(B, T)``, ``prompt_ids`` ``(B, P)`` and the
+            tokenizer; ``extras["task"]`` (when present) must be a synthetic task.
+        fillers: the task's filler words.
+
+    Raises:
+        SyntheticTaskRequired: a prompt holds no synthetic question, or ``extras["task"]`` is another task.
+    """
+    from oar.attribution.grammar import check_steps
+    from oar.attribution.parsing import PIVOTAL, parse_response, token_char_spans, token_labels
+    from oar.data.synthetic import solve_steps
+
+    terms = _questions(batch, name)
+    B, T = batch.response_ids.shape
+    out = {k: torch.zeros(B, T) for k in ("first_mistake", "results", "progress", "reasoning")}
+    parsed_rows, located = torch.zeros(B, dtype=torch.bool), torch.zeros(B, dtype=torch.bool)
+    ids_cpu, mask_cpu = batch.response_ids.detach().cpu(), batch.response_mask.detach().cpu().bool()
+    for b in range(B):
+        pos = mask_cpu[b].nonzero().flatten()
+        text, starts, ends = token_char_spans(batch.tokenizer, ids_cpu[b, pos].tolist())
+        parsed = parse_response(text, fillers=fillers)
+        if parsed is None:
+            continue
+        parsed_rows[b] = True
+
+        def mark(key: str, spans: Sequence[Sequence[int]], value: float = 1.0) -> None:
+            on = token_labels(starts, ends, spans, [], len(text)) == PIVOTAL
+            out[key][b, pos[torch.from_numpy(on)]] = value
+
+        mark("reasoning", [[0, parsed.reasoning_end]])
+        mark("results", parsed.result_spans)
+        operands, ops = terms[b]
+        check = check_steps(parsed.steps, operands, ops, parsed.answer)
+        if check.locatable:
+            located[b] = True
+            mark("first_mistake", [parsed.result_spans[check.mistake_step]])
+        reference = [c for (_, _, _, c) in solve_steps(operands, ops)]
+        for k, step in enumerate(parsed.steps):
+            if k >= len(reference) or step[3] != reference[k]:  # P_k drops from 1 to 0 here, once
+                mark("progress", [parsed.step_spans[k]], -1.0)
+                break
+    return OracleLabels(parsed=parsed_rows, located=located, **out)
+
+
+def _fillers(batch: CreditBatch) -> list[str]:
+    from oar.data.synthetic import DEFAULT_FILLERS
+
+    synthetic = (batch.extras.get("task") or {}).get("synthetic") or {}
+    return list(synthetic.get("fillers") or DEFAULT_FILLERS)
+
+
+def _reshaped(name: str, batch: CreditBatch, options: dict[str, Any], allowed: Sequence[str],
+              scores_of: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, float]]],
+              ) -> CreditResult:
+    """Shared tail of the reshaped controls: sequence advantages, the control's scores, Bi-Level
+    reshaping (:func:`oar.credit.reshape.reshaped_advantages`)."""
+    from oar.credit.advantages import check_options
+    from oar.credit.importance import reshape_options, sequence_advantages
+    from oar.credit.reshape import reshaped_advantages
+
+    check_options(name, options, allowed)
+    A = sequence_advantages(batch, options)
+    scores, mask, active, stats = scores_of(A)
+    weights, token_adv = reshaped_advantages(A, scores, mask, active, batch.response_mask, **reshape_options(options))
+    return CreditResult(token_advantages=token_adv, seq_advantages=A, weights=weights, stats=stats)
+
+
+def _oracle_scores(name: str, batch: CreditBatch, which: str):
+    def scores_of(A: torch.Tensor):
+        t0 = time.perf_counter()
+        labels = oracle_labels(batch, fillers=_fillers(batch), name=name)
+        target = getattr(labels, which)
+        active = (target.sum(-1) > 0) & (A.cpu() != 0)
+        B = max(len(A), 1)
+        stats = {"importance_s": time.perf_counter() - t0, "parsed_fraction": float(labels.parsed.sum()) / B,
+                 "located_fraction": float(labels.located.sum()) / B, "scored_fraction": float(active.sum()) / B}
+        dev = batch.response_mask.device
+        return target.to(dev), labels.reasoning.to(dev), active.to(dev), stats
+
+    return scores_of
+
+
+@register_estimator("oracle_first_mistake")
+def oracle_first_mistake_estimator(batch: CreditBatch, **options: Any) -> CreditResult:
+    """Oracle control: Bi-Level weights from importance 1 on the first mistake's result tokens.
+
+    Options: ``norm_by_std`` (True), ``eps`` (1e-6), ``quantile`` (0.25), ``beta`` (1.0), ``floor``
+    (0.1), ``preserve_mass`` (True), as OAR. Rows scored: wrong responses (``A_i != 0``) with a
+    located first mistake; every other row keeps weight 1. Stats: ``parsed_fraction``,
+    ``located_fraction``, ``scored_fraction``, ``importance_s``.
+    """
+    return _reshaped("oracle_first_mistake", batch, options, _RESHAPE,
+                     _oracle_scores("oracle_first_mistake", batch, "first_mistake"))
+
+
+@register_estimator("oracle_decisive")
+def oracle_decisive_estimator(batch: CreditBatch, **options: Any) -> CreditResult:
+    """Oracle control: Bi-Level weights from importance 1 on every step's result tokens.
+
+    Options as ``oracle_first_mistake``. Rows scored: parsed responses with ``A_i != 0``.
+    """
+    return _reshaped("oracle_decisive", batch, options, _RESHAPE, _oracle_scores("oracle_decisive", batch, "results"))
+
+
+@register_estimator("oracle_progress")
+def oracle_progress_estimator(batch: CreditBatch, **options: Any) -> CreditResult:
+    """Oracle control in PAV's form: ``A_{i,t} = A_i m_{i,t} + alpha * progress_{i,t}``.
+
+    ``progress`` is ``-1`` on the tokens of the first step whose result departs from the reference
+    solution and 0 elsewhere (:class:`OracleLabels`); it is added to every response, also in groups
+    whose rewards are all equal (``A_i = 0``), as PAV's process advantage is.
+
+    Options: ``norm_by_std`` (True), ``eps`` (1e-6), ``alpha`` (1.0).
+    """
+    from oar.credit.advantages import broadcast_seq, check_options
+    from oar.credit.importance import sequence_advantages
+
+    check_options("oracle_progress", options, ("norm_by_std", "eps", "alpha"))
+    t0 = time.perf_counter()
+    A = sequence_advantages(batch, options)
+    labels = oracle_labels(batch, fillers=_fillers(batch), name="oracle_progress")
+    m = batch.response_mask.to(torch.float32)
+    progress = labels.progress.to(m.device) * m
+    token_adv = broadcast_seq(A.to(torch.float32), batch.response_mask) + float(options.get("alpha", 1.0)) * progress
+    B = max(len(A), 1)
+    return CreditResult(token_advantages=token_adv, seq_advantages=A, weights=None,
+                        stats={"importance_s": time.perf_counter() - t0,
+                               "parsed_fraction": float(labels.parsed.sum()) / B,
+                               "progress_fraction": float((progress != 0).any(-1).sum()) / B})
+
+
+def shuffle_scores(scores: torch.Tensor, mask: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Permute each row's scores among its masked positions at random.
+
+    Args:
+        scores: ``(B, T)`` float; mask: ``(B, T)`` positions to permute among.
+        generator: the random stream (CPU).
+
+    Returns:
+        ``(B, T)``: row ``b`` holds the same multiset of masked values in a random order; entries
+        outside the mask are unchanged.
+    """
+    out = scores.clone()
+    m = mask.bool()
+    for b in range(scores.shape[0]):
+        pos = m[b].nonzero().flatten()
+        perm = torch.randperm(len(pos), generator=generator).to(pos.device)
+        out[b, pos] = scores[b, pos[perm]]
+    return out
+
+
+def invert_scores(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Reflect each row's scores within its range over the masked positions: ``max + min - s``.
+
+    Args:
+        scores: ``(B, T)`` non-negative; mask: ``(B, T)``.
+
+    Returns:
+        ``(B, T)`` non-negative, the most important masked token now the least; unchanged outside the mask.
+    """
+    m = mask.bool()
+    hi = torch.where(m, scores, -torch.inf).amax(-1, keepdim=True)
+    lo = torch.where(m, scores, torch.inf).amin(-1, keepdim=True)
+    return torch.where(m, hi + lo - scores, scores)
+
+
+def _null_scores(batch: CreditBatch, options: dict[str, Any], transform: Callable[..., torch.Tensor]):
+    from oar.credit.importance import importance_scores
+
+    def scores_of(A: torch.Tensor):
+        scores, reasoning, active, stats = importance_scores("oar_g", batch, options, A)
+        return transform(scores, reasoning * active.to(reasoning.dtype).unsqueeze(-1)), reasoning, active, stats
+
+    return scores_of
+
+
+def _null_generator(batch: CreditBatch, options: dict[str, Any]) -> torch.Generator:
+    from oar.credit.importance import mix_seed
+
+    seed = int(options.get("seed", batch.extras.get("seed") or 0))
+    return torch.Generator().manual_seed(mix_seed(mix_seed(seed, int(batch.extras.get("step") or 0)), 0x5EED))
+
+
+@register_estimator("shuffled", needs_model=True)
+def shuffled_estimator(batch: CreditBatch, **options: Any) -> CreditResult:
+    """Null control: OAR-G's importance permuted within each response, then Bi-Level reshaped.
+
+    Options: those of ``oar_g``. The permutation is seeded by (``seed`` or the run's seed, step).
+    """
+    from oar.credit.importance import OAR_G_OPTIONS
+
+    gen = _null_generator(batch, options)
+    return _reshaped("shuffled", batch, options, OAR_G_OPTIONS,
+                     _null_scores(batch, options, lambda s, m: shuffle_scores(s.cpu(), m.cpu(), gen).to(s.device)))
+
+
+@register_estimator("inverted", needs_model=True)
+def inverted_estimator(batch: CreditBatch, **options: Any) -> CreditResult:
+    """Null control: OAR-G's importance reflected within each response (``max + min - s``), then
+    Bi-Level reshaped. Options: those of ``oar_g``."""
+    from oar.credit.importance import OAR_G_OPTIONS
+
+    return _reshaped("inverted", batch, options, OAR_G_OPTIONS, _null_scores(batch, options, invert_scores))

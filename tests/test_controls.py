@@ -1,0 +1,170 @@
+"""Controls of token credit (oar.credit.controls): where each oracle puts its importance on hand-built
+responses, and what the nulls do to OAR-G's scores."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from oar.credit import CreditBatch, estimator_needs_model, get_estimator
+
+ROOT = Path(__file__).resolve().parents[1]
+TASK = {"kind": "synthetic", "synthetic": {"fillers": ["so", "ok", "well"]}}
+# one group of the question 4+3-2 = 5; the tiny tokenizer has one token per character
+RESPONSES = [
+    "4+3=7, so 7-2=5. \\boxed{5}",  # 0 correct
+    "4+3=8, 8-2=6. \\boxed{6}",  # 1 first step wrong (8), restated as the next step's operand
+    "4+3=7, ok 7-2=4. \\boxed{4}",  # 2 last step wrong (4)
+    "4+3=7 well",  # 3 off the grammar, no answer
+]
+REWARDS = [1.0, 0.0, 0.0, 0.0]
+
+
+def _batch(responses=RESPONSES, rewards=REWARDS, prompts=None, task=TASK, model=None) -> CreditBatch:
+    from oar.models import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    prompts = prompts or ["Compute 4+3-2.\n"] * len(responses)
+    pid = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    rid = [tok(r, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for r in responses]
+    B, P, T = len(responses), max(map(len, pid)), max(map(len, rid)) + 2
+    p_ids, p_mask = torch.full((B, P), tok.pad_token_id), torch.zeros((B, P), dtype=torch.long)
+    r_ids, r_mask = torch.full((B, T), tok.pad_token_id), torch.zeros((B, T), dtype=torch.long)
+    for b in range(B):
+        p_ids[b, P - len(pid[b]):] = torch.tensor(pid[b])
+        p_mask[b, P - len(pid[b]):] = 1
+        r_ids[b, : len(rid[b])] = torch.tensor(rid[b])
+        r_mask[b, : len(rid[b])] = 1
+    return CreditBatch(response_ids=r_ids, response_mask=r_mask, rewards=torch.tensor(rewards),
+                       group_ids=torch.zeros(B, dtype=torch.long), prompt_ids=p_ids, prompt_mask=p_mask,
+                       model=model, tokenizer=tok, extras={"task": task, "seed": 3, "step": 1})
+
+
+def _top(row: torch.Tensor) -> list[int]:
+    """Positions holding the row's largest value."""
+    return (row == row.max()).nonzero().flatten().tolist()
+
+
+def test_oracle_labels_hand_case():
+    from oar.credit.controls import oracle_labels
+
+    lab = oracle_labels(_batch(), fillers=TASK["synthetic"]["fillers"])
+    assert lab.parsed.tolist() == [True, True, True, False]
+    assert lab.located.tolist() == [False, True, True, False]
+    # row 1: "4+3=8, 8-2=6. \boxed{6}": the first mistake is the 8 at index 4, not its copy at index 7
+    assert lab.first_mistake[1].nonzero().flatten().tolist() == [4]
+    # row 2: "4+3=7, ok 7-2=4. \boxed{4}": the mistake is in the last step, the 4 at index 14
+    assert lab.first_mistake[2].nonzero().flatten().tolist() == [14]
+    assert lab.first_mistake[0].sum() == 0 and lab.first_mistake[3].sum() == 0
+    # every step's result, never the operands that restate them
+    assert lab.results[0].nonzero().flatten().tolist() == [4, 14]
+    assert lab.results[1].nonzero().flatten().tolist() == [4, 11]
+    # progress: -1 on the whole first step whose result departs from the reference (7, then 5)
+    assert lab.progress[1].nonzero().flatten().tolist() == [0, 1, 2, 3, 4]
+    assert lab.progress[2].nonzero().flatten().tolist() == [10, 11, 12, 13, 14]
+    assert set(lab.progress[1].unique().tolist()) == {0.0, -1.0}
+    assert lab.progress[0].abs().sum() == 0
+    # reasoning: every token before "\boxed{"
+    assert lab.reasoning[1].nonzero().flatten().tolist() == list(range(len("4+3=8, 8-2=6. ")))
+
+
+def test_oracle_first_mistake_weights_the_mistake_not_its_copy():
+    est = get_estimator("oracle_first_mistake")
+    batch = _batch()
+    out = est(batch, quantile=0.25, beta=1.0, floor=0.1)
+    A = out.seq_advantages
+    assert A[0] > 0 and bool((A[1:] < 0).all())
+    w = out.weights
+    reasoning = len("4+3=8, 8-2=6. ")
+    # the mistake's token carries the largest weight of its response; the copy gets the floor
+    assert _top(w[1]) == [4]
+    assert w[1, 7] < 1.0 and w[1, 4] > 1.0
+    assert _top(w[2]) == [14]
+    # mass preserved over the reasoning tokens of a reshaped response
+    assert float(w[1, :reasoning].mean()) == pytest.approx(1.0, abs=1e-5)
+    # the correct response and the unparsed one keep GRPO's uniform credit
+    m = batch.response_mask.float()
+    assert torch.equal(w[0], m[0]) and torch.equal(w[3], m[3])
+    assert torch.allclose(out.token_advantages, A[:, None] * w)
+    assert out.stats["located_fraction"] == pytest.approx(0.5)
+
+
+def test_oracle_decisive_weights_every_result_and_no_operand():
+    out = get_estimator("oracle_decisive")(_batch())
+    w = out.weights
+    assert _top(w[0]) == [4, 14]  # 7 and 5, not the 7 restated at index 10
+    assert _top(w[1]) == [4, 11]
+    assert w[0, 10] < w[0, 4]
+    assert torch.equal(w[3], _batch().response_mask[3].float())
+
+
+def test_oracle_progress_pav_form():
+    batch = _batch()
+    out = get_estimator("oracle_progress")(batch, alpha=0.5)
+    A, adv, m = out.seq_advantages, out.token_advantages, batch.response_mask.float()
+    expect = A[:, None] * m
+    expect[1, 0:5] -= 0.5
+    expect[2, 10:15] -= 0.5
+    assert torch.allclose(adv, expect)
+    # an all-wrong group (A = 0) still gets the progress term, as PAV's process advantage
+    wrong = _batch(responses=RESPONSES[1:3], rewards=[0.0, 0.0])
+    adv0 = get_estimator("oracle_progress")(wrong, alpha=1.0).token_advantages
+    assert adv0[0, 0:5].tolist() == [-1.0] * 5 and float(adv0[0, 5:].abs().sum()) == 0.0
+
+
+@pytest.mark.parametrize("name", ["oracle_first_mistake", "oracle_decisive", "oracle_progress"])
+def test_oracles_refuse_other_tasks(name):
+    from oar.credit.controls import SyntheticTaskRequired
+
+    with pytest.raises(SyntheticTaskRequired, match="synthetic"):
+        get_estimator(name)(_batch(prompts=["What is 4+3-2?\n"] * 4))
+    with pytest.raises(SyntheticTaskRequired, match="benchmark"):
+        get_estimator(name)(_batch(task={"kind": "benchmark"}))
+
+
+def test_config_refuses_oracle_on_benchmark_task():
+    from oar.config import ConfigError, load_config, resolve_method
+
+    cfg = load_config(ROOT / "config" / "config.yaml")
+    cfg["methods"]["oracle"] = {"recipe": "grpo", "credit": "oracle_first_mistake"}
+    assert resolve_method(cfg, "oracle").estimator == "oracle_first_mistake"
+    cfg["task"]["kind"] = "benchmark"
+    with pytest.raises(ConfigError, match=r"methods\.oracle\.credit.*benchmark"):
+        resolve_method(cfg, "oracle")
+    # the nulls run on any task, with OAR-G's options
+    cfg["methods"]["nul"] = {"recipe": "grpo", "credit": "shuffled", "mode": "answer_joint", "noise_std": 0.001}
+    assert resolve_method(cfg, "nul").credit_options["mode"] == "answer_joint"
+
+
+def test_nulls_permute_and_invert_oar_g_scores():
+    from oar.credit.controls import invert_scores, shuffle_scores
+    from oar.models import build_tiny
+
+    model, _ = build_tiny(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
+                          max_position_embeddings=128, seed=0)
+    batch = _batch(model=model)
+    opts = dict(mode="answer_joint", noise_std=1e-3, conclude="\\boxed{")
+    assert estimator_needs_model("shuffled") and estimator_needs_model("inverted")
+    assert not estimator_needs_model("oracle_first_mistake")
+    ref = get_estimator("oar_g")(batch, **opts)
+    shuf = get_estimator("shuffled")(batch, **opts)
+    inv = get_estimator("inverted")(batch, **opts)
+    reasoning = [len(r[: r.index("\\boxed{")]) if "\\boxed{" in r else 0 for r in RESPONSES]
+    moved = 0
+    for b, n in enumerate(reasoning[:3]):
+        w_ref, w_shuf, w_inv = ref.weights[b, :n], shuf.weights[b, :n], inv.weights[b, :n]
+        # the same weights in another order (Bi-Level reshaping is per row and order-free)
+        assert torch.allclose(w_ref.sort().values, w_shuf.sort().values, atol=1e-6)
+        moved += int(not torch.allclose(w_ref, w_shuf))
+        # OAR-G's most important token is the inverted control's least important one
+        assert int(w_inv.argmin()) == int(w_ref.argmax())
+        assert float(w_inv.mean()) == pytest.approx(1.0, abs=1e-5)
+    assert moved >= 2
+    # the pure functions on a hand case
+    s = torch.tensor([[1.0, 2.0, 5.0, 9.0]])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    assert invert_scores(s, mask).tolist() == [[5.0, 4.0, 1.0, 9.0]]
+    p = shuffle_scores(s, mask, torch.Generator().manual_seed(0))
+    assert sorted(p[0, :3].tolist()) == [1.0, 2.0, 5.0] and p[0, 3] == 9.0
