@@ -150,7 +150,7 @@ def test_build_report_writes_everything_deterministically(tree):
     cfg, root = tree
     out = build_report(cfg, root, seed=3)
     assert set(out) == {"main_csv", "main_md", "main_tex", "efficiency_csv", "training_curves", "credit_concentration",
-                        "learning_curves", "steps_to_threshold_csv"}
+                        "learning_curves", "steps_to_threshold_csv", "learning_speed_csv"}
     for p in out.values():
         assert p.exists() and p.stat().st_size > 0
     for key in ("training_curves", "credit_concentration", "learning_curves"):
@@ -167,7 +167,8 @@ def test_build_report_writes_everything_deterministically(tree):
     assert out["main_csv"].read_text() == first
     a, b = main_table(cfg, root, seed=3), main_table(cfg, root, seed=4)
     assert a["diff"].equals(b["diff"])  # the point estimates do not depend on the seed ...
-    assert not a["ci_low"].equals(b["ci_low"])  # ... the resamples do
+    assert not a["problem_ci_low"].equals(b["problem_ci_low"])  # ... the problem resamples do
+    assert a["ci_low"].equals(b["ci_low"])  # the seed-level interval is a t interval: no resampling
 
 
 def test_efficiency_table(tree):
@@ -336,16 +337,28 @@ def test_main_table_paired_columns_and_mde_hand_values(tree3x10):
     df = main_table(cfg, root, n_boot=400)
     c = _cell(df, "oar_g", "synthetic-test")
     assert c["mean"] == pytest.approx(60.0) and c["diff"] == pytest.approx(10.0)
-    assert c["se"] == pytest.approx(SE_3x10)
+    assert c["problem_se"] == pytest.approx(SE_3x10)
+    assert c["problem_ci_low"] < 10.0 < c["problem_ci_high"]
     assert c["diff_per_seed"] == "20.0000;-10.0000;20.0000"
-    assert c["ci_low"] < 10.0 < c["ci_high"]
-    # against the start model (30%): 60 - 30, seeds 40, 0, 50
-    assert c["start_diff"] == pytest.approx(30.0) and c["start_ci_low"] > 0
+    # seed level: per-seed differences 20, -10, 20: sd sqrt(300), SE 10, t_(2, 0.975) = 4.302653
+    assert c["sd_seed"] == pytest.approx(math.sqrt(300.0)) and c["se"] == pytest.approx(10.0)
+    assert (c["ci_low"], c["ci_high"]) == (pytest.approx(10.0 - 43.02653, abs=1e-4), pytest.approx(10.0 + 43.02653, abs=1e-4))
+    # against the start model (30%): 60 - 30, seeds 40, 0, 50: every problem-level interval excludes 0,
+    # the seed-level one (sd sqrt(700)) does not
+    assert c["start_diff"] == pytest.approx(30.0) and c["start_problem_ci_low"] > 0
+    assert c["start_ci_low"] == pytest.approx(30.0 - 4.302653 * math.sqrt(700.0 / 3), abs=1e-4) and c["start_ci_low"] < 0
     g = _cell(df, "grpo", "synthetic-test")
     assert g["start_diff"] == pytest.approx(20.0) and math.isnan(g["diff"]) and g["diff_per_seed"] == ""
-    # one method besides the reference: the MDE is 2.8016 x its SE, the same on every row of the column
-    assert df.loc[df["benchmark"] == "synthetic-test", "mde"].tolist() == [pytest.approx(2.801585 * SE_3x10, rel=1e-5)] * 3
+    # one method besides the reference: MDE = (t_(2, 0.975) + t_(2, 0.8)) sd / sqrt(3), the same on every row
+    mde = (4.302653 + 1.060660) * math.sqrt(300.0) / math.sqrt(3.0)
+    assert df.loc[df["benchmark"] == "synthetic-test", "mde"].tolist() == [pytest.approx(mde, rel=1e-5)] * 3
     assert "median over 1 method" in c["mde_source"]
+    # seeds for a 2-point MDE with that sd: the first S with (t + t) sd / sqrt(S) <= 2 (about (2.8 sd / 2)^2)
+    from oar.stats import seed_mde
+
+    need = int(c["seeds_for_target"])
+    assert seed_mde(math.sqrt(300.0), need) <= 2.0 < seed_mde(math.sqrt(300.0), need - 1)
+    assert 580 < need < 620
     # the base row vs GRPO: per-seed start - GRPO = 30 - (50, 40, 60)
     assert _cell(df, "base", "synthetic-test")["diff_per_seed"] == "-20.0000;-10.0000;-30.0000"
     assert math.isnan(_cell(df, "base", "synthetic-test")["start_diff"])
@@ -363,12 +376,17 @@ def test_build_report_main_md_has_the_new_columns(tree3x10):
     assert "| oar_g | +20.0 / -10.0 / +20.0 |" in md  # per-seed differences, seeds 0 / 1 / 2
     assert "(points; seeds 0 / 1 / 2)" in md
     assert "| GRPO | +20.0 [" in md  # difference from the start model
-    assert f"synthetic-test {2.801585 * SE_3x10:.1f}" in md and "MDE = (z_0.975 + z_0.8) x SE = 2.80 x SE" in md
-    assert "training seeds are not resampled" in md
+    mde = (4.302653 + 1.060660) * math.sqrt(300.0) / math.sqrt(3.0)
+    assert f"synthetic-test {mde:.1f}" in md and "MDE = (t_(S-1, 0.975) + t_(S-1, 0.8)) x sd / sqrt(S)" in md
+    assert "t interval over the 3 training seed(s), each seed one replicate" in md
+    assert "Seeds for a seed-level MDE of 2 points (same sd): synthetic-test" in md
+    # no interval excludes 0 at the seed level, so nothing is bold
+    assert "**+" not in md and "**-" not in md
     assert "no held-out evaluation during training (train.heldout.every is 0)" in md
     csv = pd.read_csv(out["main_csv"])
     assert set(csv["metric"]) == {"avg@k", "pass@1"}
-    for col in ("se", "diff_per_seed", "start_diff", "start_ci_low", "start_ci_high", "mde"):
+    for col in ("se", "sd_seed", "problem_se", "problem_ci_low", "diff_per_seed", "start_diff", "start_ci_low",
+                "start_ci_high", "mde", "seeds_for_target"):
         assert col in csv.columns, col
     assert out["learning_curves"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -423,6 +441,29 @@ def test_steps_to_threshold_table_and_heldout_rows(tree):
     cfg["report"]["threshold"] = 0.3
     steps = pd.read_csv(build_report(cfg, root)["steps_to_threshold_csv"]).set_index("method")
     assert steps.loc["oar_g", "steps"] == pytest.approx((0.25 + 1.0) / 2)  # 0.1 / 0.4 of step 0 -> 1, and step 1
+
+
+def test_learning_speed_endpoints_with_seed_level_intervals(tree):
+    from oar.learning_curves import heldout_auc, learning_speed_table, load_heldout
+
+    cfg, root = tree
+    heldout = {m: {s: load_heldout(root / m / f"seed{s}" / "metrics.jsonl") for s in (0, 1)} for m in HELDOUT}
+    # trapezoid over steps 0, 1, 2 divided by 2: GRPO seed 0 (0.3 + 0.5) / 2 = 0.4
+    assert heldout_auc(heldout["grpo"][0]) == pytest.approx(0.4)
+    t = learning_speed_table(heldout, 0.375, "grpo", labels={"grpo": "GRPO"}).set_index("method")
+    # AUC: GRPO 0.4, 0.325; OAR-G 0.55, 0.2875 -> differences 15, -3.75 points, t_(1, 0.975) = 12.7062
+    assert t.loc["grpo", "auc"] == pytest.approx(36.25) and math.isnan(t.loc["grpo", "auc_diff"])
+    assert t.loc["oar_g", "auc_diff"] == pytest.approx(5.625)
+    assert t.loc["oar_g", "auc_low"] == pytest.approx(5.625 - 12.7062 * 18.75 / 2, abs=1e-3)
+    # OAR-G seed 1 never reaches 37.5%: no steps difference
+    assert math.isnan(t.loc["oar_g", "steps_diff"]) and math.isnan(t.loc["oar_g", "steps"])
+    # at 30%: GRPO 0.5, 1.0 steps; OAR-G 0.25, 1.0 -> differences -0.25, 0
+    t = learning_speed_table(heldout, 0.3, "grpo").set_index("method")
+    assert t.loc["oar_g", "steps_diff"] == pytest.approx(-0.125)
+    assert t.loc["oar_g", "steps_low"] < -0.125 < t.loc["oar_g", "steps_high"]
+    md = build_report(cfg, root)["main_md"].read_text()
+    assert "### Learning speed: differences from GRPO, 95% interval over training seeds" in md
+    assert "| oar_g | 41.9 | +5.6 [-113.5, +124.7] | not reached | — |" in md
 
 
 def test_heldout_rows_stay_out_of_the_training_metrics(tree):

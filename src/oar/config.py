@@ -283,5 +283,15 @@ def resolve_method(config: dict, name: str, *, source: str = "<config>") -> Reso
 
 
 def resolve_methods(config: dict, *, source: str = "<config>") -> dict[str, ResolvedMethod]:
-    """Resolve every method of the config (fails on the first bad one)."""
-    return {name: resolve_method(config, name, source=source) for name in config.get("methods") or {}}
+    """Resolve the methods the config runs: ``only_methods`` in its order, or every key of
+    ``methods`` (fails on the first bad one).
+
+    Raises:
+        ConfigError: a name of ``only_methods`` is not a key of ``methods``.
+    """
+    methods = config.get("methods") or {}
+    names = config.get("only_methods") or list(methods)
+    unknown = [n for n in names if n not in methods]
+    if unknown:
+        raise ConfigError(f"{source}: key only_methods: unknown method(s) {unknown}; defined: {sorted(methods)}")
+    return {name: resolve_method(config, name, source=source) for name in names}

@@ -12,6 +12,10 @@ Input: per method and seed, the held-out rows of ``metrics.jsonl`` (``step``, ``
   reaches ``threshold``, interpolated linearly between evaluation points
   (:func:`oar.stats.first_crossing`); per method the mean over seeds, or "not reached" when a seed
   never reaches it.
+- :func:`learning_speed_table`: learning-speed endpoints with seed-level intervals: the area under
+  each seed's held-out curve (its mean accuracy over the run) and the steps to the threshold, each as
+  a difference from the reference method paired by seed, with the t interval over seeds
+  (:func:`oar.stats.seed_interval`).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from oar.io import atomic_path, read_jsonl
-from oar.stats import first_crossing
+from oar.stats import first_crossing, seed_interval
 
 __all__ = [
     "load_heldout",
@@ -31,6 +35,9 @@ __all__ = [
     "auto_threshold",
     "steps_to_threshold",
     "threshold_markdown",
+    "heldout_auc",
+    "learning_speed_table",
+    "learning_speed_markdown",
     "plot_learning_curves",
 ]
 
@@ -124,6 +131,92 @@ def threshold_markdown(df: "pd.DataFrame", *, threshold: float, how: str) -> str
               "evaluations excluded) at which the held-out sampled accuracy reaches the threshold, "
               "interpolated linearly between evaluation points; \"not reached\" when a seed never reaches "
               "it within the run (— in the per-seed column).", ""]
+    return "\n".join(lines)
+
+
+def heldout_auc(df: "pd.DataFrame") -> float:  # noqa: F821
+    """Area under one run's held-out curve, normalised by its length: the trapezoid integral of
+    ``heldout_acc`` over the steps divided by (last step - first step), i.e. the run's mean held-out
+    accuracy (a fraction). NaN with fewer than 2 evaluation points."""
+    y = df["heldout_acc"].to_numpy(dtype=float) if len(df) else np.array([])
+    x = df.index.to_numpy(dtype=float) if len(df) else np.array([])
+    keep = ~np.isnan(y)
+    x, y = x[keep], y[keep]
+    if len(x) < 2 or x[-1] <= x[0]:
+        return math.nan
+    return float(np.sum((y[1:] + y[:-1]) * np.diff(x)) / 2.0 / (x[-1] - x[0]))
+
+
+def _per_seed_endpoints(per_seed: Mapping[int, Any], threshold: float) -> dict[int, tuple[float, float]]:
+    """Seed -> (AUC, steps to ``threshold``) of one method's runs with held-out rows."""
+    out = {}
+    for s, df in per_seed.items():
+        if len(df):
+            steps = (first_crossing(df.index.to_numpy(dtype=float), df["heldout_acc"].to_numpy(dtype=float), threshold)
+                     if not math.isnan(threshold) else math.nan)
+            out[s] = (heldout_auc(df), steps)
+    return out
+
+
+def learning_speed_table(heldout: Mapping[str, Mapping[int, Any]], threshold: float, reference: str, *,
+                         labels: Mapping[str, str] | None = None, confidence: float = 0.95) -> "pd.DataFrame":  # noqa: F821
+    """Learning-speed endpoints of every method with seed-level intervals against ``reference``.
+
+    Columns: ``method``, ``label``, ``n_seeds``, ``auc`` (mean over seeds of :func:`heldout_auc`, in
+    percent), ``auc_diff``, ``auc_low``, ``auc_high`` (difference from the reference in points, paired by
+    seed, t interval over the seeds both have), ``steps`` (mean steps to ``threshold``; NaN unless every
+    seed reaches it), ``steps_diff``, ``steps_low``, ``steps_high`` (likewise, NaN when a seed of either
+    side does not reach it), ``auc_per_seed`` and ``steps_per_seed`` (";"-joined).
+    """
+    import pandas as pd
+
+    labels = labels or {}
+    ends = {m: _per_seed_endpoints(per_seed, threshold) for m, per_seed in heldout.items()}
+    ref = ends.get(reference, {})
+    recs = []
+    for m, per in ends.items():
+        if not per:
+            continue
+        auc = np.array([v[0] for v in per.values()]) * 100.0
+        steps = np.array([v[1] for v in per.values()])
+        rec = {"method": m, "label": labels.get(m, m), "n_seeds": len(per), "auc": float(np.nanmean(auc)),
+               "steps": float(steps.mean()) if not np.isnan(steps).any() else math.nan,
+               "auc_per_seed": ";".join(f"{v:.4g}" for v in auc), "steps_per_seed": ";".join(f"{v:.4g}" for v in steps)}
+        common = [s for s in per if s in ref]
+        for j, key in enumerate(("auc", "steps")):
+            scale = 100.0 if key == "auc" else 1.0
+            d = np.array([(per[s][j] - ref[s][j]) * scale for s in common])
+            if m == reference or not len(d) or np.isnan(d).any():
+                est = lo = hi = math.nan
+            else:
+                est, lo, hi, _ = seed_interval(d, confidence=confidence)
+            rec.update({f"{key}_diff": est, f"{key}_low": lo, f"{key}_high": hi})
+        recs.append(rec)
+    cols = ["method", "label", "n_seeds", "auc", "auc_diff", "auc_low", "auc_high", "steps", "steps_diff",
+            "steps_low", "steps_high", "auc_per_seed", "steps_per_seed"]
+    return pd.DataFrame.from_records(recs, columns=cols)
+
+
+def learning_speed_markdown(df: "pd.DataFrame", *, threshold: float, reference_label: str,  # noqa: F821
+                            confidence: float = 0.95) -> str:
+    """The learning-speed endpoints as markdown (see :func:`learning_speed_table`)."""
+    from oar.report_format import _fmt_diff
+
+    if not len(df):
+        return ""
+    thr = "—" if math.isnan(threshold) else f"{threshold:.1%}"
+    lines = [f"### Learning speed: differences from {reference_label}, {confidence:.0%} interval over training seeds", "",
+             f"| Method | held-out AUC (%) | AUC difference (points) | steps to {thr} | steps difference |",
+             "|---|---:|---:|---:|---:|"]
+    for r in df.itertuples(index=False):
+        steps = "not reached" if math.isnan(r.steps) else f"{r.steps:.1f}"
+        lines.append(f"| {r.label} | {r.auc:.1f} | {_fmt_diff(r.auc_diff, r.auc_low, r.auc_high)} | {steps} | "
+                     f"{_fmt_diff(r.steps_diff, r.steps_low, r.steps_high)} |")
+    lines += ["", "Held-out AUC: the area under a run's held-out curve divided by its length (the mean held-out "
+              "sampled accuracy over the run, trapezoid rule over the evaluation steps). Differences are paired by "
+              "seed; the interval is the t interval over the per-seed differences (bold: it excludes 0; — when "
+              "a seed of either side never reaches the threshold, or for one seed). A negative steps difference "
+              "is faster learning.", ""]
     return "\n".join(lines)
 
 

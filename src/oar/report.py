@@ -19,6 +19,8 @@ Layout written::
                              differences, the differences from the start; the steps-to-threshold table
     R/tables/main.tex        the scores and differences as LaTeX tabulars
     R/tables/steps_to_threshold.csv   steps and seconds each method needs to reach report.threshold
+    R/tables/learning_speed.csv       held-out AUC and steps to the threshold, differences from the
+                             reference with seed-level intervals
     R/tables/efficiency.csv  seconds per step by phase, overhead ratio of step time vs the reference
     R/figures/learning_curves.png        held-out accuracy vs step and vs training seconds
     R/figures/training_curves.png        reward and accuracy per method over steps (mean over seeds)
@@ -33,12 +35,14 @@ the unweighted mean over benchmarks, computed per seed.
 Paired differences (:mod:`oar.stats`): for each benchmark, the per-problem difference
 ``d[s, i] = score_m[s, i] - score_ref[s, i]`` is paired by (seed, problem id) over the seeds both have
 (the base row, one evaluation, is paired with every seed); the estimate is the mean of ``d``. The
-interval is the percentile interval of a bootstrap that resamples problems (``n_boot`` times, rng
-``numpy.random.default_rng([seed, benchmark_index])``, the same resamples for every method), the unit
-being the problem's difference averaged over seeds; the Average column resamples every benchmark
-and averages the per-benchmark statistics. The SE of the same mean, ``sd_i(dbar_i) / sqrt(n)``, gives
-the minimum detectable difference ``(z_{1-alpha/2} + z_power) * SE`` under each table, SE being the
-median over methods of their SE against the reference (:func:`column_mde`).
+training seed is the unit of replication: each seed gives one difference ``D_s = mean_i d[s, i]``
+(the Average column: the mean over benchmarks, per seed), and the interval is the t interval over
+the ``S`` values ``D_s`` (:func:`oar.stats.seed_interval`); the minimum detectable difference under
+each table is ``(t_{S-1, 1-alpha/2} + t_{S-1, power}) sd / sqrt(S)`` with ``sd`` the median over
+methods of the sd of their ``D_s`` (:func:`column_mde`), with the seeds that would bring it to
+``report.target_mde``. The problem-level bootstrap (resampling problems with the problem's
+difference averaged over seeds, rng ``numpy.random.default_rng([seed, benchmark_index])``) and its
+SE stay in main.csv (``problem_*``) for comparison.
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from oar.io import atomic_path, atomic_write_json, atomic_write_text, read_jsonl
-from oar.stats import mde, paired_bootstrap, paired_se, per_seed_differences
+from oar.stats import paired_bootstrap, paired_se, per_seed_differences, seed_interval, seed_mde, seeds_for_mde
 
 __all__ = [
     "BASE_ROW",
@@ -82,7 +86,8 @@ BASE_ROW = "base"
 #: Per-problem scores a table can show (see the module docstring).
 METRICS = ("pass@1", "avg@k", "pass@k")
 #: Defaults of the config's ``report`` section (the schema fills them in a validated config).
-REPORT_DEFAULTS = {"reference": "grpo", "confidence": 0.95, "power": 0.8, "threshold": None, "band": "minmax"}
+REPORT_DEFAULTS = {"reference": "grpo", "confidence": 0.95, "power": 0.8, "threshold": None, "band": "minmax",
+                   "target_mde": 2.0}
 #: Timed phases of a training step (``time_<phase>`` columns of metrics.jsonl).
 PHASES = ("rollout", "reward", "importance", "update", "step")
 
@@ -216,12 +221,16 @@ def _paired_diff(row: RunScores, ref: RunScores, benchmark: str) -> np.ndarray:
 def _compare(row: dict[str, RunScores], ref: dict[str, RunScores], benches: Sequence[str], bidx: Sequence[int], *,
              n_boot: int, seed: int, confidence: float) -> dict[str, Any]:
     """Paired difference (points) of ``row`` minus ``ref`` over the benchmarks ``bidx`` (one, or all
-    for the Average column): estimate, bootstrap interval, SE and per-seed differences."""
+    for the Average column): the estimate; the seed-level t interval, SE and sd of the per-seed
+    differences (:func:`oar.stats.seed_interval`); the problem-level bootstrap interval and SE."""
     ds = [_paired_diff(row[benches[i]], ref[benches[i]], benches[i]) * 100.0 for i in bidx]
     # the same resamples for every row: benchmark i always uses rng [seed, i]
-    est, lo, hi = paired_bootstrap(ds, n_boot=n_boot, seed=seed, confidence=confidence, streams=list(bidx))
+    est, plo, phi = paired_bootstrap(ds, n_boot=n_boot, seed=seed, confidence=confidence, streams=list(bidx))
     seeds_diff = np.mean([per_seed_differences(d) for d in ds], axis=0)
-    return {"diff": est, "low": lo, "high": hi, "se": paired_se(ds), "per_seed": seeds_diff}
+    _, lo, hi, se = seed_interval(seeds_diff, confidence=confidence)
+    sd = float(np.std(seeds_diff, ddof=1)) if len(seeds_diff) > 1 else math.nan
+    return {"diff": est, "low": lo, "high": hi, "se": se, "sd_seed": sd, "per_seed": seeds_diff,
+            "problem_low": plo, "problem_high": phi, "problem_se": paired_se(ds)}
 
 
 # ----------------------------------------------------------------------------------------- tables
@@ -260,17 +269,23 @@ def main_table(
     confidence: float | None = None,
     metric: str = "pass@1",
     power: float | None = None,
+    target_mde: float | None = None,
 ) -> "pd.DataFrame":  # noqa: F821
     """The main comparison table of one metric in long format (values in percent, differences in points).
 
     Columns: ``row``, ``label``, ``metric``, ``benchmark`` (each benchmark, then ``Average``),
     ``n_problems``, ``n_seeds``, ``mean``, ``std`` (NaN for one seed), ``per_seed`` (";"-joined values);
-    against ``reference``: ``diff`` (mean paired difference), ``ci_low``, ``ci_high`` (paired
-    bootstrap interval), ``se`` (:func:`oar.stats.paired_se`), ``diff_per_seed`` (";"-joined per-seed
-    mean differences), all NaN for the reference itself or when the config has no method named
-    ``reference``; against the start model (the base row): ``start_diff``, ``start_ci_low``,
-    ``start_ci_high``, ``start_se`` (NaN for the base row); ``mde``: the minimum detectable difference
-    of the column (see :func:`column_mde`; the same on every row), and ``mde_source``.
+    against ``reference``: ``diff`` (mean paired difference), ``ci_low``, ``ci_high`` (seed-level t
+    interval over the per-seed differences, :func:`oar.stats.seed_interval`), ``se`` (its SE),
+    ``sd_seed`` (sd of the per-seed differences), ``diff_per_seed`` (";"-joined per-seed mean
+    differences), ``problem_ci_low``, ``problem_ci_high``, ``problem_se`` (the problem-level paired
+    bootstrap and :func:`oar.stats.paired_se`, for comparison), all NaN for the reference itself or
+    when the config has no method named ``reference``; against the start model (the base row):
+    ``start_diff``, ``start_ci_low``, ``start_ci_high``, ``start_se`` (seed level) and
+    ``start_problem_ci_low``, ``start_problem_ci_high`` (NaN for the base row); ``mde``: the
+    seed-level minimum detectable difference of the column, ``seeds_for_target``: the seeds that
+    would bring it to ``report.target_mde`` (see :func:`column_mde`; the same on every row), and
+    ``mde_source``.
 
     Args:
         config: a validated config (``eval.benchmarks``, ``seeds``, ``methods``, ``report``).
@@ -282,6 +297,7 @@ def main_table(
         metric: ``pass@1`` (greedy; falls back to sampled answers when there are none), ``avg@k``
             or ``pass@k``.
         power: power of the MDE (default ``report.power``).
+        target_mde: the MDE (points) ``seeds_for_target`` is computed for (default ``report.target_mde``).
     """
     import pandas as pd
 
@@ -340,39 +356,53 @@ def main_table(
                 "ci_low": vs_ref["low"] if vs_ref else nan,
                 "ci_high": vs_ref["high"] if vs_ref else nan,
                 "se": vs_ref["se"] if vs_ref else nan,
+                "sd_seed": vs_ref["sd_seed"] if vs_ref else nan,
                 "diff_per_seed": ";".join(f"{v:.4f}" for v in vs_ref["per_seed"]) if vs_ref else "",
+                "problem_ci_low": vs_ref["problem_low"] if vs_ref else nan,
+                "problem_ci_high": vs_ref["problem_high"] if vs_ref else nan,
+                "problem_se": vs_ref["problem_se"] if vs_ref else nan,
                 "start_diff": vs_start["diff"] if vs_start else nan,
                 "start_ci_low": vs_start["low"] if vs_start else nan,
                 "start_ci_high": vs_start["high"] if vs_start else nan,
                 "start_se": vs_start["se"] if vs_start else nan,
+                "start_sd_seed": vs_start["sd_seed"] if vs_start else nan,
+                "start_problem_ci_low": vs_start["problem_low"] if vs_start else nan,
+                "start_problem_ci_high": vs_start["problem_high"] if vs_start else nan,
             })
     df = pd.DataFrame.from_records(records)
-    mdes = column_mde(df, reference=reference, alpha=1.0 - confidence, power=power)
-    df["mde"] = df["benchmark"].map(lambda b: mdes[b][0])
-    df["mde_source"] = df["benchmark"].map(lambda b: mdes[b][1])
+    target = float(_report_option(config, "target_mde", target_mde))
+    mdes = column_mde(df, reference=reference, alpha=1.0 - confidence, power=power, target=target)
+    for j, key in enumerate(("mde", "seeds_for_target", "mde_source")):
+        df[key] = df["benchmark"].map(lambda b, j=j: mdes[b][j])
+    df["target_mde"] = target
     return df
 
 
 def column_mde(df: "pd.DataFrame", *, reference: str, alpha: float = 0.05,  # noqa: F821
-               power: float = 0.8) -> dict[str, tuple[float, str]]:
-    """Per benchmark column: the minimum detectable difference from ``reference`` of this design and
-    where its SE comes from.
+               power: float = 0.8, target: float = 2.0) -> dict[str, tuple[float, int | None, str]]:
+    """Per benchmark column: the seed-level minimum detectable difference from ``reference`` of this
+    design, the seeds that would bring it to ``target`` points, and where its sd comes from.
 
-    ``MDE = (z_{1-alpha/2} + z_power) * SE`` (:func:`oar.stats.mde`) with SE the median over the
-    methods (every row but the base row and the reference) of the SE of their paired difference from
-    the reference; with no such method, the SE of the reference's difference from the start model.
+    ``MDE = (t_{S-1, 1-alpha/2} + t_{S-1, power}) sd / sqrt(S)`` (:func:`oar.stats.seed_mde`) with
+    ``S`` the seeds and ``sd`` the median over the methods (every row but the base row and the
+    reference) of the sd of their per-seed differences from the reference; with no such method, the
+    sd of the reference's per-seed differences from the start model. NaN with one seed.
     """
     out = {}
     for b in dict.fromkeys(df["benchmark"]):
         col = df[df["benchmark"] == b]
-        ses = col.loc[(col["row"] != BASE_ROW) & (col["row"] != reference), "se"].dropna()
-        if len(ses):
-            out[b] = (mde(float(np.median(ses)), alpha=alpha, power=power),
-                      f"median over {len(ses)} method(s) of the SE of the difference from the reference")
-            continue
-        ref = col.loc[col["row"] == reference, "start_se"].dropna()
-        out[b] = ((mde(float(ref.iloc[0]), alpha=alpha, power=power), "SE of the reference's difference from the start")
-                  if len(ref) else (math.nan, "no paired comparison"))
+        others = col.loc[(col["row"] != BASE_ROW) & (col["row"] != reference)]
+        sds = others["sd_seed"].dropna()
+        if len(sds):
+            sd, source = float(np.median(sds)), (f"median over {len(sds)} method(s) of the sd of the per-seed "
+                                                 "differences from the reference")
+        else:
+            ref = col.loc[col["row"] == reference, "start_sd_seed"].dropna()
+            sd, source = ((float(ref.iloc[0]), "sd of the reference's per-seed differences from the start")
+                          if len(ref) else (math.nan, "no paired comparison over 2 or more seeds"))
+        n = int(col.loc[col["row"] != BASE_ROW, "n_seeds"].max()) if (col["row"] != BASE_ROW).any() else 1
+        out[b] = (seed_mde(sd, n, alpha=alpha, power=power), seeds_for_mde(sd, target, alpha=alpha, power=power),
+                  f"{source} (sd {sd:.2f} points over {n} seeds)")
     return out
 
 
@@ -581,7 +611,7 @@ def build_report(
         skip_steps: warm-up steps left out of the efficiency means (see :func:`efficiency_table`).
 
     Returns:
-        ``{"main_csv", "main_md", "main_tex", "steps_to_threshold_csv", "efficiency_csv",
+        ``{"main_csv", "main_md", "main_tex", "steps_to_threshold_csv", "learning_speed_csv", "efficiency_csv",
         "learning_curves", "training_curves", "credit_concentration"}`` -> the paths written.
 
     Raises:
@@ -589,7 +619,14 @@ def build_report(
     """
     import pandas as pd
 
-    from oar.learning_curves import auto_threshold, plot_learning_curves, steps_to_threshold, threshold_markdown
+    from oar.learning_curves import (
+        auto_threshold,
+        learning_speed_markdown,
+        learning_speed_table,
+        plot_learning_curves,
+        steps_to_threshold,
+        threshold_markdown,
+    )
     from oar.report_format import main_latex, main_markdown
 
     root = _results_root(config, results)
@@ -618,12 +655,13 @@ def build_report(
         how = (f"{ref_label}'s last held-out accuracy is not above the start model's, so no accuracy lies "
                "between them; set report.threshold")
     steps = steps_to_threshold(heldout, threshold, labels) if not math.isnan(threshold) else steps_to_threshold({}, 0.0)
-    ref_label = labels.get(reference, reference)
+    speed = learning_speed_table(heldout, threshold, reference, labels=labels, confidence=confidence)
     out = {
         "main_csv": root / "tables" / "main.csv",
         "main_md": root / "tables" / "main.md",
         "main_tex": root / "tables" / "main.tex",
         "steps_to_threshold_csv": root / "tables" / "steps_to_threshold.csv",
+        "learning_speed_csv": root / "tables" / "learning_speed.csv",
         "efficiency_csv": root / "tables" / "efficiency.csv",
         "learning_curves": root / "figures" / "learning_curves.png",
         "training_curves": root / "figures" / "training_curves.png",
@@ -638,10 +676,13 @@ def build_report(
     atomic_write_text(out["main_md"], main_markdown(
         tables, start=start, reference=reference, reference_label=ref_label, confidence=confidence, power=power,
         n_boot=n_boot, seed=seed, k=k, temperature=temperature, rollout_temperature=rollout_t,
-        seeds=list(config.get("seeds") or [0]), extra=threshold_markdown(steps, threshold=threshold, how=how)))
+        seeds=list(config.get("seeds") or [0]),
+        extra=threshold_markdown(steps, threshold=threshold, how=how) + "\n" + learning_speed_markdown(
+            speed, threshold=threshold, reference_label=ref_label, confidence=confidence)))
     atomic_write_text(out["main_tex"], main_latex(tables, reference=reference, reference_label=ref_label,
                                                   confidence=confidence, k=k, temperature=temperature))
     atomic_write_text(out["steps_to_threshold_csv"], steps.to_csv(index=False, float_format="%.6g"))
+    atomic_write_text(out["learning_speed_csv"], speed.to_csv(index=False, float_format="%.6g"))
     atomic_write_text(out["efficiency_csv"], eff.to_csv(index=False, float_format="%.6g"))
     plot_learning_curves(out["learning_curves"], heldout, labels, band=_report_option(config, "band", None),
                          threshold=threshold)

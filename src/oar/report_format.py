@@ -27,11 +27,13 @@ def _fmt_cell(mean: float, std: float, digits: int = 1) -> str:
 
 
 def _fmt_diff(diff: float, lo: float, hi: float, digits: int = 1) -> str:
+    """``+2.1 [-2.4, +6.5]``; bold only when the (seed-level) interval excludes 0."""
     if math.isnan(diff):
         return "—"
     if math.isnan(lo):
         return f"{diff:+.{digits}f}"
-    return f"{diff:+.{digits}f} [{lo:+.{digits}f}, {hi:+.{digits}f}]"
+    text = f"{diff:+.{digits}f} [{lo:+.{digits}f}, {hi:+.{digits}f}]"
+    return f"**{text}**" if lo > 0 or hi < 0 else text
 
 
 def _fmt_seeds(joined: str, digits: int = 1) -> str:
@@ -84,30 +86,37 @@ def _interval_note(*, reference_label: str, confidence: float, n_boot: int, seed
     pairing = ("seed s of the method minus the start model (one evaluation, paired with every seed)" if start
                else f"seed s of the method minus seed s of {reference_label} (the start model, evaluated once, "
                     "is paired with every seed)")
-    boot = (f"percentile bootstrap ({n_boot} resamples, seed {seed})" if n_boot > 0 else "no interval (eval.bootstrap 0)")
     return (
         f"Difference from {other} in points: the mean over seeds and problems of d[s, i] = score on problem i of "
-        f"{pairing}. Interval: {confidence:.0%} {boot} of that mean over problems: the unit resampled is the "
-        f"problem, with its difference averaged over the {n_seeds} seed(s); the Average column resamples every "
-        "benchmark on its own and averages them. It covers the variation from which problems were drawn, for "
-        "these trained seeds; training seeds are not resampled, so the spread between training runs shows in "
-        "the per-seed differences, not in the interval."
+        f"{pairing}. Interval: {confidence:.0%} t interval over the {n_seeds} training seed(s), each seed one "
+        f"replicate: D_s = mean_i d[s, i] (the Average column: the mean over benchmarks), mean(D) -+ "
+        f"t_(S-1) sd(D) / sqrt(S) with S - 1 = {max(n_seeds - 1, 0)} degrees of freedom (oar.stats.seed_interval; "
+        "no interval with one seed). Bold: the interval excludes 0. The problems are the same for every seed, "
+        f"so which problems were drawn is not resampled; main.csv holds that problem-level interval "
+        f"(problem_ci_*, a {n_boot}-resample bootstrap, seed {seed}) for comparison."
     )
 
 
 def _mde_line(df, *, confidence: float, power: float, reference_label: str, short: bool = False) -> str:
-    mdes = df.drop_duplicates("benchmark")[["benchmark", "mde", "mde_source"]]
+    mdes = df.drop_duplicates("benchmark")
     vals = ", ".join(f"{r.benchmark} {r.mde:.1f}" if not math.isnan(r.mde) else f"{r.benchmark} —"
                      for r in mdes.itertuples(index=False))
-    source = str(mdes["mde_source"].iloc[0]).replace("the reference", reference_label)
+    target = float(mdes["target_mde"].iloc[0])
+    need = ", ".join(f"{r.benchmark} {int(r.seeds_for_target)}" if r.seeds_for_target == r.seeds_for_target
+                     and r.seeds_for_target is not None else f"{r.benchmark} —" for r in mdes.itertuples(index=False))
     alpha = 1.0 - confidence
+    seeds_line = f" Seeds for a seed-level MDE of {target:g} points (same sd): {need}."
     if short:
-        return f"**Minimum detectable difference** (power {power:.0%}, two-sided alpha {alpha:.2g}, as above), in points: {vals}."
+        return (f"**Minimum detectable difference** (seed level, power {power:.0%}, two-sided alpha {alpha:.2g}, "
+                f"as above), in points: {vals}.{seeds_line}")
+    source = str(mdes["mde_source"].iloc[0]).replace("the reference", reference_label)
+    pse = df["problem_se"].dropna()
+    ratio = (f" For comparison, the problem-sampling SE of a difference (median over methods) is "
+             f"{float(pse.median()):.2f} points." if len(pse) else "")
     return (
-        f"**Minimum detectable difference** (power {power:.0%}, two-sided alpha {alpha:.2g}) of this design, in "
-        f"points: {vals}. MDE = (z_{1 - alpha / 2:.3g} + z_{power:.2g}) x SE = {_z_sum(confidence, power):.2f} x SE, "
-        "SE = sd_i(dbar_i) / sqrt(n) with dbar_i the difference on problem i averaged over seeds and n the "
-        "problems (Average: sqrt(sum_b SE_b^2) / B over the B benchmarks); SE here is the " + source + "."
+        f"**Minimum detectable difference** (seed level, power {power:.0%}, two-sided alpha {alpha:.2g}) of this "
+        f"design, in points: {vals}. MDE = (t_(S-1, {1 - alpha / 2:.3g}) + t_(S-1, {power:.2g})) x sd / sqrt(S), "
+        f"sd here the {source}.{ratio}{seeds_line}"
     )
 
 
@@ -145,7 +154,7 @@ def main_markdown(tables: Mapping[str, Any], *, start: Any | None, reference: st
             others = [r for r in dict.fromkeys(df["row"]) if r != reference]
             note = again or _interval_note(reference_label=reference_label, confidence=confidence, n_boot=n_boot,
                                            seed=seed, n_seeds=n_seeds)
-            parts += [f"### Difference from {reference_label} (points), paired {confidence:.0%} interval", "",
+            parts += [f"### Difference from {reference_label} (points), {confidence:.0%} interval over training seeds", "",
                       _md_table(wide(df, "diff", rows=others)), "", note.strip(), "",
                       _mde_line(df, confidence=confidence, power=power, reference_label=reference_label,
                                 short=bool(again)), "",
@@ -155,7 +164,7 @@ def main_markdown(tables: Mapping[str, Any], *, start: Any | None, reference: st
             methods = [r for r in dict.fromkeys(df["row"]) if r != "base"]
             note = again or _interval_note(reference_label=reference_label, confidence=confidence, n_boot=n_boot,
                                            seed=seed, n_seeds=n_seeds, start=True)
-            parts += [f"### Difference from the start model (points), paired {confidence:.0%} interval", "",
+            parts += [f"### Difference from the start model (points), {confidence:.0%} interval over training seeds", "",
                       _md_table(wide(df, "start", rows=methods)), "", note.strip(), ""]
     if extra:
         parts += [extra]
@@ -169,12 +178,19 @@ def _esc(s: str) -> str:
     return s
 
 
+def _cell_tex(v: str) -> str:
+    """A markdown cell as LaTeX: ``**x**`` (interval excludes 0) becomes ``\\textbf{x}``."""
+    if len(v) > 4 and v.startswith("**") and v.endswith("**"):
+        return r"\textbf{" + _esc(v[2:-2]) + "}"
+    return _esc(v)
+
+
 def _tabular(w, caption: str) -> str:
     cols = "l" + "r" * len(w.columns)
     lines = [r"\begin{table}[t]", r"\centering", rf"\caption{{{_esc(caption)}}}", rf"\begin{{tabular}}{{{cols}}}",
              r"\toprule", " & ".join([_esc(w.index.name)] + [_esc(c) for c in w.columns]) + r" \\", r"\midrule"]
     for i, r in zip(w.index, w.values):
-        lines.append(" & ".join([_esc(str(i))] + [_esc(str(v)) for v in r]) + r" \\")
+        lines.append(" & ".join([_esc(str(i))] + [_cell_tex(str(v)) for v in r]) + r" \\")
     lines += [r"\bottomrule", r"\end{tabular}", r"\end{table}"]
     return "\n".join(lines)
 
@@ -191,6 +207,6 @@ def main_latex(tables: Mapping[str, Any], *, reference: str, reference_label: st
             mdes = df.drop_duplicates("benchmark")
             mde_txt = "; ".join(f"{b} {v:.1f}" for b, v in zip(mdes["benchmark"], mdes["mde"]) if not math.isnan(v))
             out.append(_tabular(wide(df, "diff", rows=others),
-                                f"{title}: difference from {reference_label} (points), paired {confidence:.0%} interval "
-                                f"over problems; minimum detectable difference: {mde_txt}"))
+                                f"{title}: difference from {reference_label} (points), {confidence:.0%} t interval "
+                                f"over training seeds; seed-level minimum detectable difference: {mde_txt}"))
     return "% generated by oar.report (needs \\usepackage{booktabs})\n" + "\n\n".join(out) + "\n"

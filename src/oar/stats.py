@@ -1,15 +1,27 @@
-"""Statistics of the reports: paired intervals over problems, power, steps to a threshold.
+"""Statistics of the reports: seed-level intervals and power, problem-level intervals, steps to a
+threshold.
 
 Plain numpy functions on small arrays, used by :mod:`oar.report` and :mod:`oar.learning_curves`.
 
 Paired design. Two rows of a table (a method and GRPO, or a method and its start model) are scored
 on the same problems with the same seeds; ``d[s, i]`` is the score difference on problem ``i`` of
 seed ``s`` of one minus seed ``s`` of the other (a single start-model evaluation is paired with every
-seed). The estimate is the mean of ``d``; the intervals here resample (or treat as random) the
-*problems* only: the per-problem difference averaged over seeds, ``dbar_i = mean_s d[s, i]``, is the
-unit of the interval. They say how far the estimate could move on another draw of problems from the
-same distribution, for these trained seeds; the seed-to-seed variation of training is not resampled
-(the per-seed differences ``mean_i d[s, i]`` show it).
+seed). The estimate is the mean of ``d``.
+
+- **Seed level** (what the reports print): the training seed is the unit of replication. Each seed
+  gives one difference ``D_s = mean_i d[s, i]`` (its evaluation noise on the problems included), and
+  :func:`seed_interval` is the t interval over the ``S`` values ``D_s`` (``S - 1`` degrees of
+  freedom); :func:`seed_mde` the minimum detectable difference of that design and
+  :func:`seeds_for_mde` the seeds that would bring it to a target. Why a t interval over per-seed
+  differences and not a two-level bootstrap or a mixed model: with 3 seeds a bootstrap over seeds has
+  10 distinct resamples and covers far less than its nominal level, and a mixed model cannot estimate
+  a seed variance component from 3 values any better than the sample variance the t interval uses;
+  the t interval is exact when the ``D_s`` are normal, and every ``D_s`` is a mean over hundreds of
+  problems. It does not resample *which* problems were drawn (every seed is scored on the same
+  ones); that part is :func:`paired_se`, reported beside it and smaller on the default run.
+- **Problem level**: :func:`paired_bootstrap` / :func:`paired_se` resample the problems only, with
+  the per-problem difference averaged over seeds, ``dbar_i = mean_s d[s, i]``, as the unit: how far
+  the estimate could move on another draw of problems, for these trained seeds.
 """
 
 from __future__ import annotations
@@ -20,6 +32,9 @@ from typing import Sequence
 import numpy as np
 
 __all__ = [
+    "seed_interval",
+    "seed_mde",
+    "seeds_for_mde",
     "z_power",
     "paired_bootstrap",
     "paired_se",
@@ -39,6 +54,67 @@ def _z(p: float) -> float:
 def z_power(alpha: float = 0.05, power: float = 0.8) -> float:
     """``z_{1-alpha/2} + z_{power}`` (2.8016 for two-sided alpha 0.05 and 80% power)."""
     return _z(1.0 - alpha / 2.0) + _z(power)
+
+
+def seed_interval(per_seed: Sequence[float], *, confidence: float = 0.95) -> tuple[float, float, float, float]:
+    """t interval of a mean over training seeds, each seed one replicate.
+
+    ``est = mean_s D_s``, ``se = sd(D, ddof=1) / sqrt(S)``, ``est -+ t_{S-1, (1+confidence)/2} se``.
+
+    Args:
+        per_seed: ``(S,)`` one value per seed (a per-seed difference, or a per-seed endpoint);
+            NaN entries are dropped.
+        confidence: coverage.
+
+    Returns:
+        ``(estimate, low, high, se)``; the bounds and ``se`` are NaN with fewer than 2 seeds.
+    """
+    from scipy.stats import t
+
+    v = np.asarray(per_seed, dtype=np.float64)
+    v = v[~np.isnan(v)]
+    if v.size == 0:
+        return math.nan, math.nan, math.nan, math.nan
+    est = float(v.mean())
+    if v.size < 2:
+        return est, math.nan, math.nan, math.nan
+    se = float(v.std(ddof=1) / math.sqrt(v.size))
+    half = float(t.ppf(0.5 + confidence / 2.0, v.size - 1)) * se
+    return est, est - half, est + half, se
+
+
+def seed_mde(sd: float, n_seeds: int, *, alpha: float = 0.05, power: float = 0.8) -> float:
+    """Minimum detectable difference of a paired t test over ``n_seeds`` seeds whose per-seed
+    differences have standard deviation ``sd``: ``(t_{S-1, 1-alpha/2} + t_{S-1, power}) sd / sqrt(S)``.
+
+    NaN for fewer than 2 seeds or a NaN ``sd``.
+    """
+    from scipy.stats import t
+
+    if n_seeds < 2 or not math.isfinite(sd):
+        return math.nan
+    df = n_seeds - 1
+    return float((t.ppf(1.0 - alpha / 2.0, df) + t.ppf(power, df)) * sd / math.sqrt(n_seeds))
+
+
+def seeds_for_mde(sd: float, target: float, *, alpha: float = 0.05, power: float = 0.8,
+                  max_seeds: int = 10_000) -> int | None:
+    """The fewest seeds (>= 2) whose :func:`seed_mde` is at most ``target``; None when ``sd`` is NaN
+    or more than ``max_seeds`` would be needed."""
+    if not math.isfinite(sd) or target <= 0:
+        return None
+    lo, hi = 2, 2
+    while seed_mde(sd, hi, alpha=alpha, power=power) > target:  # the MDE falls with S: double, then bisect
+        if hi >= max_seeds:
+            return None
+        lo, hi = hi, min(2 * hi, max_seeds)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if seed_mde(sd, mid, alpha=alpha, power=power) <= target:
+            hi = mid
+        else:
+            lo = mid + 1
+    return hi
 
 
 def paired_bootstrap(
