@@ -165,6 +165,18 @@ def test_parse_recovers_generator_spans():
     for r in custom:
         p = parse_response(r["solution"], fillers=["hmm", "h"])
         assert p is not None and p.filler_spans == r["filler_spans"]
+    # several words per gap (task.synthetic.filler_words, the regime map's length knob): one span per gap
+    for r in generate("test", 50, seed=1, filler_prob=1.0, filler_words=5):
+        p = parse_response(r["solution"], fillers=DEFAULT_FILLERS)
+        assert p is not None and p.filler_spans == r["filler_spans"] and p.pivotal_spans == r["result_spans"]
+        assert all(len(r["solution"][a:b].split(" ")) == 5 for a, b in p.filler_spans)
+        assert [len(f.split(" ")) for f in p.gap_fillers] == [5] * len(p.steps)
+    # one word per gap draws exactly what the generator drew before filler_words existed (digest of 9d421aa's records)
+    import hashlib
+    import json
+
+    recs = generate("train", 50, seed=3, filler_prob=0.5, demo_error_rate=0.3)
+    assert hashlib.sha256(json.dumps(recs, sort_keys=True).encode()).hexdigest()[:16] == "189ca0afc869459b"
 
 
 def test_token_labels_from_char_spans_multi_char_tokens():

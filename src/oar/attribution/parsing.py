@@ -35,13 +35,14 @@ class ParsedResponse:
 
     Attributes:
         pivotal_spans: ``[start, end)`` character spans of the digits of each step's result.
-        filler_spans: ``[start, end)`` character spans of the filler words.
+        filler_spans: ``[start, end)`` character spans of the filler words of each gap (one span per
+            gap, inner spaces included).
         steps: ``(a, op, b, c)`` of each step as written (not checked for correct arithmetic).
         reasoning_end: character offset where the answer marker (``\\boxed{``) starts.
         answer: the boxed content.
         step_spans: ``[start, end)`` character span of each whole step ``a op b = c``.
         result_spans: ``[start, end)`` character span of each step's result, sign included.
-        gap_fillers: the filler word of each gap (``len(steps)`` gaps: before every step after
+        gap_fillers: the filler words of each gap (space-joined) (``len(steps)`` gaps: before every step after
             the first, and before the box), None where there is none; with ``steps`` it is what
             :func:`oar.data.synthetic.format_solution` renders back into the reasoning.
     """
@@ -73,7 +74,7 @@ def parse_response(
 
     Grammar of the reasoning (everything before the last answer marker), matched exactly::
 
-        STEP ( ", " [FILLER " "] STEP )* ". " [FILLER " "]        STEP = a op b "=" ["-"] c
+        STEP ( ", " (FILLER " ")* STEP )* ". " (FILLER " ")*        STEP = a op b "=" ["-"] c
 
     with ``a`` an optionally negative integer, ``b`` and ``c`` non-negative digit strings, ``op`` in
     ``+ - *`` and ``FILLER`` one of ``fillers``. The boxed answer must be complete and non-empty;
@@ -97,7 +98,8 @@ def parse_response(
     if end is None:
         return None
     words = sorted({str(f) for f in fillers}, key=len, reverse=True)
-    filler_re = re.compile("(?:" + "|".join(re.escape(w) for w in words) + ") ") if words else None
+    # a gap's filler: one or more filler words, each followed by a space (task.synthetic.filler_words)
+    filler_re = re.compile("(?:(?:" + "|".join(re.escape(w) for w in words) + ") )+") if words else None
 
     pivotal: list[list[int]] = []
     filler: list[list[int]] = []

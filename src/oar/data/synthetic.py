@@ -230,6 +230,7 @@ def _check_options(
     fillers: Sequence[str],
     test_share: float,
     demo_error_rate: float = 0.0,
+    filler_words: int = 1,
 ) -> None:
     if split not in SPLITS:
         raise ValueError(f"split: unknown split {split!r}; valid: {list(SPLITS)}")
@@ -253,6 +254,8 @@ def _check_options(
             raise ValueError(f"{key}: must be in [0, 1], got {p!r}")
     if not 0.0 < test_share < 1.0:
         raise ValueError(f"test_share: must be in (0, 1), got {test_share!r}")
+    if isinstance(filler_words, bool) or not isinstance(filler_words, int) or filler_words < 1:
+        raise ValueError(f"filler_words: must be an int >= 1, got {filler_words!r}")
     if isinstance(fillers, str):
         raise ValueError(f"fillers: must be a list of words, got the string {fillers!r}")
     if filler_prob > 0 and not fillers:
@@ -277,6 +280,7 @@ def generate(
     fillers: Sequence[str] = DEFAULT_FILLERS,
     test_share: float = 0.2,
     demo_error_rate: float = 0.0,
+    filler_words: int = 1,
     max_tries_per_record: int = 1000,
 ) -> list[dict]:
     """Generate ``n`` synthetic problems of ``split`` ("train", "test" or "ood").
@@ -292,8 +296,10 @@ def generate(
         ood_operands: operand count of the ood split.
         digits: operands are drawn uniformly from ``[0, 10**digits)``.
         operators: operators drawn uniformly for each position; from ``OPERATORS``.
-        filler_prob: probability that a gap in the solution gets a filler word.
+        filler_prob: probability that a gap in the solution gets filler words.
         fillers: the filler words.
+        filler_words: words of a gap's filler (each drawn from ``fillers``, joined by spaces): the
+            knob of the response length (1 draws exactly what earlier versions drew).
         test_share: share of all questions held out (by stable hash) for test/ood.
         demo_error_rate: ``train`` only: probability that a step of the reference solution (the SFT
             demonstration) is wrong, continued consistently (:func:`corrupt_steps`); ``answer``
@@ -312,7 +318,7 @@ def generate(
     """
     operands = [operands] if isinstance(operands, int) else list(operands)  # type: ignore[list-item]
     _check_options(split, n, operands, long_operands, long_share, ood_operands, digits, operators,
-                   filler_prob, fillers, test_share, demo_error_rate)
+                   filler_prob, fillers, test_share, demo_error_rate, filler_words)
     operators = list(operators)
     fillers = list(fillers)
     q_rng = random.Random(_derived_seed("oar-synthetic-questions", split, seed))
@@ -348,7 +354,8 @@ def generate(
             seen.add(question)
         steps = solve_steps(nums, ops)
         demo_steps, demo_errors = corrupt_steps(nums, ops, error_rate, e_rng) if error_rate > 0 else (steps, [])
-        gap_fillers = [f_rng.choice(fillers) if f_rng.random() < filler_prob else None for _ in steps]
+        gap_fillers = [" ".join(f_rng.choice(fillers) for _ in range(filler_words)) if f_rng.random() < filler_prob
+                       else None for _ in steps]
         solution, result_spans, filler_spans = format_solution(demo_steps, gap_fillers)
         records.append(
             {
