@@ -96,6 +96,20 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_regimes(args: argparse.Namespace) -> int:
+    from oar.config import load_config
+    from oar.regimes import write_cell_configs, write_regime_report
+
+    config = load_config(args.config)
+    if args.action == "cells":
+        for path in write_cell_configs(config, args.config, args.out):
+            print(path)
+    else:
+        for name, path in write_regime_report(config, args.results).items():
+            print(f"{name}: {path}")
+    return 0
+
+
 def _cmd_init_tracking(args: argparse.Namespace) -> int:
     from oar.config import load_config
     from oar.tracking import ensure_experiment
@@ -187,6 +201,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--metric", default=None, choices=["pass@1", "avg@k", "pass@k"],
                    help="only this metric's tables (default: avg@k when eval.samples > 0, and pass@1 when eval.greedy)")
     s.set_defaults(fn=_cmd_report)
+
+    s = sub.add_parser("regimes", help="the regime map: write one config per cell (cells), or the map's table and "
+                       "figure from the finished cells (report)")
+    s.add_argument("action", choices=["cells", "report"])
+    s.add_argument("--config", required=True, help="a config with regimes.cells (e.g. config/regimes.yaml)")
+    s.add_argument("--out", default="results/regime_cells", help="cells: folder of the cell configs")
+    s.add_argument("--results", default=None, help="report: the results folder (default: results_dir)")
+    s.set_defaults(fn=_cmd_regimes)
 
     s = sub.add_parser("init-tracking", help="create the MLflow store and experiment (once, before parallel jobs)")
     s.add_argument("--config", required=True)

@@ -1,0 +1,150 @@
+"""The regime map: where token credit could pay, measured cell by cell (``config/regimes.yaml``).
+
+A cell is the config it belongs to with a set of changes (``regimes.cells[k].set``: response length
+through ``task.synthetic.filler_words``, group size through ``rollout.n``, a harder task ...). Each
+cell is an ordinary run of the workflow into ``results/<name>_<cell>/`` (:func:`write_cell_configs`
+writes a config per cell that ``extends`` the regime config; ``scripts/regimes.sh`` runs them one
+after the other, each resumable). :func:`regime_table` then reads every finished cell's
+``tables/main.csv`` (its seed-level differences from the reference, :mod:`oar.report`) into one
+table; :func:`plot_regime_map` draws oracle - GRPO and credit - GRPO against response length.
+
+Credit efficiency of a method in a cell is ``(method - GRPO) / (oracle - GRPO)``, reported only where
+the oracle separates from GRPO (its seed-level interval excludes 0).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Mapping
+
+from oar.io import atomic_path, atomic_write_text
+
+__all__ = ["cell_names", "write_cell_configs", "regime_table", "regime_markdown", "plot_regime_map",
+           "write_regime_report"]
+
+
+def _regimes(config: Mapping[str, Any]) -> dict:
+    reg = config.get("regimes") or {}
+    if not reg.get("cells"):
+        raise ValueError(f"config {config.get('name')!r}: key regimes.cells is empty; nothing to map")
+    return reg
+
+
+def cell_names(config: Mapping[str, Any]) -> list[str]:
+    """``<config name>_<cell name>`` of every cell: its run's ``name`` (results under ``results/<name>``)."""
+    return [f"{config['name']}_{c['name']}" for c in _regimes(config)["cells"]]
+
+
+def write_cell_configs(config: Mapping[str, Any], config_path: str | Path, out_dir: str | Path) -> list[Path]:
+    """Write one config per cell to ``out_dir/<name>.yaml``: ``extends`` the regime config (absolute
+    path), ``name`` the cell's run name, plus the cell's ``set``. Returns the paths, in cell order."""
+    import yaml
+
+    out_dir = Path(out_dir)
+    paths = []
+    for name, cell in zip(cell_names(config), _regimes(config)["cells"]):
+        body = {"extends": str(Path(config_path).resolve()), "name": name, **(cell.get("set") or {})}
+        path = out_dir / f"{name}.yaml"
+        atomic_write_text(path, "# written by oar regimes cells: one cell of the regime map\n"
+                          + yaml.safe_dump(body, sort_keys=False))
+        paths.append(path)
+    return paths
+
+
+def regime_table(config: Mapping[str, Any], results: str | Path | None = None, *,
+                 metric: str = "avg@k") -> "pd.DataFrame":  # noqa: F821
+    """Every finished cell's differences from the reference on the first benchmark.
+
+    Columns: ``cell``, ``label``, ``length`` (the cell's nominal response length in tokens),
+    ``group_size``, ``method``, ``n_seeds``, ``diff``, ``ci_low``, ``ci_high`` (seed-level, points),
+    ``mde`` (the cell's seed-level MDE), ``separates`` (the oracle's interval excludes 0 in this cell),
+    ``efficiency`` ((method - reference) / (oracle - reference) where the oracle separates, else NaN),
+    ``done`` (False for a cell whose main.csv does not exist yet: its other columns are NaN).
+    """
+    import pandas as pd
+
+    reg = _regimes(config)
+    root = Path(results) if results is not None else Path(config.get("results_dir", "results"))
+    bench = config["eval"]["benchmarks"][0]["name"]
+    oracle = reg.get("oracle", "oracle_first_mistake")
+    recs = []
+    for name, cell in zip(cell_names(config), reg["cells"]):
+        base = {"cell": cell["name"], "label": cell.get("label", cell["name"]), "length": cell.get("length", math.nan),
+                "group_size": cell.get("group_size", math.nan)}
+        path = root / name / "tables" / "main.csv"
+        if not path.exists():
+            recs.append({**base, "method": None, "done": False})
+            continue
+        df = pd.read_csv(path)
+        df = df[(df["metric"] == metric) & (df["benchmark"] == bench) & df["diff"].notna() & (df["row"] != "base")]
+        by = df.set_index("row")
+        sep = oracle in by.index and (by.loc[oracle, "ci_low"] > 0 or by.loc[oracle, "ci_high"] < 0)
+        for row, r in by.iterrows():
+            eff = (r["diff"] / by.loc[oracle, "diff"]) if sep and row != oracle else math.nan
+            recs.append({**base, "method": row, "n_seeds": int(r["n_seeds"]), "diff": r["diff"], "ci_low": r["ci_low"],
+                         "ci_high": r["ci_high"], "mde": r["mde"], "separates": bool(sep), "efficiency": eff,
+                         "done": True})
+    return pd.DataFrame.from_records(recs)
+
+
+def regime_markdown(df: "pd.DataFrame", *, reference_label: str = "GRPO") -> str:  # noqa: F821
+    """The regime table as markdown: one row per (cell, method)."""
+    from oar.report_format import _fmt_diff
+
+    lines = [f"| cell | length | group | method | seeds | difference from {reference_label} [95% CI over seeds] "
+             "| seed-level MDE | credit efficiency |", "|---|---:|---:|---|---:|---:|---:|---:|"]
+    for r in df.itertuples(index=False):
+        if not r.done:
+            lines.append(f"| {r.label} | {r.length:g} | {r.group_size:g} | (not run) | | | | |")
+            continue
+        eff = "—" if math.isnan(r.efficiency) else f"{r.efficiency:.2f}"
+        lines.append(f"| {r.label} | {r.length:g} | {r.group_size:g} | {r.method} | {int(r.n_seeds)} | "
+                     f"{_fmt_diff(r.diff, r.ci_low, r.ci_high)} | {r.mde:.1f} | {eff} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_regime_map(path: str | Path, df: "pd.DataFrame", methods: list[str], *,  # noqa: F821
+                    reference_label: str = "GRPO") -> None:
+    """Difference from the reference against response length, one panel per group size, one line per
+    method, error bars = the seed-level intervals."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = df[df["done"]]
+    sizes = sorted(done["group_size"].dropna().unique()) or [math.nan]
+    fig, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 3.8), squeeze=False, sharey=True)
+    for ax, g in zip(axes[0], sizes):
+        sub = done[done["group_size"] == g] if not math.isnan(g) else done
+        for m in methods:
+            rows = sub[sub["method"] == m].sort_values("length")
+            if not len(rows):
+                continue
+            err = [rows["diff"] - rows["ci_low"], rows["ci_high"] - rows["diff"]]
+            ax.errorbar(rows["length"], rows["diff"], yerr=err, marker="o", capsize=3, label=m)
+        ax.axhline(0.0, color="grey", lw=0.8)
+        ax.set_xscale("log")
+        ax.set_xlabel("response length (tokens)")
+        ax.set_title(f"group size {g:g}")
+    axes[0][0].set_ylabel(f"avg@k difference from {reference_label} (points)")
+    axes[0][-1].legend(fontsize=8)
+    fig.tight_layout()
+    with atomic_path(Path(path)) as tmp:
+        fig.savefig(tmp, format="png", dpi=120)
+    plt.close(fig)
+
+
+def write_regime_report(config: Mapping[str, Any], results: str | Path | None = None) -> dict[str, Path]:
+    """``results/<name>/regime_map.{csv,md,png}`` from every finished cell."""
+    reg = _regimes(config)
+    root = Path(results) if results is not None else Path(config.get("results_dir", "results"))
+    out_dir = root / config["name"]
+    df = regime_table(config, root)
+    methods = list(reg.get("plot") or [m for m in dict.fromkeys(df["method"].dropna())])
+    out = {"csv": out_dir / "regime_map.csv", "md": out_dir / "regime_map.md", "png": out_dir / "regime_map.png"}
+    atomic_write_text(out["csv"], df.to_csv(index=False, float_format="%.6g"))
+    atomic_write_text(out["md"], regime_markdown(df))
+    plot_regime_map(out["png"], df, methods)
+    return out

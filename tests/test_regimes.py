@@ -1,0 +1,80 @@
+"""The regime map (oar.regimes, config/regimes.yaml) and the configs that run a subset of methods."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from oar.config import ConfigError, load_config, resolve_methods
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_controls_and_regimes_configs_resolve():
+    controls = load_config(ROOT / "config" / "controls.yaml")
+    assert list(resolve_methods(controls)) == controls["only_methods"]
+    assert resolve_methods(controls)["oar_g_shuffled"].credit == "shuffled"
+    regimes = load_config(ROOT / "config" / "regimes.yaml")
+    assert list(resolve_methods(regimes)) == ["grpo", "oracle_first_mistake", "oracle_decisive", "oar_g", "oar_g_shuffled"]
+    cfg = dict(controls, only_methods=["grpo", "nope"])
+    with pytest.raises(ConfigError, match=r"only_methods.*nope"):
+        resolve_methods(cfg)
+
+
+def test_cell_configs_extend_the_regime_config(tmp_path):
+    from oar.regimes import cell_names, write_cell_configs
+
+    path = ROOT / "config" / "regimes.yaml"
+    config = load_config(path)
+    paths = write_cell_configs(config, path, tmp_path)
+    assert [p.stem for p in paths] == cell_names(config)
+    cells = {p.stem: load_config(p) for p in paths}
+    c = cells["regimes_len140_n4"]
+    assert c["name"] == "regimes_len140_n4" and c["rollout"]["n"] == 4 and c["train"]["prompts_per_step"] == 64
+    assert c["task"]["synthetic"]["filler_words"] == 16 and c["rollout"]["max_new_tokens"] == 224
+    assert c["seeds"] == config["seeds"] and c["only_methods"] == config["only_methods"]
+    # every cell trains 256 responses per step: only the group size changes between n=4 and n=8
+    for cell in cells.values():
+        assert cell["rollout"]["n"] * cell["train"]["prompts_per_step"] == 256
+    # the default cell is the regime config itself
+    d = cells["regimes_len28_n8"]
+    assert d["task"] == config["task"] and d["rollout"] == config["rollout"]
+
+
+def _main_csv(path: Path, rows: dict[str, tuple[float, float, float]], mde: float = 2.0) -> None:
+    recs = [{"metric": "avg@k", "benchmark": "synthetic-test", "row": "base", "n_seeds": 1, "diff": -10.0,
+             "ci_low": math.nan, "ci_high": math.nan, "mde": mde}]
+    recs += [{"metric": "avg@k", "benchmark": "synthetic-test", "row": r, "n_seeds": 4, "diff": d, "ci_low": lo,
+              "ci_high": hi, "mde": mde} for r, (d, lo, hi) in rows.items()]
+    recs += [{"metric": "pass@1", "benchmark": "synthetic-test", "row": "oar_g", "n_seeds": 4, "diff": 99.0,
+              "ci_low": 98.0, "ci_high": 100.0, "mde": mde}]  # another metric: not read
+    path.parent.mkdir(parents=True)
+    pd.DataFrame.from_records(recs).to_csv(path, index=False)
+
+
+def test_regime_table_efficiency_and_report(tmp_path):
+    from oar.regimes import cell_names, write_regime_report
+
+    config = load_config(ROOT / "config" / "regimes.yaml")
+    names = cell_names(config)
+    # cell 0: the oracle separates (+4 [+1, +7]); OAR-G gains 1 of it. cell 2: it does not. the rest: not run
+    _main_csv(tmp_path / names[0] / "tables" / "main.csv",
+              {"oracle_first_mistake": (4.0, 1.0, 7.0), "oar_g": (1.0, -1.0, 3.0)})
+    _main_csv(tmp_path / names[2] / "tables" / "main.csv",
+              {"oracle_first_mistake": (1.0, -2.0, 4.0), "oar_g": (0.5, -1.0, 2.0)})
+    out = write_regime_report(config, tmp_path)
+    df = pd.read_csv(out["csv"])
+    first = df[(df["cell"] == "len28_n8")].set_index("method")
+    assert bool(first.loc["oracle_first_mistake", "separates"]) and first.loc["oar_g", "efficiency"] == pytest.approx(0.25)
+    assert math.isnan(first.loc["oracle_first_mistake", "efficiency"])
+    third = df[(df["cell"] == "len60_n8")].set_index("method")
+    assert not bool(third.loc["oar_g", "separates"]) and math.isnan(third.loc["oar_g", "efficiency"])
+    assert int((~df["done"]).sum()) == 4  # cells not run yet are listed as such
+    md = out["md"].read_text()
+    assert "| ~28 tokens, n=8 (default) | 28 | 8 | oracle_first_mistake | 4 | **+4.0 [+1.0, +7.0]** | 2.0 | — |" in md
+    assert "| ~28 tokens, n=8 (default) | 28 | 8 | oar_g | 4 | +1.0 [-1.0, +3.0] | 2.0 | 0.25 |" in md
+    assert "(not run)" in md
+    assert out["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
