@@ -512,6 +512,7 @@ class Check:
         self.gen = torch.Generator().manual_seed(args.seed)
         self.steps_done = 0
         self.step_seconds: list[float] = []
+        self.method_seconds: dict[str, list[float]] = {}
 
     def setup(self) -> None:
         from oar.credit import get_estimator
@@ -594,6 +595,7 @@ class Check:
         t3 = self._sync()
         self.steps_done += 1
         self.step_seconds.append(t3 - t0)
+        self.method_seconds.setdefault(method, []).append(t3 - t0)
         return {"method": method, "step_s": t3 - t0, "rollout_s": t1 - t0, "generate_s": t_gen, "credit_s": t2 - t1,
                 "update_s": t3 - t2, "sampled_tokens": int(raw.response_mask.sum()),
                 "prompt_tokens": int(ro.prompt_ids.shape[1]), "update_tokens": upd["tokens_real"],
@@ -619,9 +621,11 @@ class Check:
                          "micro_batch_tokens": TRAIN["micro_batch_tokens"], "lr": TRAIN["lr"],
                          "methods": {m: o for m, (_, o) in METHODS.items()}}
 
-    def need(self) -> float:
-        """Seconds the next step is expected to take (1.3 x the longest so far; 0 before any)."""
-        return 1.3 * max(self.step_seconds, default=0.0)
+    def need(self, method: str | None = None) -> float:
+        """Seconds the next step (of ``method``) is expected to take: 1.3 x the longest step of
+        ``method`` so far, else 2 x the longest step of any method (0 before any step)."""
+        own = self.method_seconds.get(method)
+        return 1.3 * max(own) if own else 2.0 * max(self.step_seconds, default=0.0)
 
     # ---------------------------------------------------------------- checks
     def check_fsdp(self) -> None:
@@ -729,7 +733,7 @@ class Check:
             order = names[r % len(names):] + names[: r % len(names)]
             for method in order:
                 label = f"{'warm-up' if r == 0 else f'round {r}'} {method}"
-                if not budget.allows(self.need()):
+                if not budget.allows(self.need(method)):
                     self.report.data["skipped"].append(label)
                     continue
                 st = self.step(method, self.prompts[2 + r], seed=self.args.seed + 100 * (r + 1))
@@ -738,9 +742,14 @@ class Check:
                 steps.append(st)
                 log(f"{label}: step {st['step_s']:.2f} s (rollout {st['rollout_s']:.2f}, credit {st['credit_s']:.2f}, "
                     f"update {st['update_s']:.2f}), scored {st['scored_fraction']}")
-        timed = [s for s in steps if s["round"] > 0]
-        use = timed or steps  # the warm-up round when the budget allowed nothing more
-        self.report.data["timed_steps"] = len(timed)
+        # per method its timed steps, or its warm-up step when the budget allowed no timed one
+        by: dict[str, list[dict]] = {}
+        for m in names:
+            by[m] = ([s for s in steps if s["method"] == m and s["round"] > 0]
+                     or [s for s in steps if s["method"] == m])
+        use = [s for v in by.values() for s in v]
+        self.report.data["timed_steps"] = {m: sum(1 for s in steps if s["method"] == m and s["round"] > 0)
+                                           for m in names}
         if not use:
             return
         gen_s = sum(s["generate_s"] for s in use)
@@ -756,7 +765,6 @@ class Check:
                        "computed_tokens_per_s": upd_comp / upd_s if upd_s else None, "steps": len(use)}
         d["rollout_tokens_per_s"] = d["rollout"]["tokens_per_s"]
         d["update_tokens_per_s"] = d["update"]["tokens_per_s"]
-        by = {m: [s for s in use if s["method"] == m] for m in names}
         d["step_s"] = {m: statistics.fmean(s["step_s"] for s in v) if v else None for m, v in by.items()}
         d["phase_s"] = {m: {k: statistics.fmean(s[f"{k}_s"] for s in v) for k in ("rollout", "credit", "update")}
                         if v else None for m, v in by.items()}
@@ -849,7 +857,7 @@ def main(argv: list[str] | None = None) -> int:
     stages = [("setup", check.setup), ("fsdp", check.check_fsdp), ("plan_vs_measured", check.check_plan),
               ("steps", lambda: check.timed_rounds(budget))]
     for name, fn in stages:
-        if name in ("fsdp", "plan_vs_measured") and not budget.allows(check.need()):  # "steps" decides per step
+        if name in ("fsdp", "plan_vs_measured") and not budget.allows(check.need("grpo")):  # "steps" decides per step
             report.data["skipped"].append(name)
             log(f"{name}: skipped (time budget)")
             continue
