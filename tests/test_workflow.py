@@ -27,12 +27,15 @@ from conftest import ROOT
 
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 SNAKEFILE = ROOT / "workflow" / "Snakefile"
+# what precedes `python -m oar.cli` in every rule's command: the library of this repository, installed
+# or not (workflow/rules/common.smk, OAR_ENV)
+OAR_ENV = f"PYTHONPATH={shlex.quote(str(ROOT / 'src'))}${{PYTHONPATH:+:$PYTHONPATH}}"
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("snakemake") is None, reason="snakemake not installed")
 
 
 def _env() -> dict:
     env = dict(os.environ)
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # `oar` of this venv
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # this venv's python, torchrun
     return env
 
 
@@ -210,11 +213,13 @@ def test_slurm_profile_dry_run_gives_training_the_promised_gpus(tmp_path):
 
 def _train_launchers(*args: str, results: Path, cores: int = 64) -> list[str]:
     """The launcher of every train job in ``snakemake -n -p``: what precedes `` train --config``
-    after the reset step's ``&&``. ``--cores`` sets the threads the job's params see (a cluster
-    node has all of them; a dry run without it has 1)."""
+    after the reset step's ``&&`` and the PYTHONPATH assignment (OAR_ENV, asserted). ``--cores`` sets
+    the threads the job's params see (a cluster node has all of them; a dry run without it has 1)."""
     proc = snakemake("-n", "-p", "--cores", str(cores), *args, "--config", f"results_dir={results}")
     cmds = shell_commands(proc.stdout + proc.stderr)["train"]
-    return [c.split(" && ", 1)[1].split(" train --config ", 1)[0] for c in cmds]
+    launchers = [c.split(" && ", 1)[1].split(" train --config ", 1)[0] for c in cmds]
+    assert all(launcher.startswith(OAR_ENV + " ") for launcher in launchers), launchers
+    return [launcher.removeprefix(OAR_ENV + " ") for launcher in launchers]
 
 
 def _paper_with_train(tmp_path: Path, **train: int) -> Path:
@@ -249,11 +254,11 @@ MULTI_NODE_TORCHRUN = ('torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c1
 
 @pytest.mark.slow  # four snakemake dry runs: a few seconds each
 def test_dry_run_train_launch_commands_one_and_several_nodes(tmp_path):
-    """One process: plain `oar`; several on one node (8 GPUs, or 2 CPU processes): torchrun
+    """One process: `python -m oar.cli`; several on one node (8 GPUs, or 2 CPU processes): torchrun
     --standalone, never `accelerate launch` (whose `--cpu --num_processes 2` starts ONE process);
     2 nodes: srun one task per node, each a torchrun with a c10d rendezvous on the first node."""
     (launcher,) = set(_train_launchers(results=tmp_path, cores=2))  # config/config.yaml: CPU, one process
-    assert launcher == "oar"
+    assert launcher == "python -m oar.cli"
 
     paper = set(_train_launchers("--configfile", "config/paper.yaml", results=tmp_path))
     assert paper == {"OMP_NUM_THREADS=4 torchrun --standalone --nnodes 1 --nproc_per_node 8 -m oar.cli"}

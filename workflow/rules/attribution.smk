@@ -24,6 +24,7 @@ rule attribution:
             labels={"figure": "error localisation"},
         ),
     params:
+        oar=oar_command,
         config=CONFIG_FILE,
         model=start_model_param,
         out_dir=lambda wc, output: os.path.dirname(output.csv),
@@ -38,7 +39,7 @@ rule attribution:
         mem_mb=res("attribution", "mem_mb"),
         runtime=res("attribution", "runtime"),
     conda:
-        "../../environment.yml"
+        CONDA_ENV
     shell:
-        "(oar attribution --config {params.config:q} --model {params.model:q}"
+        "({params.oar} attribution --config {params.config:q} --model {params.model:q}"
         " --output {params.out_dir:q}) > {log:q} 2>&1"

@@ -5,11 +5,18 @@ import json
 import os
 import re
 import shlex
+import sys
 from pathlib import Path
 
 import yaml
 from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
+
+# The library is this repository's src/ (no install needed): the workflow imports it from there,
+# and every rule runs it from there too (OAR below), with or without --use-conda.
+SRC_DIR = os.path.abspath(os.path.join(workflow.basedir, os.pardir, "src"))
+if SRC_DIR not in sys.path:
+    sys.path.insert(0, SRC_DIR)
 
 from oar.config import ConfigError, deep_merge, resolve_extends, resolve_methods, validate_config
 from oar.io import atomic_write_text
@@ -115,6 +122,57 @@ wildcard_constraints:
     seed="|".join(str(s) for s in SEEDS),
 
 
+# -------------------------------------------------------------------------------------- software
+# The rules run the library as OAR, `python -m oar.cli` with this repository's src/ first on
+# PYTHONPATH, so the same code runs in the active environment (a venv, where `pip install -e .` is
+# then optional) and in the conda env of --use-conda / --sdm conda, whose files (workflow/envs/)
+# hold dependencies only: Snakemake builds an env from a copy of its file in .snakemake/conda/,
+# where a path relative to the repository (pip's `-e .`) means nothing.
+OAR_ENV = f"PYTHONPATH={shlex.quote(SRC_DIR)}${{PYTHONPATH:+:$PYTHONPATH}}"
+OAR = f"{OAR_ENV} python -m oar.cli"
+
+
+def oar_command(wildcards, input):
+    """OAR as a rule param (`{params.oar} data ...`). It takes `input`, so Snakemake counts it among
+    the params derived from the inputs, which it leaves out of the params it compares between runs:
+    the repository at another absolute path (moved, another clone) reruns nothing. (train_launcher,
+    which takes threads, is such a param too.)"""
+    return OAR
+
+
+# the conda env of the rules, software.conda_env (one env per config, so training and evaluation
+# run the same software); `auto` takes gpu.yaml (vLLM and the torch it pins) for a config that uses
+# a GPU or vLLM, else cpu.yaml
+CONDA_ENVS = {"cpu": "../envs/cpu.yaml", "gpu": "../envs/gpu.yaml"}
+
+
+def uses_gpu():
+    """Whether the config runs anything on a GPU or with vLLM (software.conda_env: auto -> gpu)."""
+    return (
+        config["device"] == "cuda"
+        or "vllm" in (config["rollout"]["engine"], config["eval"]["engine"])
+        or any(int((r or {}).get("gpu", 0)) > 0 for r in (config.get("resources") or {}).values())
+    )
+
+
+def conda_env():
+    """The env file of every rule: workflow/envs/{cpu,gpu}.yaml (relative to workflow/rules/, as
+    Snakemake reads a rule's `conda:`), or the file software.conda_env names (relative to the
+    working directory, made absolute)."""
+    choice = config["software"]["conda_env"]
+    if choice == "auto":
+        choice = "gpu" if uses_gpu() else "cpu"
+    if choice in CONDA_ENVS:
+        return CONDA_ENVS[choice]
+    path = os.path.abspath(choice)
+    if workflow.deployment_settings.deployment_method and not os.path.isfile(path):
+        raise WorkflowError(f"{CONFIG_SOURCE}: key software.conda_env: no env file {path}")
+    return path
+
+
+CONDA_ENV = conda_env()
+
+
 # ------------------------------------------------------------------------------------- resources
 # Defaults per rule; config["resources"][<rule>] overrides any key (gpu, mem_mb, runtime in
 # minutes, threads; for train also nodes and processes, see train_layout). On SLURM, `gpu` becomes
@@ -178,7 +236,8 @@ _NODE_TORCHRUN = (
 def train_launcher(wildcards, resources, threads):
     """The command that `train --config ...` follows (see train_layout):
 
-    - one process: `oar`;
+    - one process: OAR, `python -m oar.cli` with the repository's src/ on PYTHONPATH (OAR_ENV
+      precedes every launcher; torchrun's and srun's processes inherit it);
     - several on one node (GPUs, or CPU processes): `torchrun --standalone --nproc_per_node P -m
       oar.cli` (a free port per job, so two jobs on one machine do not collide); accelerate's
       Accelerator in the trainer takes RANK/WORLD_SIZE/LOCAL_RANK from it, NCCL on GPUs and gloo on
@@ -189,8 +248,8 @@ def train_launcher(wildcards, resources, threads):
     """
     nodes, procs, gpu = train_layout()
     if nodes == 1 and procs == 1:
-        return "oar"
-    omp = f"OMP_NUM_THREADS={max(1, int(threads) // procs)}"
+        return OAR
+    omp = f"{OAR_ENV} OMP_NUM_THREADS={max(1, int(threads) // procs)}"
     if nodes == 1:
         return f"{omp} torchrun --standalone --nnodes 1 --nproc_per_node {procs} -m oar.cli"
     node = _NODE_TORCHRUN.format(nodes=nodes, procs=procs)
@@ -313,6 +372,11 @@ def write_resolved_config():
 
 onstart:
     write_resolved_config()
-    # {CONFIG_FILE:q}: shell() formats it once, quoted (a results_dir with spaces or $(...) stays one
-    # literal argument); every rule's shell command quotes its values the same way
-    shell("oar init-tracking --config {CONFIG_FILE:q}")
+    if workflow.deployment_settings.deployment_method:
+        # --use-conda / --sdm: the rules' software is not in this (Snakemake's) environment; each
+        # training job creates the MLflow store and experiment on first use, under a file lock
+        print("onstart: oar init-tracking skipped (--sdm); the jobs create the MLflow store", file=sys.stderr)
+    else:
+        # {CONFIG_FILE:q}: shell() formats it once, quoted (a results_dir with spaces or $(...) stays
+        # one literal argument); every rule's shell command quotes its values the same way
+        shell("{OAR} init-tracking --config {CONFIG_FILE:q}")

@@ -6,6 +6,7 @@ rule data:
     output:
         MANIFEST,
     params:
+        oar=oar_command,
         config=CONFIG_FILE,
         fingerprint=fingerprint(section("task"), config["eval"]["benchmarks"]),
     log:
@@ -18,6 +19,6 @@ rule data:
         mem_mb=res("data", "mem_mb"),
         runtime=res("data", "runtime"),
     conda:
-        "../../environment.yml"
+        CONDA_ENV
     shell:
-        "(oar data --config {params.config:q} --output {output:q}) > {log:q} 2>&1"
+        "({params.oar} data --config {params.config:q} --output {output:q}) > {log:q} 2>&1"

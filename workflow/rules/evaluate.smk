@@ -10,6 +10,7 @@ rule evaluate_base:
     output:
         summary=f"{R}/base/eval/summary.json",
     params:
+        oar=oar_command,
         config=CONFIG_FILE,
         model=start_model_param,
         out_dir=lambda wc, output: os.path.dirname(output.summary),
@@ -25,11 +26,11 @@ rule evaluate_base:
         mem_mb=res("evaluate_base", "mem_mb"),
         runtime=res("evaluate_base", "runtime"),
     conda:
-        "../../environment.yml"
+        CONDA_ENV
     shell:
         "(bash {params.reset:q} {params.out_dir:q} {params.fingerprint:q}-$(cat {input:q} | cksum | cut -d' ' -f1)"
         " '*.json' '*.jsonl'"
-        " && oar evaluate --config {params.config:q} --model {params.model:q} --output {params.out_dir:q}"
+        " && {params.oar} evaluate --config {params.config:q} --model {params.model:q} --output {params.out_dir:q}"
         ") > {log:q} 2>&1"
 
 
@@ -39,6 +40,7 @@ rule evaluate:
     output:
         summary=f"{R}/{{method}}/seed{{seed}}/eval/summary.json",
     params:
+        oar=oar_command,
         config=CONFIG_FILE,
         model=lambda wc, input: os.path.join(os.path.dirname(input.train), "model"),
         out_dir=lambda wc, output: os.path.dirname(output.summary),
@@ -54,9 +56,9 @@ rule evaluate:
         mem_mb=res("evaluate", "mem_mb"),
         runtime=res("evaluate", "runtime"),
     conda:
-        "../../environment.yml"
+        CONDA_ENV
     shell:
         "(bash {params.reset:q} {params.out_dir:q} {params.fingerprint:q}-$(cksum < {input.train:q} | cut -d' ' -f1)"
         " '*.json' '*.jsonl'"
-        " && oar evaluate --config {params.config:q} --model {params.model:q} --output {params.out_dir:q}"
+        " && {params.oar} evaluate --config {params.config:q} --model {params.model:q} --output {params.out_dir:q}"
         " --seed {wildcards.seed:q}) > {log:q} 2>&1"

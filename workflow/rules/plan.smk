@@ -9,12 +9,13 @@ rule plan:
     output:
         PLAN_FILE,
     params:
+        oar=oar_command,
         config=CONFIG_FILE,
         fingerprint=plan_fingerprint(),
     log:
         f"{R}/logs/plan.log",
     localrule: True
     conda:
-        "../../environment.yml"
+        CONDA_ENV
     shell:
-        "oar plan --config {params.config:q} --output {output:q} 2>&1 | tee {log:q}"
+        "{params.oar} plan --config {params.config:q} --output {output:q} 2>&1 | tee {log:q}"

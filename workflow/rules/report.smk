@@ -52,6 +52,7 @@ rule report:
             labels={"figure": "credit concentration"},
         ),
     params:
+        oar=oar_command,
         config=CONFIG_FILE,
         results=lambda wc, output: os.path.dirname(os.path.dirname(output.main)),
         fingerprint=fingerprint(config["eval"].get("bootstrap"), config.get("report"),
@@ -66,6 +67,6 @@ rule report:
         mem_mb=res("report", "mem_mb"),
         runtime=res("report", "runtime"),
     conda:
-        "../../environment.yml"
+        CONDA_ENV
     shell:
-        "(oar report --config {params.config:q} --results {params.results:q}) > {log:q} 2>&1"
+        "({params.oar} report --config {params.config:q} --results {params.results:q}) > {log:q} 2>&1"

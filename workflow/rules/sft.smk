@@ -8,6 +8,7 @@ rule sft:
     output:
         summary=SFT_SUMMARY,
     params:
+        oar=oar_command,
         config=CONFIG_FILE,
         model_dir=lambda wc, output: os.path.dirname(output.summary),
         fingerprint=fingerprint(section("model", "task", "sft")),
@@ -21,6 +22,6 @@ rule sft:
         mem_mb=res("sft", "mem_mb"),
         runtime=res("sft", "runtime"),
     conda:
-        "../../environment.yml"
+        CONDA_ENV
     shell:
-        "(oar sft --config {params.config:q} --output {params.model_dir:q}) > {log:q} 2>&1"
+        "({params.oar} sft --config {params.config:q} --output {params.model_dir:q}) > {log:q} 2>&1"

@@ -33,7 +33,7 @@ rule train:
         runtime=res("train", "runtime"),
         **train_resources(),  # gpu, nodes (and for several nodes the SLURM task layout)
     conda:
-        "../../environment.yml"
+        CONDA_ENV
     shell:
         "(bash {params.reset:q} {params.run_dir:q} {params.fingerprint:q}-$(cat {params.checksummed} | cksum | cut -d' ' -f1)"
         " checkpoint model metrics.jsonl"
