@@ -5,6 +5,7 @@
 REPORT_OUTPUTS.update(
     learning=f"{R}/figures/learning_curves.png",
     steps=f"{R}/tables/steps_to_threshold.csv",
+    speed=f"{R}/tables/learning_speed.csv",
 )
 
 
@@ -26,6 +27,12 @@ rule report:
             caption="../report/steps_to_threshold.rst",
             category="Tables",
             labels={"table": "steps to threshold"},
+        ),
+        speed=report(
+            REPORT_OUTPUTS["speed"],
+            caption="../report/learning_speed.rst",
+            category="Tables",
+            labels={"table": "learning speed"},
         ),
         learning=report(
             REPORT_OUTPUTS["learning"],
