@@ -22,9 +22,9 @@ gradient checkpointing, AdamW at lr 1e-6, weight decay 0, clipping 1.0, ``shared
 with 8192 positions per forward, GRPO's clip range and ``seq-mean-token-mean`` loss, OAR-P/OAR-G
 options of paper.yaml's methods):
 
-0. ``compat`` (:func:`transformers_compat`): whether this transformers runs the lean sampler and
-   the packed layouts; if not, the check falls back to ``model.generate`` / ``packing: none``,
-   says so under ``compat.fallbacks`` and fails (``ok`` false) while still measuring.
+0. ``compat`` (:func:`transformers_compat`): how ``oar`` adapts to this transformers version (the
+   KV-cache argument's name, a boolean ``logits_to_keep`` or every logit); ``fallbacks`` stays empty
+   (it is kept for the output format).
 1. ``fsdp``: one GRPO step; every parameter is a sharded float32 DTensor, the decoder layers run
    in bfloat16, gradient checkpointing is on, the loss is finite and ``weights_changed_frac`` of
    the weights moved. ``rollout_logprob_gap``: the rollout's log-probs of its sampled tokens
@@ -228,32 +228,22 @@ def plan_shape(size: str) -> dict[str, Any]:
 
 
 def transformers_compat(model: Any) -> dict[str, Any]:
-    """What of ``oar``'s trainer this transformers version supports, probed on ``model`` (unsharded):
+    """How ``oar`` adapts to this transformers version, probed on ``model`` (unsharded):
 
-    - ``lean_sampler``: ``oar.rollout.lean_generate`` hands its preallocated KV cache to the
-      forward as ``cache=``; a forward without that parameter (transformers 5.17 names it
-      ``past_key_values``) takes it into ``**kwargs`` and ignores it, so each decoding step would
-      see one token. Fallback: ``rollout.sampler: hf`` (``model.generate``).
-    - ``logits_to_keep_mask``: every ``train.packing`` but ``none`` passes ``logits_to_keep`` as a
-      boolean ``(rows, length)`` mask (``oar.packing``); probed with one 4-token forward.
-      Fallback: ``packing: none``.
+    - ``cache_argument``: the forward's name for the KV cache that ``oar.rollout.lean_generate``
+      hands over (``cache``, or ``past_key_values`` up to transformers 5.21: :func:`oar.models.cache_argument`);
+      ``rollout_logprob_gap`` checks that the lean sampler's log-probs equal a fresh forward's.
+    - ``logits_to_keep_mask``: whether the packed layouts pass ``logits_to_keep`` as a boolean
+      ``(rows, length)`` mask (transformers >= 5.21) or compute every logit and select
+      (``oar.packing._accepts_logits_to_keep``); the loss is the same either way.
     """
-    import inspect
+    import transformers
 
-    import torch
+    from oar.models import cache_argument
+    from oar.packing import _accepts_logits_to_keep
 
-    out: dict[str, Any] = {"lean_sampler": "cache" in inspect.signature(type(model).forward).parameters}
-    dev = next(model.parameters()).device
-    try:
-        with torch.no_grad():
-            keep = torch.tensor([[False, True, True, False]], device=dev)
-            logits = model(input_ids=torch.tensor([[5, 6, 7, 8]], device=dev), logits_to_keep=keep,
-                           use_cache=False).logits
-        out["logits_to_keep_mask"] = logits.shape[-2 if logits.dim() == 3 else 0] == 2
-    except Exception as e:  # noqa: BLE001
-        out["logits_to_keep_mask"] = False
-        out["logits_to_keep_mask_error"] = f"{type(e).__name__}: {e}"[:300]
-    return out
+    return {"transformers": transformers.__version__, "cache_argument": cache_argument(model),
+            "logits_to_keep_mask": _accepts_logits_to_keep(model), "fallbacks": []}
 
 
 def run_config(size: str, run: dict[str, int], *, device: str, prompt_tokens: int, gpu_gb: float) -> dict:
@@ -526,14 +516,9 @@ class Check:
         model = make_model(self.size, self.tok, self.strategy.device, self.args.seed)
         self.params = sum(p.numel() for p in model.parameters())
         compat = transformers_compat(model)
-        self.sampler = self.args.sampler or ("lean" if compat["lean_sampler"] else "hf")
-        self.packing = self.args.packing or (TRAIN["packing"] if compat["logits_to_keep_mask"] else "none")
-        compat["fallbacks"] = [f"{k} {v} instead of {d}" for k, v, d in (
-            ("rollout.sampler", self.sampler, "lean"), ("train.packing", self.packing, TRAIN["packing"]))
-            if v != d and getattr(self.args, k.split(".")[1]) is None]
+        self.sampler = self.args.sampler or "lean"
+        self.packing = self.args.packing or TRAIN["packing"]
         self.report.data["compat"] = compat
-        if compat["fallbacks"]:
-            log(f"transformers {__import__('transformers').__version__}: {compat}")
         self.model, self.optimizer = self.strategy.prepare(model, lr=TRAIN["lr"], betas=tuple(TRAIN["betas"]),
                                                            weight_decay=TRAIN["weight_decay"])
         self.policy = self.strategy.policy(self.model)
@@ -796,10 +781,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--n", type=int, default=None, help="responses per prompt (default 4)")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default: 256 qwen0.5b, 24 toy")
     ap.add_argument("--sampler", choices=["lean", "lean_compact", "hf"], default=None,
-                    help="rollout.sampler (default lean, or hf when this transformers cannot run it: compat)")
+                    help="rollout.sampler (default lean)")
     ap.add_argument("--packing", choices=["none", "length_grouped", "packed", "shared_prompt"], default=None,
-                    help="train.packing of the timed steps (default shared_prompt, or none when this transformers "
-                         "cannot run it: compat)")
+                    help="train.packing of the timed steps (default shared_prompt)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     return ap.parse_args(argv)

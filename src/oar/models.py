@@ -34,6 +34,7 @@ __all__ = [
     "smollm2_gguf_path",
     "resolve_source",
     "resolve_dtype",
+    "cache_argument",
 ]
 
 #: Special tokens of the tiny tokenizer, in id order (pad=0, bos=1, eos=2, unk=3).
@@ -394,3 +395,17 @@ def model_identity(spec: Mapping[str, Any] | str | os.PathLike) -> str:
             return "sha256:" + file_digest(path / gguf_file)
         return "sha256:" + folder_digest(path, MODEL_IDENTITY_FILES)
     return f"hub:{source}" + (f"/{gguf_file}" if gguf_file else "")
+
+
+def cache_argument(model: Any) -> str:
+    """The name under which the model's forward takes its KV cache: ``cache`` in recent transformers,
+    ``past_key_values`` up to 5.21 (there a ``cache=`` vanishes into ``**kwargs``, and every step
+    would decode without its prefix). A DDP wrapper is looked through (``.module``)."""
+    import inspect
+
+    inner = getattr(model, "module", model)
+    try:
+        params = inspect.signature(inner.forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"

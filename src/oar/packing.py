@@ -39,6 +39,8 @@ padding), so every layout gives the same log-probs up to float rounding.
 
 from __future__ import annotations
 
+import functools
+
 import inspect
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -373,11 +375,22 @@ def padding_report(micro_batches: Sequence[MicroBatch]) -> dict[str, float]:
 
 
 def _accepts_logits_to_keep(model: Any) -> bool:
+    """Whether the model's forward takes a boolean ``(rows, length)`` ``logits_to_keep``: it names the
+    argument and transformers slices by a 2-D mask (``slice_logits_to_keep``, transformers >= 5.21;
+    earlier versions index with the mask as it is and fail, so they compute every logit instead)."""
     inner = getattr(model, "module", model)  # DDP wraps; FSDP2 keeps the module itself
     try:
-        return "logits_to_keep" in inspect.signature(inner.forward).parameters
+        named = "logits_to_keep" in inspect.signature(inner.forward).parameters
     except (TypeError, ValueError):
         return False
+    return named and _slices_by_mask()
+
+
+@functools.cache
+def _slices_by_mask() -> bool:
+    import transformers.modeling_utils as mu
+
+    return hasattr(mu, "slice_logits_to_keep")
 
 
 def _attn_implementation(model: Any) -> str:

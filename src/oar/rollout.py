@@ -30,6 +30,8 @@ from typing import Any, Iterable, Iterator, Protocol, Sequence
 
 import torch
 
+from oar.models import cache_argument
+
 __all__ = ["Rollout", "generate_per_prompt", "RolloutEngine", "HFEngine", "VLLMEngine", "make_engine", "pad_stack",
            "token_logprobs", "lean_generate", "lean_unsupported", "SAMPLERS"]
 
@@ -326,6 +328,7 @@ def lean_generate(
     position_ids = position_ids.masked_fill(attention_mask == 0, 0)
     mask = None if bool((attention_mask == 1).all()) else attention_mask
     cache = _preallocated_cache(model, input_ids.shape[1] + max_new_tokens)
+    cache_arg = cache_argument(model)  # its name differs between transformers versions
     eos_t = torch.tensor(list(eos_ids), dtype=torch.long, device=device) if eos_ids else None
     tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
     logprobs = torch.zeros(B, max_new_tokens, dtype=torch.float32, device=device)
@@ -334,8 +337,8 @@ def lean_generate(
     step_ids, step_pos = input_ids, position_ids
     T = max_new_tokens
     for t in range(max_new_tokens):
-        out = model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos, cache=cache, use_cache=True,
-                    logits_to_keep=1, return_dict=True)
+        out = model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos, **{cache_arg: cache},
+                    use_cache=True, logits_to_keep=1, return_dict=True)
         logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
         del out
         scaled = logits / temp if temp != 1.0 else logits  # the warped scores, and what token_logprobs uses

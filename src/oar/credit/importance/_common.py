@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from oar.credit.probe import Probe
+from oar.models import cache_argument
 
 #: Outcome modes understood by the importance functions.
 MODES: tuple[str, ...] = ("last", "answer_mean", "answer_joint")
@@ -69,7 +70,7 @@ def _logits_tail(
     else:
         kw["inputs_embeds"] = inputs_embeds
     if cache is not None:
-        kw["cache" if "cache" in params else "past_key_values"] = cache
+        kw[cache_argument(model)] = cache
     if "logits_to_keep" in params:
         kw["logits_to_keep"] = keep
     out = model(**kw)
