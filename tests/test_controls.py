@@ -89,6 +89,12 @@ def test_oracle_first_mistake_weights_the_mistake_not_its_copy():
     assert torch.equal(w[0], m[0]) and torch.equal(w[3], m[3])
     assert torch.allclose(out.token_advantages, A[:, None] * w)
     assert out.stats["located_fraction"] == pytest.approx(0.5)
+    # a right answer reached through two mistakes that cancel (8 for 7, then 8-2=5): located, but
+    # never boosted with its positive advantage
+    lucky = _batch(responses=["4+3=8, 8-2=5. \\boxed{5}", RESPONSES[1]], rewards=[1.0, 0.0])
+    out = est(lucky)
+    assert out.seq_advantages[0] > 0 and torch.equal(out.weights[0], lucky.response_mask[0].float())
+    assert _top(out.weights[1]) == [4]
 
 
 def test_oracle_decisive_weights_every_result_and_no_operand():

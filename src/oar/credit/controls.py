@@ -177,12 +177,15 @@ def _reshaped(name: str, batch: CreditBatch, options: dict[str, Any], allowed: S
     return CreditResult(token_advantages=token_adv, seq_advantages=A, weights=weights, stats=stats)
 
 
-def _oracle_scores(name: str, batch: CreditBatch, which: str):
+def _oracle_scores(name: str, batch: CreditBatch, which: str, *, wrong_only: bool):
+    """``wrong_only``: score only responses below their group's mean (``A_i < 0``), so a mistake that a
+    later one cancels in a right answer is not boosted with a positive advantage."""
     def scores_of(A: torch.Tensor):
         t0 = time.perf_counter()
         labels = oracle_labels(batch, fillers=_fillers(batch), name=name)
         target = getattr(labels, which)
-        active = (target.sum(-1) > 0) & (A.cpu() != 0)
+        a = A.detach().cpu()
+        active = (target.sum(-1) > 0) & ((a < 0) if wrong_only else (a != 0))
         B = max(len(A), 1)
         stats = {"importance_s": time.perf_counter() - t0, "parsed_fraction": float(labels.parsed.sum()) / B,
                  "located_fraction": float(labels.located.sum()) / B, "scored_fraction": float(active.sum()) / B}
@@ -197,12 +200,13 @@ def oracle_first_mistake_estimator(batch: CreditBatch, **options: Any) -> Credit
     """Oracle control: Bi-Level weights from importance 1 on the first mistake's result tokens.
 
     Options: ``norm_by_std`` (True), ``eps`` (1e-6), ``quantile`` (0.25), ``beta`` (1.0), ``floor``
-    (0.1), ``preserve_mass`` (True), as OAR. Rows scored: wrong responses (``A_i != 0``) with a
-    located first mistake; every other row keeps weight 1. Stats: ``parsed_fraction``,
+    (0.1), ``preserve_mass`` (True), as OAR. Rows scored: responses below their group's mean
+    (``A_i < 0``) with a located first mistake; every other row keeps weight 1 (also a right answer
+    reached through two mistakes that cancel). Stats: ``parsed_fraction``,
     ``located_fraction``, ``scored_fraction``, ``importance_s``.
     """
     return _reshaped("oracle_first_mistake", batch, options, _RESHAPE,
-                     _oracle_scores("oracle_first_mistake", batch, "first_mistake"))
+                     _oracle_scores("oracle_first_mistake", batch, "first_mistake", wrong_only=True))
 
 
 @register_estimator("oracle_decisive")
@@ -211,7 +215,7 @@ def oracle_decisive_estimator(batch: CreditBatch, **options: Any) -> CreditResul
 
     Options as ``oracle_first_mistake``. Rows scored: parsed responses with ``A_i != 0``.
     """
-    return _reshaped("oracle_decisive", batch, options, _RESHAPE, _oracle_scores("oracle_decisive", batch, "results"))
+    return _reshaped("oracle_decisive", batch, options, _RESHAPE, _oracle_scores("oracle_decisive", batch, "results", wrong_only=False))
 
 
 @register_estimator("oracle_progress")
