@@ -31,6 +31,11 @@ def _regimes(config: Mapping[str, Any]) -> dict:
     return reg
 
 
+def _results_dir(config: Mapping[str, Any], results: str | Path | None) -> Path:
+    """The folder holding every cell's run folder: ``results``, else the config's ``results_dir``."""
+    return Path(results) if results is not None else Path(config.get("results_dir", "results"))
+
+
 def cell_names(config: Mapping[str, Any]) -> list[str]:
     """``<config name>_<cell name>`` of every cell: its run's ``name`` (results under ``results/<name>``)."""
     return [f"{config['name']}_{c['name']}" for c in _regimes(config)["cells"]]
@@ -65,7 +70,7 @@ def regime_table(config: Mapping[str, Any], results: str | Path | None = None, *
     import pandas as pd
 
     reg = _regimes(config)
-    root = Path(results) if results is not None else Path(config.get("results_dir", "results"))
+    root = _results_dir(config, results)
     bench = config["eval"]["benchmarks"][0]["name"]
     oracle = reg.get("oracle", "oracle_first_mistake")
     recs = []
@@ -139,7 +144,7 @@ def plot_regime_map(path: str | Path, df: "pd.DataFrame", methods: list[str], *,
 def write_regime_report(config: Mapping[str, Any], results: str | Path | None = None) -> dict[str, Path]:
     """``results/<name>/regime_map.{csv,md,png}`` from every finished cell."""
     reg = _regimes(config)
-    root = Path(results) if results is not None else Path(config.get("results_dir", "results"))
+    root = _results_dir(config, results)
     out_dir = root / config["name"]
     df = regime_table(config, root)
     methods = list(reg.get("plot") or [m for m in dict.fromkeys(df["method"].dropna())])

@@ -74,12 +74,6 @@ def _md_table(w) -> str:
     return "\n".join([head, sep, *body])
 
 
-def _z_sum(confidence: float, power: float) -> float:
-    from oar.stats import z_power
-
-    return z_power(1.0 - confidence, power)
-
-
 def _interval_note(*, reference_label: str, confidence: float, n_boot: int, seed: int, n_seeds: int,
                    start: bool = False) -> str:
     other = "the start model" if start else reference_label

@@ -89,8 +89,6 @@ def register_estimator(
         name: the name configs use (``credit: <name>``).
         needs_model: the estimator calls ``CreditBatch.model`` (OAR-P, OAR-G and the nulls built on
             them); the trainer gathers a sharded policy for it.
-        task: the only ``task.kind`` the estimator works on (``"synthetic"`` for the oracle controls,
-            which read the task's ground truth), or None for any task.
 
     Raises:
         ValueError: if ``name`` is already registered to a different function.

@@ -22,6 +22,8 @@ __all__ = [
     "broadcast_seq",
     "group_index",
     "check_options",
+    "SEQ_OPTIONS",
+    "sequence_advantages",
     "grpo_estimator",
     "drgrpo_estimator",
 ]
@@ -133,11 +135,20 @@ def check_options(estimator: str, options: Mapping[str, Any], allowed: Iterable[
         raise TypeError(f"estimator {estimator!r}: unknown option(s) {unknown}; valid options: {allowed}")
 
 
+#: Options of the sequence advantage, accepted by every estimator built on it.
+SEQ_OPTIONS: tuple[str, ...] = ("norm_by_std", "eps")
+
+
+def sequence_advantages(batch: CreditBatch, options: Mapping[str, Any], *, default_norm: bool = True) -> torch.Tensor:
+    """``(B,)`` GRPO (``norm_by_std``, default ``default_norm``) or Dr. GRPO advantages of the batch,
+    from an estimator's options (``eps`` default 1e-6)."""
+    return grpo_advantages(batch.rewards, batch.group_ids, norm_by_std=bool(options.get("norm_by_std", default_norm)),
+                           eps=float(options.get("eps", 1e-6)))
+
+
 def _seq_estimator(name: str, batch: CreditBatch, default_norm: bool, options: dict[str, Any]) -> CreditResult:
-    check_options(name, options, ("norm_by_std", "eps"))
-    norm = bool(options.get("norm_by_std", default_norm))
-    eps = float(options.get("eps", 1e-6))
-    seq = grpo_advantages(batch.rewards, batch.group_ids, norm_by_std=norm, eps=eps)
+    check_options(name, options, SEQ_OPTIONS)
+    seq = sequence_advantages(batch, options, default_norm=default_norm)
     return CreditResult(token_advantages=broadcast_seq(seq, batch.response_mask), seq_advantages=seq, weights=None)
 
 

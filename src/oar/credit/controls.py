@@ -1,7 +1,7 @@
 """Controls for token credit: oracle importance from the synthetic task's ground truth, and nulls.
 
 They answer "could token credit win here at all?". Every control but ``oracle_progress`` goes
-through the same Bi-Level reshaping and loss as OAR (:func:`oar.credit.reshape.reshaped_advantages`),
+through the same Bi-Level reshaping and loss as OAR (:func:`oar.credit.reshape.reshaped_credit`),
 so only the importance scores differ from OAR-P / OAR-G:
 
 - ``oracle_first_mistake`` (synthetic task only): in a wrong response whose first arithmetic
@@ -33,6 +33,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from oar.credit import CreditBatch, CreditResult, register_estimator
+from oar.credit.advantages import SEQ_OPTIONS, broadcast_seq, check_options, sequence_advantages
+from oar.credit.reshape import RESHAPE_OPTIONS, reshaped_credit
 
 __all__ = [
     "SyntheticTaskRequired",
@@ -48,7 +50,9 @@ __all__ = [
 ]
 
 _QUESTION_IN_PROMPT = re.compile(r"Compute ([0-9+\-*]+)\.")
-_RESHAPE = ("norm_by_std", "eps", "quantile", "beta", "floor", "preserve_mass")
+
+#: Options of the reshaped oracles: the sequence advantage's and the Bi-Level reshaping's.
+_ORACLE_OPTIONS = SEQ_OPTIONS + RESHAPE_OPTIONS
 
 
 class SyntheticTaskRequired(ValueError):
@@ -161,22 +165,6 @@ def _fillers(batch: CreditBatch) -> list[str]:
     return list(synthetic.get("fillers") or DEFAULT_FILLERS)
 
 
-def _reshaped(name: str, batch: CreditBatch, options: dict[str, Any], allowed: Sequence[str],
-              scores_of: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, float]]],
-              ) -> CreditResult:
-    """Shared tail of the reshaped controls: sequence advantages, the control's scores, Bi-Level
-    reshaping (:func:`oar.credit.reshape.reshaped_advantages`)."""
-    from oar.credit.advantages import check_options
-    from oar.credit.importance import reshape_options, sequence_advantages
-    from oar.credit.reshape import reshaped_advantages
-
-    check_options(name, options, allowed)
-    A = sequence_advantages(batch, options)
-    scores, mask, active, stats = scores_of(A)
-    weights, token_adv = reshaped_advantages(A, scores, mask, active, batch.response_mask, **reshape_options(options))
-    return CreditResult(token_advantages=token_adv, seq_advantages=A, weights=weights, stats=stats)
-
-
 def _oracle_scores(name: str, batch: CreditBatch, which: str, *, wrong_only: bool):
     """``wrong_only``: score only responses below their group's mean (``A_i < 0``), so a mistake that a
     later one cancels in a right answer is not boosted with a positive advantage."""
@@ -205,7 +193,7 @@ def oracle_first_mistake_estimator(batch: CreditBatch, **options: Any) -> Credit
     reached through two mistakes that cancel). Stats: ``parsed_fraction``,
     ``located_fraction``, ``scored_fraction``, ``importance_s``.
     """
-    return _reshaped("oracle_first_mistake", batch, options, _RESHAPE,
+    return reshaped_credit("oracle_first_mistake", batch, options, _ORACLE_OPTIONS,
                      _oracle_scores("oracle_first_mistake", batch, "first_mistake", wrong_only=True))
 
 
@@ -215,7 +203,7 @@ def oracle_decisive_estimator(batch: CreditBatch, **options: Any) -> CreditResul
 
     Options as ``oracle_first_mistake``. Rows scored: parsed responses with ``A_i != 0``.
     """
-    return _reshaped("oracle_decisive", batch, options, _RESHAPE, _oracle_scores("oracle_decisive", batch, "results", wrong_only=False))
+    return reshaped_credit("oracle_decisive", batch, options, _ORACLE_OPTIONS, _oracle_scores("oracle_decisive", batch, "results", wrong_only=False))
 
 
 @register_estimator("oracle_progress")
@@ -228,10 +216,7 @@ def oracle_progress_estimator(batch: CreditBatch, **options: Any) -> CreditResul
 
     Options: ``norm_by_std`` (True), ``eps`` (1e-6), ``alpha`` (1.0).
     """
-    from oar.credit.advantages import broadcast_seq, check_options
-    from oar.credit.importance import sequence_advantages
-
-    check_options("oracle_progress", options, ("norm_by_std", "eps", "alpha"))
+    check_options("oracle_progress", options, SEQ_OPTIONS + ("alpha",))
     t0 = time.perf_counter()
     A = sequence_advantages(batch, options)
     labels = oracle_labels(batch, fillers=_fillers(batch), name="oracle_progress")
@@ -306,7 +291,7 @@ def shuffled_estimator(batch: CreditBatch, **options: Any) -> CreditResult:
     from oar.credit.importance import OAR_G_OPTIONS
 
     gen = _null_generator(batch, options)
-    return _reshaped("shuffled", batch, options, OAR_G_OPTIONS,
+    return reshaped_credit("shuffled", batch, options, OAR_G_OPTIONS,
                      _null_scores(batch, options, lambda s, m: shuffle_scores(s.cpu(), m.cpu(), gen).to(s.device)))
 
 
@@ -316,4 +301,4 @@ def inverted_estimator(batch: CreditBatch, **options: Any) -> CreditResult:
     Bi-Level reshaped. Options: those of ``oar_g``."""
     from oar.credit.importance import OAR_G_OPTIONS
 
-    return _reshaped("inverted", batch, options, OAR_G_OPTIONS, _null_scores(batch, options, invert_scores))
+    return reshaped_credit("inverted", batch, options, OAR_G_OPTIONS, _null_scores(batch, options, invert_scores))

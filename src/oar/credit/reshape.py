@@ -14,10 +14,13 @@ Token advantages are then ``A_i * w_{i,t}``; the weights are positive, so the si
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
-__all__ = ["bilevel_weights", "masked_row_quantile", "reshaped_advantages"]
+__all__ = ["bilevel_weights", "masked_row_quantile", "reshaped_advantages", "RESHAPE_OPTIONS", "reshape_options",
+           "reshaped_credit"]
 
 
 def masked_row_quantile(values: torch.Tensor, mask: torch.Tensor, q: float) -> torch.Tensor:
@@ -137,6 +140,21 @@ def bilevel_weights(
     return torch.where(m, w, 1.0)
 
 
+#: Options of the Bi-Level reshaping, accepted by every estimator that reshapes (OAR, the controls).
+RESHAPE_OPTIONS: tuple[str, ...] = ("quantile", "beta", "floor", "preserve_mass")
+
+
+def reshape_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The :data:`RESHAPE_OPTIONS` of an estimator's options, defaults filled (those of
+    :func:`bilevel_weights`), as keyword arguments of :func:`reshaped_advantages`."""
+    return {
+        "quantile": float(options.get("quantile", 0.25)),
+        "beta": float(options.get("beta", 1.0)),
+        "floor": float(options.get("floor", 0.1)),
+        "preserve_mass": bool(options.get("preserve_mass", True)),
+    }
+
+
 def reshaped_advantages(
     seq_adv: torch.Tensor,
     scores: torch.Tensor,
@@ -169,3 +187,28 @@ def reshaped_advantages(
                         preserve_mass=preserve_mass)
     weights = torch.where(active.to(w.device).unsqueeze(-1), w, torch.ones_like(w)) * m.to(w.dtype)
     return weights, seq_adv.to(weights.dtype).unsqueeze(-1) * weights
+
+
+def reshaped_credit(name: str, batch: Any, options: Mapping[str, Any], allowed: Sequence[str],
+                    scores_of: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, float]]],
+                    ) -> Any:
+    """The estimator every reshaping method shares (OAR-P, OAR-G, the controls): check ``options``
+    against ``allowed``, sequence advantages ``A`` (:func:`oar.credit.advantages.sequence_advantages`),
+    the method's own ``scores_of(A) -> (scores (B, T), score_mask (B, T), active (B,), stats)``, then
+    :func:`reshaped_advantages` with the options' :data:`RESHAPE_OPTIONS`.
+
+    Args:
+        name: the estimator's name (in option errors).
+        batch: the step's :class:`oar.credit.CreditBatch`.
+
+    Returns:
+        a :class:`oar.credit.CreditResult` with the Bi-Level weights and the scores' stats.
+    """
+    from oar.credit import CreditResult
+    from oar.credit.advantages import check_options, sequence_advantages
+
+    check_options(name, options, allowed)
+    A = sequence_advantages(batch, options)
+    scores, mask, active, stats = scores_of(A)
+    weights, token_adv = reshaped_advantages(A, scores, mask, active, batch.response_mask, **reshape_options(options))
+    return CreditResult(token_advantages=token_adv, seq_advantages=A, weights=weights, stats=stats)

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 
 from oar.credit import CreditBatch, CreditResult, register_estimator
+from oar.credit.advantages import SEQ_OPTIONS
+from oar.credit.reshape import RESHAPE_OPTIONS
 from oar.credit.importance._common import MODES, _check_mode, outcome
 from oar.credit.importance.oar_g import BASELINES, draw_noise, gradient_importance, mix_seed, noise_keys
 from oar.credit.importance.oar_p import perturbation_importance
@@ -46,8 +48,6 @@ __all__ = [
     "oar_p_estimator",
     "oar_g_estimator",
     "importance_scores",
-    "reshape_options",
-    "sequence_advantages",
     "OAR_G_OPTIONS",
 ]
 
@@ -56,7 +56,7 @@ __all__ = [
 # estimators
 # --------------------------------------------------------------------------------------------
 
-_COMMON_OPTIONS = ("norm_by_std", "eps", "quantile", "beta", "floor", "preserve_mass", "mode", "conclude")
+_COMMON_OPTIONS = SEQ_OPTIONS + RESHAPE_OPTIONS + ("mode", "conclude")
 
 
 def importance_scores(
@@ -137,43 +137,15 @@ def importance_scores(
     return probe.to_response(scores, T), probe.to_response(probe.reasoning_mask.float(), T), active, stats
 
 
-def reshape_options(options: dict[str, Any]) -> dict[str, Any]:
-    """The Bi-Level options (``quantile``, ``beta``, ``floor``, ``preserve_mass``) of an estimator's
-    options, defaults filled (:func:`oar.credit.reshape.bilevel_weights`)."""
-    return {
-        "quantile": float(options.get("quantile", 0.25)),
-        "beta": float(options.get("beta", 1.0)),
-        "floor": float(options.get("floor", 0.1)),
-        "preserve_mass": bool(options.get("preserve_mass", True)),
-    }
-
-
-def sequence_advantages(batch: CreditBatch, options: dict[str, Any]) -> torch.Tensor:
-    """``(B,)`` GRPO (or, with ``norm_by_std: false``, Dr. GRPO) advantages of the batch."""
-    from oar.credit.advantages import grpo_advantages
-
-    return grpo_advantages(
-        batch.rewards,
-        batch.group_ids,
-        norm_by_std=bool(options.get("norm_by_std", True)),
-        eps=float(options.get("eps", 1e-6)),
-    )
-
-
 #: Options of OAR-G (and of the nulls built on its scores).
 OAR_G_OPTIONS = _COMMON_OPTIONS + ("noise_std", "seed", "chunk_size", "chunk_tokens", "draws", "baseline")
 
 
 def _oar_estimator(name: str, batch: CreditBatch, options: dict[str, Any]) -> CreditResult:
-    from oar.credit.advantages import check_options
-    from oar.credit.reshape import reshaped_advantages
+    from oar.credit.reshape import reshaped_credit
 
-    check_options(name, options, (_COMMON_OPTIONS + ("chunk_size",)) if name == "oar_p" else OAR_G_OPTIONS)
-    A = sequence_advantages(batch, options)
-    scores, reasoning, active, stats = importance_scores(name, batch, options, A)
-    weights, token_adv = reshaped_advantages(A, scores, reasoning, active, batch.response_mask,
-                                             **reshape_options(options))
-    return CreditResult(token_advantages=token_adv, seq_advantages=A, weights=weights, stats=stats)
+    allowed = (_COMMON_OPTIONS + ("chunk_size",)) if name == "oar_p" else OAR_G_OPTIONS
+    return reshaped_credit(name, batch, options, allowed, lambda A: importance_scores(name, batch, options, A))
 
 
 @register_estimator("oar_p", needs_model=True)
