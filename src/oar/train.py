@@ -181,6 +181,7 @@ class StepBatch:
     group_ids: torch.Tensor  # (N,)
     n_gen_batches: int
     kept_fraction: float
+    record_index: torch.Tensor  # (N,) long: the training record (prompt, gold answer) of each row
 
 
 def _seed_everything(seed: int) -> None:
@@ -350,7 +351,9 @@ def _train(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder, s
                 CreditBatch(response_ids=ro.response_ids, response_mask=ro.response_mask, rewards=batch.rewards,
                             group_ids=batch.group_ids, prompt_ids=ro.prompt_ids, prompt_mask=ro.prompt_mask,
                             model=policy, tokenizer=tokenizer,
-                            extras={"old_logprobs": ro.logprobs, "step": step, "seed": seed, "task": config["task"]}),
+                            extras={"old_logprobs": ro.logprobs, "step": step, "seed": seed, "task": config["task"],
+                                    "continuations": _continuations(engine, batch, prompts_all, records, config=config,
+                                                                    recipe=recipe, seed=_step_seed(seed, step, 104729))}),
                 **est_options,
             )
             timings["importance"] = time.perf_counter() - t0
@@ -489,14 +492,15 @@ def _collect_batch(engine: Any, stream: _PromptStream, prompts_all: list[str], r
         group_ids = positions[ro.prompt_index] + (rounds * tcfg["prompts_per_step"])
         gen_total += len(idx)
         rounds += 1
-        sb = StepBatch(ro, rewards, correct, group_ids, rounds, 1.0)
+        rec = torch.tensor(idx, dtype=torch.long)[ro.prompt_index]
+        sb = StepBatch(ro, rewards, correct, group_ids, rounds, 1.0, rec)
         if not recipe["dynamic_sampling"]:
             kept.append(sb)
             break
         keep = dynamic_sampling_keep(rewards, group_ids)
         if keep.any():
             rows = torch.nonzero(keep).squeeze(1)
-            kept.append(StepBatch(ro.select(rows), rewards[rows], correct[rows], group_ids[rows], rounds, 1.0))
+            kept.append(StepBatch(ro.select(rows), rewards[rows], correct[rows], group_ids[rows], rounds, 1.0, rec[rows]))
             n_kept_groups += int(torch.unique(group_ids[rows]).numel())
         if n_kept_groups >= local_prompts or rounds >= max_rounds:
             if not kept:  # nothing mixed at all: train on the last batch (its advantages are zero)
@@ -507,8 +511,26 @@ def _collect_batch(engine: Any, stream: _PromptStream, prompts_all: list[str], r
         first = torch.unique(batch.group_ids)[:local_prompts]
         rows = torch.nonzero(torch.isin(batch.group_ids, first)).squeeze(1)
         batch = StepBatch(batch.rollout.select(rows), batch.rewards[rows], batch.correct[rows],
-                          batch.group_ids[rows], rounds, n_kept_groups / max(1, gen_total))
+                          batch.group_ids[rows], rounds, n_kept_groups / max(1, gen_total), batch.record_index[rows])
     return batch
+
+
+def _continuations(engine: Any, batch: StepBatch, prompts_all: list[str], records: list[dict], *, config: dict,
+                   recipe: dict, seed: int) -> Any:
+    """What an estimator that samples continuations of the responses needs (``mc_value``): the
+    engine, each row's prompt and gold answer, the rollout's reward and sampling settings."""
+    from functools import partial
+
+    from oar.credit.mc_value import ContinuationContext
+    from oar.reward import score_batch
+
+    rcfg, rows = config["rollout"], batch.record_index.tolist()
+    score = partial(score_batch, correct=recipe["correct"], wrong=recipe["wrong"],
+                    timeout_s=config["reward"]["timeout_s"], workers=config["reward"]["workers"])
+    return ContinuationContext(engine=engine, prompts=[prompts_all[i] for i in rows],
+                               golds=[records[i]["answer"] for i in rows], score=score,
+                               temperature=rcfg["temperature"], top_p=rcfg["top_p"],
+                               max_new_tokens=rcfg["max_new_tokens"], seed=seed)
 
 
 def _update_policy(model: Any, optimizer: Any, strategy: Strategy, ro: Rollout, token_adv: torch.Tensor,
@@ -653,6 +675,7 @@ def _merge(parts: list[StepBatch], pad_id: int) -> StepBatch:
         group_ids=torch.cat([p.group_ids for p in parts]),
         n_gen_batches=parts[-1].n_gen_batches,
         kept_fraction=1.0,
+        record_index=torch.cat([p.record_index for p in parts]),
     )
 
 

@@ -109,8 +109,8 @@ def _load_builtin() -> None:
     # Importing the modules registers their estimators.
     from oar.credit import advantages, ktae  # noqa: F401
 
-    try:  # token-importance estimators (OAR-P, OAR-G) and the controls beside them (oracles, nulls)
-        from oar.credit import controls, importance  # noqa: F401
+    try:  # token-importance estimators (OAR-P, OAR-G), the controls beside them (oracles, nulls), mc_value
+        from oar.credit import controls, importance, mc_value  # noqa: F401
     except ImportError:
         pass
 

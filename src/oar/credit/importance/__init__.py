@@ -33,7 +33,7 @@ from oar.credit.advantages import SEQ_OPTIONS
 from oar.credit.reshape import RESHAPE_OPTIONS
 from oar.credit.importance._common import MODES, _check_mode, outcome
 from oar.credit.importance.oar_g import BASELINES, draw_noise, gradient_importance, mix_seed, noise_keys
-from oar.credit.importance.oar_p import perturbation_importance
+from oar.credit.importance.oar_p import perturbation_importance, value_tie_ids
 from oar.credit.probe import DEFAULT_CONCLUDE, build_probe
 
 __all__ = [
@@ -41,6 +41,8 @@ __all__ = [
     "BASELINES",
     "outcome",
     "perturbation_importance",
+    "value_tie_ids",
+    "TIES",
     "gradient_importance",
     "draw_noise",
     "mix_seed",
@@ -57,6 +59,10 @@ __all__ = [
 # --------------------------------------------------------------------------------------------
 
 _COMMON_OPTIONS = SEQ_OPTIONS + RESHAPE_OPTIONS + ("mode", "conclude")
+
+#: OAR-P's perturbation: ``none`` (one token at a time) or ``values`` (copy-aware: a number token
+#: together with the later restatements of the same number, :func:`value_tie_ids`).
+TIES: tuple[str, ...] = ("none", "values")
 
 
 def importance_scores(
@@ -100,8 +106,14 @@ def importance_scores(
     if bool(active.any()):
         sub = probe.select(active)
         if name == "oar_p":
+            tie = options.get("tie", "none")
+            if tie not in TIES:
+                raise ValueError(f"estimator 'oar_p': tie must be one of {list(TIES)}, got {tie!r}")
+            ties = (value_tie_ids(batch.tokenizer, probe, batch.response_ids, rmask).to(probe.input_ids.device)[active]
+                    if tie == "values" else None)
             s = perturbation_importance(
-                batch.model, sub, mode=mode, chunk_size=int(options.get("chunk_size", 128))
+                batch.model, sub, mode=mode, chunk_size=int(options.get("chunk_size", 128)),
+                tie_ids=None if ties is None else ties[:, ties.shape[1] - sub.input_ids.shape[1]:],
             )
         else:
             # per-response noise: base seed from (seed, step), a key per (group, rank in group)
@@ -144,7 +156,7 @@ OAR_G_OPTIONS = _COMMON_OPTIONS + ("noise_std", "seed", "chunk_size", "chunk_tok
 def _oar_estimator(name: str, batch: CreditBatch, options: dict[str, Any]) -> CreditResult:
     from oar.credit.reshape import reshaped_credit
 
-    allowed = (_COMMON_OPTIONS + ("chunk_size",)) if name == "oar_p" else OAR_G_OPTIONS
+    allowed = (_COMMON_OPTIONS + ("chunk_size", "tie")) if name == "oar_p" else OAR_G_OPTIONS
     return reshaped_credit(name, batch, options, allowed, lambda A: importance_scores(name, batch, options, A))
 
 
@@ -154,7 +166,8 @@ def oar_p_estimator(batch: CreditBatch, **options: Any) -> CreditResult:
 
     Options: ``norm_by_std`` (True), ``eps`` (1e-6), ``quantile`` (0.25), ``beta`` (1.0),
     ``floor`` (0.1), ``preserve_mass`` (True), ``mode`` (``last``), ``conclude``
-    (:data:`oar.credit.probe.DEFAULT_CONCLUDE`), ``chunk_size`` (128).
+    (:data:`oar.credit.probe.DEFAULT_CONCLUDE`), ``chunk_size`` (128), ``tie`` (``none``; ``values``:
+    the copy-aware perturbation that masks a number with its later restatements, :data:`TIES`).
 
     Weights are 1 on response tokens of rows without an answer or with ``A_i == 0`` (not
     scored), 0 on padding. In ``answer_joint`` mode the reshaping uses

@@ -17,6 +17,9 @@ prints the query positions run against the ideal ``sum (L - t)``.
 
 from __future__ import annotations
 
+import re
+from typing import Any
+
 import torch
 
 from oar.credit.importance._common import (
@@ -34,7 +37,10 @@ from oar.credit.importance._common import (
 )
 from oar.credit.probe import Probe
 
-__all__ = ["perturbation_importance"]
+__all__ = ["perturbation_importance", "value_tie_ids"]
+
+#: A number as written in a response (its digits; a sign is not part of the value).
+_NUMBER = re.compile(r"\d+")
 
 
 
@@ -46,6 +52,7 @@ def perturbation_importance(
     mask_token_id: int | None = None,
     chunk_size: int = 128,
     naive: bool = False,
+    tie_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """OAR-P: ``I_t = KL(P_orig || P_masked_t)`` (or ``phi_orig - phi_masked_t``) per reasoning token.
 
@@ -64,6 +71,10 @@ def perturbation_importance(
         naive: run each perturbed copy in full instead of reusing the prefix KV cache. The cached
             path needs a plain full-attention ``DynamicCache`` (Llama/Qwen2-like models); for
             other caches it warns and falls back to the naive path.
+        tie_ids: ``(B, L)`` long, probe-aligned, or None. The tied (copy-aware) perturbation: the
+            copy for position ``t`` also masks every later reasoning position ``s > t`` with
+            ``tie_ids[s] == tie_ids[t] != 0`` (e.g. :func:`value_tie_ids`: the later restatements
+            of the value at ``t``), so a restated wrong value cannot keep the answer in place.
 
     Returns:
         ``(B, L)`` float32 scores on the probe's device, 0 where ``probe.reasoning_mask`` is 0.
@@ -81,14 +92,50 @@ def perturbation_importance(
         for g0 in range(0, rows_all.numel(), chunk_size):
             rows = rows_all[g0 : g0 + chunk_size]
             sub = probe.select(rows).to(dev)
-            sc = _oar_p_group(model, sub, mode=mode, mask_id=mask_id, chunk_size=chunk_size, naive=naive)
+            ties = None if tie_ids is None else _select_ties(probe, tie_ids, rows).to(dev)
+            sc = _oar_p_group(model, sub, mode=mode, mask_id=mask_id, chunk_size=chunk_size, naive=naive, ties=ties)
             # the group's probe may have dropped leading pad columns: align on the right
             scores[rows, scores.shape[1] - sc.shape[1] :] = sc.to(scores.device)
     return scores * probe.reasoning_mask
 
 
+def _select_ties(probe: Probe, tie_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``tie_ids`` of ``rows`` with the leading columns :meth:`Probe.select` drops dropped too."""
+    if tie_ids.shape != probe.input_ids.shape:
+        raise ValueError(f"perturbation_importance: tie_ids shape {tuple(tie_ids.shape)} != probe shape "
+                         f"{tuple(probe.input_ids.shape)}")
+    width = probe.select(rows).input_ids.shape[1]
+    return tie_ids.to(probe.input_ids.device)[rows][:, tie_ids.shape[1] - width :]
+
+
+def value_tie_ids(tokenizer: Any, probe: Probe, response_ids: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """``(B, L)`` long probe-aligned tie ids: the tokens of every number written in a response's
+    reasoning share an id with every other occurrence of the same number in that response (ids
+    from 1, per row), 0 elsewhere. With :func:`perturbation_importance`'s ``tie_ids`` the copy
+    that masks a value also masks its later restatements.
+
+    In ``3+4=7, 7*2=14`` the two 7s share an id; 3, 4, 2 and 14 have one each.
+    """
+    from oar.attribution.parsing import token_char_spans
+
+    B, T = response_ids.shape
+    ties = torch.zeros((B, T), dtype=torch.long)
+    for b in range(B):
+        ids = response_ids[b][response_mask[b].bool()].tolist()
+        text, starts, ends = token_char_spans(tokenizer, ids)
+        by_value: dict[str, int] = {}
+        for m in _NUMBER.finditer(text):
+            vid = by_value.setdefault(m.group(0), len(by_value) + 1)
+            hit = (starts < m.end()) & (ends > m.start())
+            ties[b, : len(ids)][torch.from_numpy(hit)] = vid
+    pm = probe.position_map.cpu()
+    out = torch.where(pm >= 0, ties.gather(1, pm.clamp(min=0, max=T - 1)), torch.zeros_like(pm))
+    return (out * probe.reasoning_mask.cpu().long()).to(probe.input_ids.device)
+
+
 def _oar_p_group(
-    model: torch.nn.Module, sub: Probe, *, mode: str, mask_id: int, chunk_size: int, naive: bool
+    model: torch.nn.Module, sub: Probe, *, mode: str, mask_id: int, chunk_size: int, naive: bool,
+    ties: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """OAR-P scores ``(N, L)`` of a probe whose rows all have an answer (on the model device)."""
     N, L = sub.input_ids.shape
@@ -121,6 +168,11 @@ def _oar_p_group(
         n = r.numel()
         ids = sub.input_ids[r].clone()
         ids[torch.arange(n, device=ids.device), t] = mask_id
+        if ties is not None:  # the tied perturbation: the value's later restatements too (all at > t)
+            tc = ties[r]
+            tt = tc[torch.arange(n, device=tc.device), t]
+            later = torch.arange(L, device=tc.device)[None, :] > t[:, None]
+            ids[(tc == tt[:, None]) & (tt[:, None] != 0) & later & sub.reasoning_mask[r]] = mask_id
         am = sub.attention_mask[r]
         k_c = int(sub.answer_length[r].max()) + 1
         t0 = int(t.min()) if kv is not None else 0

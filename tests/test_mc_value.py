@@ -1,0 +1,167 @@
+"""Copy-aware credit: ``mc_value`` (Monte-Carlo step values, VinePPO) and OAR-P's tied perturbation,
+on hand-built responses where a wrong value is restated in the next step."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from oar.credit import get_estimator
+
+from tests.test_controls import _batch
+
+# one group of "Compute 4+3-2." (= 5): a right response and one whose first result (8) is wrong and
+# restated as the next step's operand
+RESPONSES = ["4+3=7, so 7-2=5. \\boxed{5}", "4+3=8, 8-2=6. \\boxed{6}"]
+REWARDS = [1.0, 0.0]
+
+
+class PrefixEngine:
+    """A stand-in policy: from a prefix that wrote an 8 it ends at the wrong answer 6, otherwise at 5.
+
+    Records every call, so a test can check that all prefixes went out in one batched call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[list[str], int]] = []
+
+    def generate(self, prompts, *, n, temperature, top_p, max_new_tokens, greedy=False, seed=None):
+        self.calls.append((list(prompts), n))
+        texts, index = [], []
+        for i, p in enumerate(prompts):
+            head = p.split("\n", 1)[1]  # the response prefix after the prompt "Compute ...\n"
+            for _ in range(n):
+                texts.append(" \\boxed{6}" if "8" in head else " \\boxed{5}")
+                index.append(i)
+        return SimpleNamespace(texts=texts, prompt_index=torch.tensor(index),
+                               response_mask=torch.ones(len(texts), 3, dtype=torch.long))
+
+
+def _context(engine, n_rows):
+    from oar.credit.mc_value import ContinuationContext
+    from oar.reward import score_batch
+
+    return ContinuationContext(engine=engine, prompts=["Compute 4+3-2.\n"] * n_rows, golds=["5"] * n_rows,
+                               score=lambda texts, golds: score_batch(texts, golds, workers=1), max_new_tokens=40)
+
+
+def test_step_boundaries_split_results_from_their_copies():
+    from oar.credit.mc_value import segment_ids, step_boundaries
+
+    b = _batch(RESPONSES, REWARDS)
+    bounds, texts, chars = step_boundaries(b.tokenizer, b.response_ids, b.response_mask)
+    # "4+3=|8, |8-2=|6. |\boxed{6}": the wrong 8 (index 4) and its copy (index 7) in different segments;
+    # the last boundary is where the answer starts
+    assert bounds[1] == [4, 7, 11, 14]
+    assert [texts[1][:c] for c in chars[1]] == ["4+3=", "4+3=8, ", "4+3=8, 8-2=", "4+3=8, 8-2=6. "]
+    seg = segment_ids(bounds, b.response_mask)
+    assert seg[1, :16].tolist() == [0] * 4 + [1] * 3 + [2] * 4 + [3] * 3 + [4] * 2
+    assert (seg[b.response_mask == 0] == -1).all()
+    # the answer is not a step (reasoning_only) unless asked
+    bounds_all, _, _ = step_boundaries(b.tokenizer, b.response_ids, b.response_mask, reasoning_only=False, max_steps=2)
+    assert bounds_all[1] == [4, 7]
+
+
+def test_mc_value_blames_the_first_mistake_not_its_copy():
+    engine = PrefixEngine()
+    batch = _batch(RESPONSES, REWARDS)
+    batch.extras["continuations"] = _context(engine, 2)
+    res = get_estimator("mc_value")(batch, k=2)
+    # every prefix of the batch in one engine call, k continuations each
+    assert len(engine.calls) == 1 and engine.calls[0][1] == 2 and len(engine.calls[0][0]) == 8
+    adv = res.token_advantages[1]
+    std = torch.tensor(REWARDS).std().item()
+    # V: group mean 0.5, then 1 ("4+3=" continues right), then 0 after the 8 is written; reward 0
+    assert adv[:4].tolist() == pytest.approx([0.5 / std] * 4)
+    assert adv[4:7].tolist() == pytest.approx([-1.0 / std] * 3)  # the 8 and its separator
+    assert adv[7:].abs().max().item() == pytest.approx(0.0)  # the copy of the 8 and the rest: no blame
+    # the correct response: only the first segment moves the value (0.5 -> 1)
+    assert res.token_advantages[0].nonzero().flatten().tolist() == [0, 1, 2, 3]
+    assert res.stats["mc_continuations"] == 16 and res.stats["mc_prefixes"] == 8
+    # seq_weight adds GRPO's advantage on every token
+    both = get_estimator("mc_value")(batch, k=1, seq_weight=1.0)
+    m = batch.response_mask.float()
+    grpo = get_estimator("grpo")(batch).token_advantages
+    assert torch.allclose(both.token_advantages - res.token_advantages, grpo * m, atol=1e-5)
+
+
+def test_step_deltas_telescope_to_the_grpo_advantage():
+    """Per segment, the deltas of a response sum to (r - mean) / std: VinePPO redistributes GRPO's credit."""
+    from oar.credit.advantages import grpo_advantages
+    from oar.credit.mc_value import group_stats, segment_ids, step_advantages
+
+    g = torch.Generator().manual_seed(0)
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 0.0])
+    groups = torch.tensor([0, 0, 0, 1, 1, 1])
+    bounds = [[2, 5], [3], [], [1, 2, 3], [4], [2]]
+    mask = torch.ones(6, 8)
+    mean, std = group_stats(rewards, groups)
+    values = torch.zeros(6, 6, dtype=torch.float64)
+    for i, bs in enumerate(bounds):
+        row = [mean[i].item(), *torch.rand(len(bs), generator=g).tolist(), rewards[i].item()]
+        values[i, : len(row)] = torch.tensor(row)
+    seg = segment_ids(bounds, mask)
+    delta = step_advantages(values, seg, mask) / std[:, None]
+    per_segment = [sum(delta[i, bs_start].item() for bs_start in [0, *bounds[i]]) for i in range(6)]
+    assert per_segment == pytest.approx(grpo_advantages(rewards, groups).tolist(), abs=1e-5)
+
+
+def test_mc_value_errors_name_what_is_missing():
+    batch = _batch(RESPONSES, REWARDS)
+    with pytest.raises(ValueError, match="continuations"):
+        get_estimator("mc_value")(batch)
+    batch.extras["continuations"] = _context(PrefixEngine(), 2)
+    with pytest.raises(TypeError, match="unknown option"):
+        get_estimator("mc_value")(batch, K=2)
+    with pytest.raises(ValueError, match="step_split"):
+        get_estimator("mc_value")(batch, step_split="(")
+
+
+def test_value_ties_and_tied_perturbation():
+    from oar.credit.importance import perturbation_importance, value_tie_ids
+    from oar.credit.probe import build_probe
+    from oar.models import build_tiny
+
+    model, _ = build_tiny(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=1)
+    b = _batch(RESPONSES, REWARDS)
+    probe = build_probe(b.tokenizer, b.prompt_ids, b.response_ids, prompt_mask=b.prompt_mask,
+                        response_mask=b.response_mask)
+    ties = value_tie_ids(b.tokenizer, probe, b.response_ids, b.response_mask)
+    t_resp = probe.to_response(ties.float(), b.response_ids.shape[1]).long()
+    # "4+3=8, 8-2=6": the 8 at 4 and its copy at 7 share an id; 4, 3, 2 and 6 have their own
+    row = t_resp[1]
+    assert row[4] == row[7] != 0 and len({int(row[i]) for i in (0, 2, 4, 9, 11)}) == 5
+    plain = perturbation_importance(model, probe, mode="answer_joint")
+    tied = perturbation_importance(model, probe, mode="answer_joint", tie_ids=ties)
+    naive = perturbation_importance(model, probe, mode="answer_joint", tie_ids=ties, naive=True)
+    assert torch.allclose(tied, naive, atol=1e-5)  # the cached prefix stays valid: ties lie after t
+    p_r, t_r = (probe.to_response(x, b.response_ids.shape[1])[1] for x in (plain, tied))
+    assert t_r[4] != pytest.approx(p_r[4].item())  # the 8 is masked together with its copy
+    assert t_r[7] == pytest.approx(p_r[7].item())  # the copy has no later copy: unchanged
+    assert t_r[0] == pytest.approx(p_r[0].item())  # the 4 at 0 is never restated
+
+
+@pytest.mark.parametrize("method", [{"recipe": "grpo", "credit": "mc_value", "k": 2},
+                                    {"recipe": "grpo", "credit": "oar_p", "tie": "values", "mode": "answer_joint"}])
+def test_copy_aware_methods_train(small_config, tmp_path, method):
+    """Both run in the training loop (mc_value: continuations sampled and scored every step); the
+    credit itself is checked on hand-built responses above."""
+    import json
+
+    from oar.models import build_tiny
+    from oar.train import train
+
+    small_config["methods"]["copy_aware"] = method
+    init = tmp_path / "init"
+    model, tok = build_tiny(**small_config["model"]["tiny"], seed=0)
+    model.save_pretrained(init)
+    tok.save_pretrained(init)
+    train(small_config, "copy_aware", 0, tmp_path / "run", init=str(init), progress=False)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "time_step" in r]
+    assert len(steps) == small_config["train"]["steps"]
+    if method["credit"] == "mc_value":
+        assert all(r["credit_mc_continuations"] > 0 and r["credit_mc_tokens"] > 0 for r in steps)
+    else:  # the tied perturbation ran (scores computed for the responses with an answer)
+        assert all("credit_importance_s" in r for r in steps)
