@@ -18,9 +18,14 @@ def test_controls_and_regimes_configs_resolve():
     assert list(resolve_methods(controls)) == controls["only_methods"]
     assert resolve_methods(controls)["oar_g_shuffled"].credit == "shuffled"
     regimes = load_config(ROOT / "config" / "regimes.yaml")
-    assert list(resolve_methods(regimes)) == ["grpo", "oracle_first_mistake", "oracle_decisive", "oar_g", "oar_g_shuffled"]
+    assert list(resolve_methods(regimes)) == ["grpo", "oracle_first_mistake", "oar_g", "mc_value"]
+    assert not regimes["attribution"]["enabled"]  # a cell is a training run only
     cfg = dict(controls, only_methods=["grpo", "nope"])
     with pytest.raises(ConfigError, match=r"only_methods.*nope"):
+        resolve_methods(cfg)
+    # a trained policy to measure must be a run of the config
+    cfg = dict(controls, attribution=dict(controls["attribution"], trained=[{"method": "dapo", "seed": 0}]))
+    with pytest.raises(ConfigError, match=r"attribution.trained\[0\]: dapo seed 0"):
         resolve_methods(cfg)
 
 

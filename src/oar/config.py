@@ -287,11 +287,16 @@ def resolve_methods(config: dict, *, source: str = "<config>") -> dict[str, Reso
     ``methods`` (fails on the first bad one).
 
     Raises:
-        ConfigError: a name of ``only_methods`` is not a key of ``methods``.
+        ConfigError: a name of ``only_methods`` is not a key of ``methods``, or an
+            ``attribution.trained`` entry is not a run of the config.
     """
     methods = config.get("methods") or {}
     names = config.get("only_methods") or list(methods)
     unknown = [n for n in names if n not in methods]
     if unknown:
         raise ConfigError(f"{source}: key only_methods: unknown method(s) {unknown}; defined: {sorted(methods)}")
+    for i, t in enumerate((config.get("attribution") or {}).get("trained") or []):
+        if t["method"] not in names or t["seed"] not in config.get("seeds", []):
+            raise ConfigError(f"{source}: key attribution.trained[{i}]: {t['method']} seed {t['seed']} is not a run of "
+                              f"this config (methods {names}, seeds {config.get('seeds')})")
     return {name: resolve_method(config, name, source=source) for name in names}

@@ -1,5 +1,6 @@
 # Attribution benchmark of the token-credit signals on the starting model (only when
-# attribution.enabled): error localisation, stability, cost, and pivotal-vs-filler fidelity.
+# attribution.enabled): error localisation, stability, cost, and pivotal-vs-filler fidelity; and on
+# the trained policies listed in attribution.trained (rule attribution_trained).
 
 
 rule attribution:
@@ -33,6 +34,35 @@ rule attribution:
         f"{R}/logs/attribution.log",
     benchmark:
         f"{R}/benchmarks/attribution.tsv"
+    threads: res("attribution", "threads")
+    resources:
+        gpu=res("attribution", "gpu"),
+        mem_mb=res("attribution", "mem_mb"),
+        runtime=res("attribution", "runtime"),
+    conda:
+        CONDA_ENV
+    shell:
+        "({params.oar} attribution --config {params.config:q} --model {params.model:q}"
+        " --output {params.out_dir:q}) > {log:q} 2>&1"
+
+
+rule attribution_trained:
+    input:
+        **start_inputs(),
+        summary=f"{R}/{{method}}/seed{{seed}}/train_summary.json",
+    output:
+        md=f"{R}/attribution/{{method}}_seed{{seed}}/attribution.md",
+        localisation=f"{R}/attribution/{{method}}_seed{{seed}}/localisation.csv",
+    params:
+        oar=oar_command,
+        config=CONFIG_FILE,
+        model=lambda wc, input: os.path.join(os.path.dirname(input.summary), "model"),
+        out_dir=lambda wc, output: os.path.dirname(output.md),
+        fingerprint=fingerprint(section("attribution", "model", "task", "sft", "rollout", "reward")),
+    log:
+        f"{R}/logs/attribution/{{method}}_seed{{seed}}.log",
+    benchmark:
+        f"{R}/benchmarks/attribution/{{method}}_seed{{seed}}.tsv"
     threads: res("attribution", "threads")
     resources:
         gpu=res("attribution", "gpu"),

@@ -355,6 +355,8 @@ def final_targets():
     targets = list(REPORT_OUTPUTS.values())
     if ATTRIBUTION:
         targets += [f"{R}/attribution/fidelity.csv", f"{R}/attribution/fidelity.png"]
+        targets += [f"{R}/attribution/{t['method']}_seed{t['seed']}/attribution.md"
+                    for t in config["attribution"]["trained"]]
     return targets
 
 

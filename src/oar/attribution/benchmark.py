@@ -245,6 +245,7 @@ def run_attribution(
     """
     import pandas as pd
 
+    from oar.credit.mc_value import ContinuationContext
     from oar.data.prompts import render_prompt
     from oar.data.synthetic import DEFAULT_FILLERS, generate
     from oar.reward import score_batch
@@ -373,10 +374,14 @@ def run_attribution(
     else:
         tens = batch.tensors(pad_id)
         T = int(tens["response_ids"].shape[1])
+        continuations = ContinuationContext(
+            engine=engine, prompts=[prompts[m.prompt] for m in batch.members],
+            golds=[records[m.prompt]["answer"] for m in batch.members], score=reward_of, temperature=temperature,
+            top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
         scores, seconds, info = compute_signals(
             model, tokenizer, **tens, rows=torch.tensor(rows), signals=specs, conclude=conclude,
             oar_p_chunk_size=oar_p_chunk_size, noise_std=noise_std, ktae_options=ktae_options, seed=seed,
-            repeats=repeats,
+            repeats=repeats, continuations=continuations,
         )
         if not bool(info["has_answer"].all()):
             raise RuntimeError("oar.attribution.run_attribution: the probe found no answer in a response that parsed")
@@ -410,10 +415,11 @@ def run_attribution(
             again, _, _ = compute_signals(
                 model, tokenizer, **tens, rows=torch.tensor(rows), signals=stoch, conclude=conclude,
                 oar_p_chunk_size=oar_p_chunk_size, noise_std=noise_std, ktae_options=ktae_options, seed=seed + 1,
-                warmup=False,
+                warmup=False, continuations=continuations,
             )
+            seed_kind = {"oar_g": "noise seed", "mc_value": "continuation seed"}
             for s in stoch:
-                pairs[s.name] = (scores[s.name], again[s.name], "noise seed" if s.kind == "oar_g" else "random seed")
+                pairs[s.name] = (scores[s.name], again[s.name], seed_kind.get(s.kind, "random seed"))
         ktae = [s for s in specs if s.kind == "ktae"]
         if ktae and n_samples > 1:
             plist = sorted({r.prompt for r in scored})

@@ -7,7 +7,13 @@ and their options (scores are response-aligned ``(n, T)``, larger = more importa
 - ``oar_p``: ``|OAR-P|`` (:func:`oar.credit.importance.perturbation_importance`); options ``mode``
   (``last``), ``chunk_size`` (128), ``conclude``. The KL modes are non-negative already; in mode
   ``answer_joint`` the signed ``phi_orig - phi_masked`` is taken in absolute value (as the
-  ``oar_p`` estimator's reshaping does).
+  ``oar_p`` estimator's reshaping does). ``tie: values``: the copy-aware perturbation (a number
+  masked with its later restatements, :func:`oar.credit.importance.value_tie_ids`).
+- ``mc_value``: the drop in Monte-Carlo value over each step, ``V(before) - V(after)``
+  (:func:`oar.credit.mc_value.mc_step_credit`, the ``mc_value`` estimator's step credit with its
+  sign flipped, so blame ranks first: every token of a step gets its step's score); options ``k``
+  (1), ``step_split`` (``synthetic``), ``max_steps`` (8). Needs ``continuations`` (the engine, each
+  row's prompt and gold answer, the reward); the continuations are seeded with the benchmark's seed.
 - ``oar_g``: OAR-G (:func:`oar.credit.importance.gradient_importance`, which returns
   ``|grad . x|``); options ``mode`` (``answer_mean``), ``noise_std`` (1e-3), ``draws`` (1: rows
   per response, one noise draw or path point each, in one batched pass), ``baseline`` (None;
@@ -46,9 +52,10 @@ __all__ = [
 
 #: Signal kinds and the options each accepts.
 SIGNAL_OPTIONS: dict[str, tuple[str, ...]] = {
-    "oar_p": ("mode", "chunk_size", "conclude"),
+    "oar_p": ("mode", "chunk_size", "conclude", "tie"),
     "oar_g": ("mode", "noise_std", "draws", "baseline", "chunk_size", "conclude"),
     "ktae": ("signed",),
+    "mc_value": ("k", "greedy", "step_split", "max_steps"),
     "random": (),
     "uniform": (),
 }
@@ -66,7 +73,7 @@ class SignalSpec:
     @property
     def stochastic(self) -> bool:
         """True when the scores depend on a seed (OAR-G's noise, the random baseline)."""
-        return self.kind in ("oar_g", "random")
+        return self.kind in ("oar_g", "random") or (self.kind == "mc_value" and not self.options.get("greedy", False))
 
 
 #: Signals known by name (the benchmark's historical set plus ``uniform``).
@@ -164,6 +171,29 @@ def _oar_g_fn(
     return fn
 
 
+def _mc_value_blame(ctx: Any, tokenizer: Any, response_ids: torch.Tensor, response_mask: torch.Tensor,
+                    rewards: torch.Tensor, group_ids: torch.Tensor, rows: torch.Tensor, spec: SignalSpec,
+                    seed: int) -> torch.Tensor:
+    """``(n, T)`` ``V(before) - V(after)`` of each step of the responses ``rows`` (an ``mc_value`` spec)."""
+    from dataclasses import replace
+
+    from oar.credit.mc_value import group_stats, mc_step_credit
+
+    if ctx is None:
+        raise ValueError(f"oar.attribution: signal {spec.name!r} (mc_value) needs continuations (the rollout engine, "
+                         "prompts and gold answers of the responses)")
+    idx = rows.tolist()
+    sub = replace(ctx, prompts=[ctx.prompts[i] for i in idx], golds=[ctx.golds[i] for i in idx], seed=int(seed))
+    mean, std = group_stats(rewards, group_ids)
+    o = spec.options
+    delta, _, _ = mc_step_credit(sub, tokenizer, response_ids[rows], response_mask[rows], rewards[rows],
+                                 group_ids[rows], k=int(o.get("k", 1)), step_split=str(o.get("step_split", "synthetic")),
+                                 max_steps=int(o.get("max_steps", 8)), norm_by_std=False,
+                                 greedy=bool(o.get("greedy", False)),
+                                 group_moments=(mean[rows], std[rows]))
+    return -delta.float().cpu()
+
+
 def compute_signals(
     model: torch.nn.Module,
     tokenizer: Any,
@@ -183,6 +213,7 @@ def compute_signals(
     seed: int = 0,
     warmup: bool = True,
     repeats: int = 1,
+    continuations: Any = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, float], dict[str, Any]]:
     """Score the responses ``rows`` with each signal, aligned with response positions.
 
@@ -207,6 +238,8 @@ def compute_signals(
         warmup: run each OAR signal once on one response before timing (first-call overheads).
         repeats: run each signal's batch call this many times and report the fastest (the scores
             of every repeat are identical, the first is kept).
+        continuations: an :class:`oar.credit.mc_value.ContinuationContext` row-aligned with the
+            ``B`` responses (needed by ``mc_value`` signals only).
 
     Returns:
         ``scores`` (name -> ``(n, T)`` float32 on CPU), ``seconds`` (name -> wall seconds of the
@@ -271,13 +304,22 @@ def compute_signals(
             if spec.kind == "oar_p":
                 mode, cs = o.get("mode", "last"), int(o.get("chunk_size", oar_p_chunk_size))
 
-                def fn(p: Any, mode: str = mode, cs: int = cs) -> torch.Tensor:
-                    return perturbation_importance(model, p, mode=mode, chunk_size=cs).abs()
+                ties = None
+                if o.get("tie", "none") == "values":
+                    from oar.credit.importance import value_tie_ids
+
+                    ties = value_tie_ids(tokenizer, cpu_probe, response_ids[rows], response_mask[rows])
+
+                def fn(p: Any, sel: Any = None, mode: str = mode, cs: int = cs, ties: Any = ties) -> torch.Tensor:
+                    t = None if ties is None else (ties if sel is None else ties[sel])
+                    t = None if t is None else t.to(p.input_ids.device)[:, t.shape[1] - p.input_ids.shape[1]:]
+                    return perturbation_importance(model, p, mode=mode, chunk_size=cs, tie_ids=t).abs()
             else:
                 fn = _oar_g_fn(model, spec, noise_std=noise_std, seed=seed, device=device)
             answered = cpu_probe.has_answer.nonzero().flatten()
             if warmup and answered.numel():
-                fn(dev_probe.select(answered[:1]))
+                one = dev_probe.select(answered[:1])
+                fn(one, answered[:1]) if spec.kind == "oar_p" else fn(one)
             s, seconds[spec.name] = timed(lambda: fn(dev_probe))
             scores[spec.name] = cpu_probe.to_response(s.float().cpu(), T)
             info["n_scored"][spec.name] = n
@@ -294,6 +336,10 @@ def compute_signals(
             seconds[spec.name] = dt
             info["n_scored"][spec.name] = int(response_ids.shape[0])
             note = (note + ", " if note else "") + "per group member"
+        elif spec.kind == "mc_value":
+            scores[spec.name], seconds[spec.name] = timed(lambda: _mc_value_blame(
+                continuations, tokenizer, response_ids, response_mask, rewards, group_ids, rows, spec, seed))
+            info["n_scored"][spec.name] = n
         elif spec.kind == "random":
             scores[spec.name], seconds[spec.name] = timed(
                 lambda: torch.rand((n, T), generator=torch.Generator().manual_seed(int(seed)))

@@ -63,7 +63,7 @@ STEP_SPLITS: dict[str, str] = {
 
 #: Options of the ``mc_value`` estimator.
 MC_VALUE_OPTIONS: tuple[str, ...] = SEQ_OPTIONS + ("k", "step_split", "max_steps", "seq_weight", "alpha",
-                                                   "reasoning_only")
+                                                   "reasoning_only", "greedy")
 
 
 @dataclass
@@ -167,15 +167,19 @@ def group_stats(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.T
 
 
 def continuation_values(ctx: ContinuationContext, texts: Sequence[str], char_starts: Sequence[Sequence[int]],
-                        boundaries: Sequence[Sequence[int]], *, k: int) -> tuple[list[list[float]], dict[str, float]]:
+                        boundaries: Sequence[Sequence[int]], *, k: int, greedy: bool = False,
+                        ) -> tuple[list[list[float]], dict[str, float]]:
     """Monte-Carlo value of every prefix: the mean reward of ``k`` continuations sampled from
-    prompt + ``texts[i][:char_starts[i][j]]``, all prefixes of the batch in one engine call.
+    prompt + ``texts[i][:char_starts[i][j]]``, all prefixes of the batch in one engine call
+    (``greedy``: one greedy continuation each, ``k`` is 1: the value of the policy's mode, not of
+    the policy, biased but without sampling noise).
 
     Returns:
         per row, one value per boundary; and the cost: ``mc_prefixes``, ``mc_continuations``,
         ``mc_tokens`` (continuation tokens sampled), ``mc_seconds``.
     """
     t0 = time.perf_counter()
+    k = 1 if greedy else k
     rows, prefixes, heads = [], [], []
     for i, cs in enumerate(char_starts):
         for c in cs:
@@ -188,7 +192,7 @@ def continuation_values(ctx: ContinuationContext, texts: Sequence[str], char_sta
         shortest = min(min(bs) for bs in boundaries if bs)
         budget = max(1, int(ctx.max_new_tokens) - int(shortest))
         ro = ctx.engine.generate(prefixes, n=k, temperature=ctx.temperature, top_p=ctx.top_p,
-                                 max_new_tokens=budget, seed=ctx.seed)
+                                 max_new_tokens=budget, seed=ctx.seed, greedy=greedy)
         p_idx = ro.prompt_index.tolist()
         full = [heads[p] + ro.texts[j] for j, p in enumerate(p_idx)]
         rewards = ctx.score(full, [ctx.golds[rows[p]] for p in p_idx])
@@ -226,19 +230,22 @@ def step_advantages(values: torch.Tensor, seg: torch.Tensor, response_mask: torc
 def mc_step_credit(ctx: ContinuationContext, tokenizer: Any, response_ids: torch.Tensor, response_mask: torch.Tensor,
                    rewards: torch.Tensor, group_ids: torch.Tensor, *, k: int = 1, step_split: str = "synthetic",
                    max_steps: int = 8, reasoning_only: bool = True, norm_by_std: bool = True,
+                   greedy: bool = False, group_moments: tuple[torch.Tensor, torch.Tensor] | None = None,
                    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """Step deltas of a batch: ``(delta (B, T) float32, values (B, S + 1) float64, cost stats)``.
 
     ``delta`` sums over a response's tokens' segments (one value per segment) to
     ``(r_i - mean_g) / std_g`` with ``norm_by_std`` (``r_i - mean_g`` without, or when the group's
-    rewards are equal); see the module docstring.
+    rewards are equal); see the module docstring. ``group_moments``: each row's group ``(mean,
+    std)`` ``(B,)`` when the batch holds only some members of its groups (default:
+    :func:`group_stats` of ``rewards`` and ``group_ids``).
     """
     if k < 1:
         raise ValueError(f"mc_value: k must be >= 1, got {k}")
     bounds, texts, chars = step_boundaries(tokenizer, response_ids, response_mask, step_split=step_split,
                                            max_steps=max_steps, reasoning_only=reasoning_only)
-    mids, stats = continuation_values(ctx, texts, chars, bounds, k=k)
-    mean, std = group_stats(rewards, group_ids)
+    mids, stats = continuation_values(ctx, texts, chars, bounds, k=k, greedy=greedy)
+    mean, std = group_moments if group_moments is not None else group_stats(rewards, group_ids)
     S = max((len(b) for b in bounds), default=0) + 1
     values = torch.zeros((len(bounds), S + 1), dtype=torch.float64)
     r = rewards.detach().to(torch.float64).cpu()
@@ -260,7 +267,8 @@ def mc_step_credit(ctx: ContinuationContext, tokenizer: Any, response_ids: torch
 def mc_value_estimator(batch: CreditBatch, **options: Any) -> CreditResult:
     """``mc_value``: Monte-Carlo step credit (module docstring), ``seq_weight * A_i + alpha * delta``.
 
-    Options: ``k`` (1, continuations per boundary), ``step_split`` (``synthetic``), ``max_steps`` (8),
+    Options: ``k`` (1, continuations per boundary), ``greedy`` (False: sampled at the rollout's
+    temperature; True: one greedy continuation), ``step_split`` (``synthetic``), ``max_steps`` (8),
     ``reasoning_only`` (True), ``seq_weight`` (0.0), ``alpha`` (1.0), ``norm_by_std`` (True), ``eps``.
     Needs ``batch.tokenizer`` and ``batch.extras["continuations"]`` (a :class:`ContinuationContext`,
     set by the trainer). Stats: the continuation cost (``mc_prefixes``, ``mc_continuations``,
@@ -276,7 +284,7 @@ def mc_value_estimator(batch: CreditBatch, **options: Any) -> CreditResult:
         ctx, batch.tokenizer, batch.response_ids, batch.response_mask, batch.rewards, batch.group_ids,
         k=int(options.get("k", 1)), step_split=str(options.get("step_split", "synthetic")),
         max_steps=int(options.get("max_steps", 8)), reasoning_only=bool(options.get("reasoning_only", True)),
-        norm_by_std=bool(options.get("norm_by_std", True)))
+        norm_by_std=bool(options.get("norm_by_std", True)), greedy=bool(options.get("greedy", False)))
     m = batch.response_mask.to(torch.float32)
     token_adv = (float(options.get("seq_weight", 0.0)) * A.float()[:, None] * m
                  + float(options.get("alpha", 1.0)) * delta.to(m.device) * m)
