@@ -658,7 +658,7 @@ def test_attribution_from_config_end_to_end(tmp_path):
         c = check_steps(p.steps, *question_terms(r["question"]), p.answer)
         assert (c.status, c.mistake_step, c.propagated) == ("mistake", r["mistake_step"], True)
         assert (r["original_text"] != "") == (r["kind"] == "counterfactual")
-    for name in ("localisation.png", "fidelity.png"):
+    for name in ("localisation.png", "fidelity.png", "cost_curve.png"):
         assert (out / name).stat().st_size > 1000
     md = (out / "attribution.md").read_text()
     assert "## Error localisation" in md and "## Stability" in md and "## Cost" in md

@@ -57,7 +57,14 @@ from oar.attribution.parsing import (
     token_char_spans,
     token_labels,
 )
-from oar.attribution.report import format_tables, markdown_table, plot_fidelity, plot_localisation, write_outputs
+from oar.attribution.report import (
+    format_tables,
+    markdown_table,
+    plot_cost_curve,
+    plot_fidelity,
+    plot_localisation,
+    write_outputs,
+)
 from oar.attribution.signals import (
     DEFAULT_SIGNALS,
     SIGNAL_KINDS,
@@ -106,6 +113,7 @@ __all__ = [
     "parse_response",
     "plot_fidelity",
     "plot_localisation",
+    "plot_cost_curve",
     "question_terms",
     "run_attribution",
     "signal_specs",

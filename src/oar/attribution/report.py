@@ -214,10 +214,52 @@ def _write_csv(df: Any, path: Path) -> None:
         df.to_csv(tmp, index=False)
 
 
+def plot_cost_curve(result: Any, path: str | os.PathLike, *, title: str | None = None) -> bool:
+    """Localisation against cost: the top-3 hit of each signal (one panel per kind, one marker style
+    per mistake position: last step / earlier step) against its seconds per response (log scale),
+    each point labelled with the signal's name, so the K curve of ``mc_value`` reads left to right.
+    Written atomically (PNG); returns False (and writes nothing) when the position split is missing."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from oar.io import atomic_path
+
+    by_pos = _by_position(result)
+    if by_pos is None:
+        return False
+    secs = dict(zip(result.cost["signal"], result.cost["seconds_per_response"].astype(float)))
+    cols = [c for c in by_pos.columns if c != "signal"]
+    kinds = list(dict.fromkeys(c.split(" ")[0] for c in cols))
+    fig, axes = plt.subplots(1, len(kinds), figsize=(6.5 * len(kinds), 4.5), squeeze=False, sharey=True)
+    for ax, kind in zip(axes[0], kinds):
+        for col, marker in zip([c for c in cols if c.startswith(kind + " ")], ("o", "s")):
+            xs = [secs.get(s, np.nan) for s in by_pos["signal"]]
+            ys = by_pos[col].to_numpy(dtype=float)
+            ax.scatter(xs, ys, marker=marker, label=col.split(" ", 1)[1])
+            for x_, y_, name in zip(xs, ys, by_pos["signal"]):
+                if np.isfinite(x_) and x_ > 0 and np.isfinite(y_):
+                    ax.annotate(name, (x_, y_), fontsize=6, xytext=(3, 2), textcoords="offset points")
+        ax.set_xscale("log")
+        ax.set_xlabel("seconds per response (one process)")
+        ax.set_title(kind)
+        ax.set_ylim(-0.02, 1.05)
+        ax.legend(fontsize=7, frameon=False)
+    axes[0][0].set_ylabel("top-3 hit (mistake among the top 3 reasoning tokens)")
+    fig.suptitle(title or "Localisation against cost, by where the mistake sits")
+    fig.tight_layout()
+    with atomic_path(path, suffix=".png") as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+    return True
+
+
 def write_outputs(result: Any, out: str | os.PathLike) -> None:
     """Write ``localisation.csv``, ``stability.csv``, ``cost.csv``, ``fidelity.csv``,
-    ``per_response.csv``, ``attribution.md``, ``localisation.png``, ``fidelity.png`` and
-    ``summary.json`` into ``out`` (created), each atomically."""
+    ``per_response.csv``, ``attribution.md``, ``localisation.png``, ``fidelity.png``,
+    ``cost_curve.png`` (:func:`plot_cost_curve`) and ``summary.json`` into ``out`` (created), each
+    atomically."""
     from oar.io import atomic_write_json, atomic_write_text
 
     out = Path(out)
@@ -227,4 +269,5 @@ def write_outputs(result: Any, out: str | os.PathLike) -> None:
     atomic_write_text(out / "attribution.md", _markdown(result))
     plot_localisation(result, out / "localisation.png")
     plot_fidelity(result.fidelity, out / "fidelity.png")
+    plot_cost_curve(result, out / "cost_curve.png")
     atomic_write_json(out / "summary.json", result.summary)
