@@ -68,8 +68,9 @@ def test_mc_value_blames_the_first_mistake_not_its_copy():
     batch = _batch(RESPONSES, REWARDS)
     batch.extras["continuations"] = _context(engine, 2)
     res = get_estimator("mc_value")(batch, k=2)
-    # every prefix of the batch in one engine call, k continuations each
-    assert len(engine.calls) == 1 and engine.calls[0][1] == 2 and len(engine.calls[0][0]) == 8
+    # every prefix of the batch in one engine call, k continuations each; "4+3=" is shared by both rows:
+    # one state, continued once
+    assert len(engine.calls) == 1 and engine.calls[0][1] == 2 and len(engine.calls[0][0]) == 7
     adv = res.token_advantages[1]
     std = torch.tensor(REWARDS).std().item()
     # V: group mean 0.5, then 1 ("4+3=" continues right), then 0 after the 8 is written; reward 0
@@ -78,7 +79,7 @@ def test_mc_value_blames_the_first_mistake_not_its_copy():
     assert adv[7:].abs().max().item() == pytest.approx(0.0)  # the copy of the 8 and the rest: no blame
     # the correct response: only the first segment moves the value (0.5 -> 1)
     assert res.token_advantages[0].nonzero().flatten().tolist() == [0, 1, 2, 3]
-    assert res.stats["mc_continuations"] == 16 and res.stats["mc_prefixes"] == 8
+    assert res.stats["mc_prefixes"] == 8 and res.stats["mc_states"] == 7 and res.stats["mc_continuations"] == 14
     # seq_weight adds GRPO's advantage on every token
     both = get_estimator("mc_value")(batch, k=1, seq_weight=1.0)
     m = batch.response_mask.float()

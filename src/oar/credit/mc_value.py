@@ -174,33 +174,41 @@ def continuation_values(ctx: ContinuationContext, texts: Sequence[str], char_sta
     (``greedy``: one greedy continuation each, ``k`` is 1: the value of the policy's mode, not of
     the policy, biased but without sampling noise).
 
+    Identical prefixes (the responses of a group often share their first steps) are one state and
+    are continued once: their value is one estimate from ``k`` continuations.
+
     Returns:
-        per row, one value per boundary; and the cost: ``mc_prefixes``, ``mc_continuations``,
-        ``mc_tokens`` (continuation tokens sampled), ``mc_seconds``.
+        per row, one value per boundary; and the cost: ``mc_prefixes`` (boundaries),
+        ``mc_states`` (distinct prefixes continued), ``mc_continuations``, ``mc_tokens``
+        (continuation tokens sampled), ``mc_seconds``.
     """
     t0 = time.perf_counter()
     k = 1 if greedy else k
-    rows, prefixes, heads = [], [], []
+    state_of: dict[tuple[str, str], int] = {}  # (prompt + prefix, gold) -> state index
+    states: list[tuple[str, str, str]] = []  # (engine prompt, response prefix, gold)
+    where: list[tuple[int, int]] = []  # (row, state) of every boundary, in row order
     for i, cs in enumerate(char_starts):
         for c in cs:
-            rows.append(i)
-            heads.append(texts[i][:c])
-            prefixes.append(ctx.prompts[i] + texts[i][:c])
+            key = (ctx.prompts[i] + texts[i][:c], str(ctx.golds[i]))
+            if key not in state_of:
+                state_of[key] = len(states)
+                states.append((key[0], texts[i][:c], key[1]))
+            where.append((i, state_of[key]))
     values: list[list[float]] = [[] for _ in char_starts]
-    stats = {"mc_prefixes": float(len(prefixes)), "mc_continuations": float(len(prefixes) * k), "mc_tokens": 0.0}
-    if prefixes:
+    stats = {"mc_prefixes": float(len(where)), "mc_states": float(len(states)),
+             "mc_continuations": float(len(states) * k), "mc_tokens": 0.0}
+    if states:
         shortest = min(min(bs) for bs in boundaries if bs)
         budget = max(1, int(ctx.max_new_tokens) - int(shortest))
-        ro = ctx.engine.generate(prefixes, n=k, temperature=ctx.temperature, top_p=ctx.top_p,
+        ro = ctx.engine.generate([s[0] for s in states], n=k, temperature=ctx.temperature, top_p=ctx.top_p,
                                  max_new_tokens=budget, seed=ctx.seed, greedy=greedy)
         p_idx = ro.prompt_index.tolist()
-        full = [heads[p] + ro.texts[j] for j, p in enumerate(p_idx)]
-        rewards = ctx.score(full, [ctx.golds[rows[p]] for p in p_idx])
-        total = [0.0] * len(prefixes)
+        rewards = ctx.score([states[p][1] + ro.texts[j] for j, p in enumerate(p_idx)], [states[p][2] for p in p_idx])
+        total = [0.0] * len(states)
         for j, p in enumerate(p_idx):
             total[p] += float(rewards[j])
-        for p, i in enumerate(rows):
-            values[i].append(total[p] / k)
+        for i, st in where:
+            values[i].append(total[st] / k)
         stats["mc_tokens"] = float(ro.response_mask.sum())
     stats["mc_seconds"] = time.perf_counter() - t0
     return values, stats
@@ -271,8 +279,8 @@ def mc_value_estimator(batch: CreditBatch, **options: Any) -> CreditResult:
     temperature; True: one greedy continuation), ``step_split`` (``synthetic``), ``max_steps`` (8),
     ``reasoning_only`` (True), ``seq_weight`` (0.0), ``alpha`` (1.0), ``norm_by_std`` (True), ``eps``.
     Needs ``batch.tokenizer`` and ``batch.extras["continuations"]`` (a :class:`ContinuationContext`,
-    set by the trainer). Stats: the continuation cost (``mc_prefixes``, ``mc_continuations``,
-    ``mc_tokens``, ``mc_seconds``) and ``mc_steps_per_response``.
+    set by the trainer). Stats: the continuation cost (``mc_prefixes``, ``mc_states``,
+    ``mc_continuations``, ``mc_tokens``, ``mc_seconds``) and ``mc_steps_per_response``.
     """
     check_options("mc_value", options, MC_VALUE_OPTIONS)
     ctx = batch.extras.get("continuations")
