@@ -18,7 +18,7 @@ def test_controls_and_regimes_configs_resolve():
     assert list(resolve_methods(controls)) == controls["only_methods"]
     assert resolve_methods(controls)["oar_g_shuffled"].credit == "shuffled"
     regimes = load_config(ROOT / "config" / "regimes.yaml")
-    assert list(resolve_methods(regimes)) == ["grpo", "oracle_first_mistake", "oar_g", "mc_value"]
+    assert list(resolve_methods(regimes)) == ["grpo", "oracle_first_mistake", "oar_g"]
     assert not regimes["attribution"]["enabled"]  # a cell is a training run only
     cfg = dict(controls, only_methods=["grpo", "nope"])
     with pytest.raises(ConfigError, match=r"only_methods.*nope"):
