@@ -109,22 +109,11 @@ class AttributionResult:
 
 
 def _pad(prompts: Sequence[list[int]], responses: Sequence[list[int]], pad_id: int) -> tuple[torch.Tensor, ...]:
-    """Left-padded prompts and right-padded responses: ``(B, P)`` ids and mask, ``(B, T)`` ids and mask."""
-    B = len(prompts)
-    P = max((len(p) for p in prompts), default=1)
-    T = max((len(r) for r in responses), default=1)
-    p_ids = torch.full((B, P), pad_id, dtype=torch.long)
-    p_mask = torch.zeros((B, P), dtype=torch.long)
-    r_ids = torch.full((B, T), pad_id, dtype=torch.long)
-    r_mask = torch.zeros((B, T), dtype=torch.long)
-    for b, (p, r) in enumerate(zip(prompts, responses)):
-        if p:
-            p_ids[b, P - len(p) :] = torch.tensor(p)
-            p_mask[b, P - len(p) :] = 1
-        if r:
-            r_ids[b, : len(r)] = torch.tensor(r)
-            r_mask[b, : len(r)] = 1
-    return p_ids, p_mask, r_ids, r_mask
+    """Left-padded prompts and right-padded responses: ``(B, P)`` ids and mask, ``(B, T)`` ids and mask
+    (:func:`oar.rollout.base.pad_batch`, the rollout's layout)."""
+    from oar.rollout.base import pad_batch
+
+    return pad_batch(prompts, responses, pad_id)
 
 
 class _Batch:
