@@ -95,7 +95,7 @@ def regime_table(config: Mapping[str, Any], results: str | Path | None = None, *
 
 def regime_markdown(df: "pd.DataFrame", *, reference_label: str = "GRPO") -> str:  # noqa: F821
     """The regime table as markdown: one row per (cell, method)."""
-    from oar.report_format import _fmt_diff
+    from oar.report.render import _fmt_diff
 
     lines = [f"| cell | length | group | method | seeds | difference from {reference_label} [95% CI over seeds] "
              "| seed-level MDE | credit efficiency |", "|---|---:|---:|---|---:|---:|---:|---:|"]
