@@ -21,6 +21,7 @@ __all__ = [
     "ConfigError",
     "schema",
     "schema_path",
+    "section_defaults",
     "load_config",
     "resolve_extends",
     "validate_config",
@@ -68,6 +69,24 @@ def _extend_with_default(validator_class: type) -> type:
 
 
 _DefaultFilling = _extend_with_default(jsonschema.Draft202012Validator)
+
+
+def section_defaults(section: str) -> dict:
+    """The defaults the schema gives the top-level ``section`` (e.g. ``report``): what a config that
+    leaves the section out gets. For library code that also accepts unvalidated dicts, so that the
+    schema stays the one place a default is written.
+
+    Raises:
+        KeyError: naming an unknown section.
+    """
+    sub = schema()["properties"].get(section)
+    if sub is None:
+        raise KeyError(f"oar.config.section_defaults: the schema has no section {section!r}")
+    out: dict = {}
+    for _ in range(2):  # nested defaults appear once their parent exists
+        for _err in _DefaultFilling({**sub, "$defs": schema().get("$defs", {})}).iter_errors(out):
+            pass
+    return out
 
 
 def _key_path(err: jsonschema.ValidationError) -> str:

@@ -419,7 +419,7 @@ def _settings(config: dict, world: int, shape: ModelShape) -> dict[str, Any]:
     if config.get("methods"):
         from oar.config import resolve_methods
 
-        methods_kl = sorted(name for name, meth in resolve_methods(config).items() if meth.recipe.get("kl_coef", 0) > 0)
+        methods_kl = sorted(name for name, meth in resolve_methods(config).items() if meth.recipe["kl_coef"] > 0)
     vllm = dict(VLLM_DEFAULTS, **r["vllm"])
     return {
         "world": world, "strategy": strategy, "fsdp": fsdp, "model_dtype": model_dtype, "model_b": model_b,

@@ -10,6 +10,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from oar.config import section_defaults
+
 __all__ = ["BASE_ROW", "METRICS", "REPORT_DEFAULTS", "ReportError", "RunScores"]
 
 #: Name of the row of the starting model.
@@ -17,8 +19,8 @@ BASE_ROW = "base"
 #: Per-problem scores a table can show (see the module docstring).
 METRICS = ("pass@1", "avg@k", "pass@k")
 #: Defaults of the config's ``report`` section (the schema fills them in a validated config).
-REPORT_DEFAULTS = {"reference": "grpo", "confidence": 0.95, "power": 0.8, "threshold": None, "band": "minmax",
-                   "target_mde": 2.0}
+#: The schema's defaults of the ``report`` section (for configs that are not validated).
+REPORT_DEFAULTS = section_defaults("report")
 
 
 class ReportError(FileNotFoundError):
