@@ -35,7 +35,7 @@ import pytest
 import yaml
 from packaging.requirements import Requirement
 
-from conftest import ROOT
+from helpers import ROOT
 from test_workflow import OAR_ENV, SNAKEFILE, _config, shell_commands, snakemake
 
 ENVS = ROOT / "workflow" / "envs"

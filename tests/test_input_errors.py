@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT, small_overrides
+from helpers import ROOT, small_overrides
 
 CONFIG = ROOT / "config" / "config.yaml"
 
