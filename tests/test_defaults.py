@@ -88,3 +88,17 @@ def test_the_default_config_leaves_the_signal_list_to_the_schema():
 
     raw = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
     assert "signals" not in raw["attribution"]
+
+
+def test_package_map_matches_the_folders():
+    """oar/__init__.py lists every subpackage and top-level module (and nothing that is gone)."""
+    import re
+
+    import oar
+
+    src = ROOT / "src" / "oar"
+    present = {p.stem for p in src.glob("*.py") if p.stem != "__init__"} | {
+        p.name for p in src.iterdir() if p.is_dir() and (p / "__init__.py").exists() or p.name == "schemas"}
+    present.discard("__pycache__")
+    listed = set(re.findall(r":mod:`oar\.(\w+)`", oar.__doc__))
+    assert listed == present, f"missing: {sorted(present - listed)}, stale: {sorted(listed - present)}"

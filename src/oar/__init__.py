@@ -15,7 +15,8 @@ Subpackages and modules:
 - :mod:`oar.loss` -- PPO-clip policy loss, aggregation modes and the k3 KL estimator.
 - :mod:`oar.packing` -- micro-batch layouts of the policy update and their response log-probs.
 - :mod:`oar.strategy` -- how the policy is spread over processes and its training precision.
-- :mod:`oar.plan` -- the memory plan of a config (``oar plan``).
+- :mod:`oar.plan` -- the memory plan of a config (``oar plan``) and the training job's layout.
+- :mod:`oar.launch` -- how the workflow sizes and starts its jobs (resources, torchrun / srun, conda env).
 - :mod:`oar.models` -- policy loading (local dir, hub id, GGUF) and the tiny model factory.
 - :mod:`oar.sft` -- warm-start supervised fine-tuning on reference solutions.
 - :mod:`oar.reward` -- answer checking with math-verify in a pool of worker processes.
@@ -26,7 +27,8 @@ Subpackages and modules:
 - :mod:`oar.regimes` -- the regime map (``config/regimes.yaml``).
 - :mod:`oar.stats` -- the reports' statistics: seed-level intervals and power, problem-level bootstrap.
 - :mod:`oar.report_format` -- the old import name of :mod:`oar.report.render`.
-- :mod:`oar.config` -- loading, validating and resolving a YAML config.
+- :mod:`oar.config` -- loading, validating and resolving a YAML config (also the workflow's: defaults,
+  ``extends``, typed ``--config`` overrides).
 - :mod:`oar.runs` -- a training run's output folder (contents, ownership, resume).
 - :mod:`oar.tracking` -- experiment tracking: MLflow plus ``metrics.jsonl``.
 - :mod:`oar.io` -- atomic, resumable file output.
