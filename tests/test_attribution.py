@@ -594,6 +594,7 @@ E2E_SFT_STEPS = 1000
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_attribution_from_config_end_to_end(tmp_path):
     """A tiny model fine-tuned briefly on 1-digit problems makes arithmetic mistakes and solves
     some problems: the benchmark finds both kinds of responses, scores them with every signal and

@@ -10,6 +10,8 @@ import torch
 
 from oar.credit import CreditBatch, estimator_needs_model, get_estimator
 
+from helpers import credit_batch
+
 ROOT = Path(__file__).resolve().parents[1]
 TASK = {"kind": "synthetic", "synthetic": {"fillers": ["so", "ok", "well"]}}
 # one group of the question 4+3-2 = 5; the tiny tokenizer has one token per character
@@ -23,23 +25,7 @@ REWARDS = [1.0, 0.0, 0.0, 0.0]
 
 
 def _batch(responses=RESPONSES, rewards=REWARDS, prompts=None, task=TASK, model=None) -> CreditBatch:
-    from oar.models import build_tiny_tokenizer
-
-    tok = build_tiny_tokenizer()
-    prompts = prompts or ["Compute 4+3-2.\n"] * len(responses)
-    pid = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
-    rid = [tok(r, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for r in responses]
-    B, P, T = len(responses), max(map(len, pid)), max(map(len, rid)) + 2
-    p_ids, p_mask = torch.full((B, P), tok.pad_token_id), torch.zeros((B, P), dtype=torch.long)
-    r_ids, r_mask = torch.full((B, T), tok.pad_token_id), torch.zeros((B, T), dtype=torch.long)
-    for b in range(B):
-        p_ids[b, P - len(pid[b]):] = torch.tensor(pid[b])
-        p_mask[b, P - len(pid[b]):] = 1
-        r_ids[b, : len(rid[b])] = torch.tensor(rid[b])
-        r_mask[b, : len(rid[b])] = 1
-    return CreditBatch(response_ids=r_ids, response_mask=r_mask, rewards=torch.tensor(rewards),
-                       group_ids=torch.zeros(B, dtype=torch.long), prompt_ids=p_ids, prompt_mask=p_mask,
-                       model=model, tokenizer=tok, extras={"task": task, "seed": 3, "step": 1})
+    return credit_batch(responses, rewards, prompts=prompts, task=task, model=model)
 
 
 def _top(row: torch.Tensor) -> list[int]:

@@ -19,7 +19,6 @@
 
 from __future__ import annotations
 
-import ast
 import importlib.util
 import json
 import os
@@ -36,7 +35,7 @@ import pytest
 import yaml
 from packaging.requirements import Requirement
 
-from conftest import ROOT
+from helpers import ROOT
 from test_workflow import OAR_ENV, SNAKEFILE, _config, shell_commands, snakemake
 
 ENVS = ROOT / "workflow" / "envs"
@@ -184,9 +183,10 @@ def _rule_blocks() -> dict[str, str]:
 
 
 def _conda_envs_table() -> dict[str, str]:
-    """CONDA_ENVS of workflow/rules/common.smk (env name -> path relative to workflow/rules/)."""
-    m = re.search(r"^CONDA_ENVS = (\{.*?\})$", (RULES / "common.smk").read_text(), re.M)
-    return ast.literal_eval(m.group(1))
+    """oar.launch.CONDA_ENVS (env name -> path relative to workflow/rules/), what common.smk's CONDA_ENV picks from."""
+    from oar.launch import CONDA_ENVS
+
+    return dict(CONDA_ENVS)
 
 
 def test_every_rule_names_an_env_that_exists():

@@ -9,7 +9,7 @@ import pytest
 from oar.config import load_config
 from oar.evaluate import evaluate_from_config, load_eval_benchmarks
 
-from conftest import ROOT, small_overrides
+from helpers import ROOT, small_overrides
 
 
 def test_synthetic_benchmarks_are_fixed_by_task_seed(tmp_path):

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT
+from helpers import ROOT
 
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 #: Dependencies of the project that a stock CUDA image (torch, transformers, accelerate) lacks; the

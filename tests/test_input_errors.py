@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT, small_overrides
+from helpers import ROOT, small_overrides
 
 CONFIG = ROOT / "config" / "config.yaml"
 
@@ -172,6 +172,7 @@ def test_snakemake_nested_config_override_resolves_to_typed_values(tmp_path):
     snakefile = tmp_path / "Snakefile"
     snakefile.write_text(
         f'include: "{ROOT / "workflow" / "rules" / "common.smk"}"\n'
+        "import json\n"
         'print("RESOLVED " + json.dumps({"train": config["train"], "seeds": config["seeds"], '
         '"template": config["task"]["template"], "results_dir": config["results_dir"]}))\n'
         "rule all:\n    input: []\n"
@@ -192,17 +193,9 @@ def test_snakemake_nested_config_override_resolves_to_typed_values(tmp_path):
 
 
 def test_typed_override_helper():
-    """common.smk's typed_override, on the values Snakemake's BaseLoader leaves as strings."""
-    import re
+    """oar.config.typed_override (the workflow's --config values), on the values Snakemake's BaseLoader leaves as strings."""
+    from oar.config import typed_override as typed
 
-    import yaml as _yaml
-
-    source = (ROOT / "workflow" / "rules" / "common.smk").read_text()
-    start = source.index("_YAML12_EXP_FLOAT =")
-    end = source.index("# only mapping and list values")
-    ns = {"re": re, "yaml": _yaml}
-    exec(source[start:end], ns)
-    typed = ns["typed_override"]
     raw = {"a": "0.001", "b": "1e-3", "c": "30", "d": "true", "e": "null", "f": ["1", "x"], "g": "results/x",
            "h": "2024-01-01", "i": "", "j": {"k": "-2"}}
     assert typed(raw) == {"a": 0.001, "b": 0.001, "c": 30, "d": True, "e": None, "f": [1, "x"], "g": "results/x",

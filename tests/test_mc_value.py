@@ -10,7 +10,7 @@ import torch
 
 from oar.credit import get_estimator
 
-from tests.test_controls import _batch
+from helpers import credit_batch as _batch
 
 # one group of "Compute 4+3-2." (= 5): a right response and one whose first result (8) is wrong and
 # restated as the next step's operand

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT
+from helpers import ROOT
 from oar.config import load_config
 from oar.plan import (GiB, KNOWN_MODELS, LOGITS_COPIES, ModelShape, PlanError, engine_memory, format_plan,
                       layer_activation_bytes, model_shape, plan, training_memory, training_terms, world_size)

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT
+from helpers import ROOT
 
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 SNAKEFILE = ROOT / "workflow" / "Snakefile"
@@ -576,6 +576,7 @@ def _missing_subcommands() -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_smoke_dag_end_to_end(tmp_path):
     """The whole smoke DAG on 2 cores in a temporary folder; the HTML report; a rerun has nothing
     to do; changing an evaluation setting reruns only the evaluations and the report."""

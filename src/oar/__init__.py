@@ -2,11 +2,37 @@
 
 Subpackages and modules:
 
-- :mod:`oar.credit` -- advantage estimators (GRPO, Dr. GRPO, KTAE, OAR-P, OAR-G), registered by name.
+- :mod:`oar.credit` -- token credit: advantage estimators (GRPO, Dr. GRPO, KTAE, OAR-P, OAR-G, mc_value,
+  the controls), registered by name.
+- :mod:`oar.rollout` -- rollout engines (``base``: the :class:`~oar.rollout.Rollout` batch and padding;
+  ``lean``, ``hf``, ``vllm``) and :func:`~oar.rollout.make_engine`.
+- :mod:`oar.attribution` -- the attribution benchmark (``oar attribution``): does a credit signal blame the mistake.
+- :mod:`oar.report` -- the comparison tables and figures of a results tree (``oar report``).
+- :mod:`oar.data` -- the synthetic arithmetic task, real benchmark loaders, prompt templates and the
+  data manifest (``oar data``).
+- :mod:`oar.schemas` -- the config's JSON schema (YAML).
+- :mod:`oar.train` -- the RL training loop shared by every method (``oar train``).
 - :mod:`oar.loss` -- PPO-clip policy loss, aggregation modes and the k3 KL estimator.
-- :mod:`oar.data` -- the synthetic arithmetic task, real benchmark loaders and prompt templates.
-- :mod:`oar.reward` -- answer checking with math-verify in a pool of worker processes.
+- :mod:`oar.packing` -- micro-batch layouts of the policy update and their response log-probs.
+- :mod:`oar.strategy` -- how the policy is spread over processes and its training precision.
+- :mod:`oar.plan` -- the memory plan of a config (``oar plan``) and the training job's layout.
+- :mod:`oar.launch` -- how the workflow sizes and starts its jobs (resources, torchrun / srun, conda env).
 - :mod:`oar.models` -- policy loading (local dir, hub id, GGUF) and the tiny model factory.
+- :mod:`oar.sft` -- warm-start supervised fine-tuning on reference solutions.
+- :mod:`oar.reward` -- answer checking with math-verify in a pool of worker processes.
+- :mod:`oar.answer` -- locating final answers in model outputs and reference solutions.
+- :mod:`oar.evaluate` -- evaluation of a checkpoint on benchmarks (``oar evaluate``).
+- :mod:`oar.heldout` -- the held-out evaluation during training.
+- :mod:`oar.learning_curves` -- held-out learning curves and steps to a threshold.
+- :mod:`oar.regimes` -- the regime map (``config/regimes.yaml``).
+- :mod:`oar.stats` -- the reports' statistics: seed-level intervals and power, problem-level bootstrap.
+- :mod:`oar.report_format` -- the old import name of :mod:`oar.report.render`.
+- :mod:`oar.config` -- loading, validating and resolving a YAML config (also the workflow's: defaults,
+  ``extends``, typed ``--config`` overrides).
+- :mod:`oar.runs` -- a training run's output folder (contents, ownership, resume).
+- :mod:`oar.tracking` -- experiment tracking: MLflow plus ``metrics.jsonl``.
+- :mod:`oar.io` -- atomic, resumable file output.
+- :mod:`oar.cli` -- the command line (``oar <command>``).
 """
 
 __version__ = "0.1.0"

@@ -69,7 +69,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 
 def _cmd_data(args: argparse.Namespace) -> int:
     from oar.config import load_config
-    from oar.report import write_data_manifest
+    from oar.data.manifest import write_data_manifest
 
     manifest = write_data_manifest(load_config(args.config), args.output)
     print(json.dumps(manifest, indent=2, default=str))

@@ -8,11 +8,12 @@ single place where defaults live. Snakemake's ``validate`` reads the same file.
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 import jsonschema
 import yaml
@@ -21,8 +22,12 @@ __all__ = [
     "ConfigError",
     "schema",
     "schema_path",
+    "section_defaults",
     "load_config",
     "resolve_extends",
+    "typed_override",
+    "workflow_config",
+    "write_resolved",
     "validate_config",
     "ResolvedMethod",
     "resolve_method",
@@ -68,6 +73,24 @@ def _extend_with_default(validator_class: type) -> type:
 
 
 _DefaultFilling = _extend_with_default(jsonschema.Draft202012Validator)
+
+
+def section_defaults(section: str) -> dict:
+    """The defaults the schema gives the top-level ``section`` (e.g. ``report``): what a config that
+    leaves the section out gets. For library code that also accepts unvalidated dicts, so that the
+    schema stays the one place a default is written.
+
+    Raises:
+        KeyError: naming an unknown section.
+    """
+    sub = schema()["properties"].get(section)
+    if sub is None:
+        raise KeyError(f"oar.config.section_defaults: the schema has no section {section!r}")
+    out: dict = {}
+    for _ in range(2):  # nested defaults appear once their parent exists
+        for _err in _DefaultFilling({**sub, "$defs": schema().get("$defs", {})}).iter_errors(out):
+            pass
+    return out
 
 
 def _key_path(err: jsonschema.ValidationError) -> str:
@@ -159,6 +182,63 @@ def resolve_extends(config: dict, path: str | Path, _seen: tuple[Path, ...] = ()
         raise ConfigError(f"{path}: key extends: no such config file {base_path}")
     base = resolve_extends(_read_yaml(base_path, f" (extended by {path})"), base_path, (*_seen, path.resolve()))
     return deep_merge(base, top)
+
+
+#: A YAML 1.2 float without a dot (1e-3), which YAML 1.1 (PyYAML) reads as a string.
+_YAML12_EXP_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
+def typed_override(value: Any) -> Any:
+    """A Snakemake ``--config`` value with the scalars inside its mappings and lists given their YAML types.
+
+    Snakemake parses a --config value that is a mapping or a list with YAML's BaseLoader, which
+    leaves every scalar in it a string (``'train={"lr": 0.001}'`` gives ``{"lr": "0.001"}``), while a
+    top-level value such as ``steps=30`` is typed. Nested scalars become int, float, bool or null as
+    in a config file (plus 1e-3 without a dot, a float in YAML 1.2); anything else (text, paths,
+    dates) stays the string it was.
+    """
+    if isinstance(value, dict):
+        return {k: typed_override(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [typed_override(v) for v in value]
+    if not isinstance(value, str) or not value.strip():
+        return value
+    if _YAML12_EXP_FLOAT.fullmatch(value.strip()):
+        return float(value)
+    try:
+        typed = yaml.safe_load(value)
+    except yaml.YAMLError:
+        return value
+    return typed if typed is None or isinstance(typed, (bool, int, float)) else value
+
+
+def workflow_config(given: dict, *, configfiles: Sequence[str | Path], default_configfile: str | Path,
+                    cli_config: Mapping[str, Any]) -> tuple[dict, str]:
+    """The config the workflow runs, before validation, and the name of its source.
+
+    ``given`` is Snakemake's ``config``. Without ``--configfile`` it is merged onto the embedded
+    default ``default_configfile``; a ``--configfile`` replaces the default instead (so a config's
+    ``methods`` are exactly the ones it lists), and one that says ``extends: <file>`` is a set of
+    changes to that file (:func:`resolve_extends`). The mapping and list values of ``--config
+    KEY=VALUE`` (``cli_config``) are merged on top with their scalars typed (:func:`typed_override`).
+
+    Raises:
+        ConfigError: the default config file is missing, or an ``extends`` chain is broken.
+    """
+    config = dict(given)
+    if not configfiles:
+        path = Path(default_configfile)
+        if not path.exists():
+            raise ConfigError(f"no --configfile given and the default {path} does not exist "
+                              f"(working directory {Path.cwd()}); run snakemake from the repository root")
+        config = deep_merge(yaml.safe_load(path.read_text(encoding="utf-8")) or {}, config)
+    elif "extends" in config:
+        config = resolve_extends(config, configfiles[-1])
+    # only mapping and list values went through the BaseLoader; top-level scalars keep Snakemake's type
+    nested = {k: typed_override(v) for k, v in cli_config.items() if isinstance(v, (dict, list))}
+    if nested:
+        config = deep_merge(config, nested)
+    return config, ", ".join(map(str, configfiles)) or str(default_configfile)
 
 
 def deep_merge(base: dict, top: dict) -> dict:
@@ -300,3 +380,20 @@ def resolve_methods(config: dict, *, source: str = "<config>") -> dict[str, Reso
             raise ConfigError(f"{source}: key attribution.trained[{i}]: {t['method']} seed {t['seed']} is not a run of "
                               f"this config (methods {names}, seeds {config.get('seeds')})")
     return {name: resolve_method(config, name, source=source) for name in names}
+
+
+def write_resolved(config: Mapping[str, Any], path: str | Path, *, source: str) -> bool:
+    """Write the resolved ``config`` (what every ``oar`` command of a workflow run reads) to ``path``,
+    atomically and only when its content changed (so its mtime means something). Returns whether it
+    wrote."""
+    import json
+
+    from oar.io import atomic_write_text
+
+    text = (f"# resolved by the workflow from {source} (defaults filled, --config overrides applied)\n"
+            + yaml.safe_dump(json.loads(json.dumps(dict(config))), sort_keys=False))
+    path = Path(path)
+    if path.exists() and path.read_text(encoding="utf-8") == text:
+        return False
+    atomic_write_text(path, text)
+    return True

@@ -180,12 +180,12 @@ def evaluate_from_config(config: dict, model_dir: str | Path | None, output_dir:
                     reward=config["reward"])
     model_path = str(model_dir) if model_dir else config["model"]["source"]
     model, tokenizer = load_policy(spec)
-    if config.get("device", "cpu") != "cpu":
+    if config["device"] != "cpu":
         import torch
 
         model.to("cuda" if config["device"] == "auto" and torch.cuda.is_available() else config["device"])
     engine = make_engine(ev["engine"], model, tokenizer, batch_size=ev["batch_size"], seed=seed,
-                         model_path=model_path, vllm_kwargs=config["rollout"].get("vllm"))
+                         model_path=model_path, vllm_kwargs=config["rollout"]["vllm"])
     benches = load_eval_benchmarks(config)
     results: dict[str, dict] = {}
     for name, records in benches.items():

@@ -42,9 +42,8 @@ TINY_SPECIAL_TOKENS: tuple[str, ...] = ("<pad>", "<bos>", "<eos>", "<unk>")
 #: Characters of the tiny tokenizer: the 95 printable ASCII characters (space to ``~``) and newline.
 TINY_CHARACTERS: tuple[str, ...] = tuple(chr(i) for i in range(32, 127)) + ("\n",)
 
-#: Attention implementation of the tiny model. On 2 CPU cores at d=128/4 layers (batch 64 x 60
-#: tokens) "sdpa" and "eager" measured the same within noise (train step ~0.25 s, greedy
-#: generation 64 x 40 tokens ~0.26 s); sdpa is the transformers default and is kept.
+#: Attention implementation of the tiny model: sdpa, the transformers default ("eager" is no faster
+#: on the tiny model: benchmarks/README.md, "Measured numbers").
 TINY_ATTN_IMPLEMENTATION = "sdpa"
 
 _DTYPES: dict[str, torch.dtype] = {

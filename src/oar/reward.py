@@ -15,9 +15,9 @@ How answers are read (our choices; math-verify 0.9 API)
 contains a ``\\boxed{}``, only the content of the last one is used. It is wrapped as
 ``"\\boxed{<gold>}"`` and parsed with ``[LatexExtractionConfig(boxed_match_priority=0),
 ExprExtractionConfig()]``: math-verify's LaTeX extraction needs a delimiter (``$..$`` or
-``\\boxed``) and the bare string fails for about 9% of MATH answers (``\\sqrt{51}``, ``6 - 5i``,
-``\\pi``, ...), while the boxed wrapping parsed all 1,998 MATH-500/MATH-train answers we tried,
-and each verified against itself. Parsed golds are cached in every worker.
+``\\boxed``) and the bare string fails for some MATH answers (``\\sqrt{51}``, ``6 - 5i``,
+``\\pi``, ...), while the boxed wrapping parses them, each verified against itself (counts:
+benchmarks/README.md, "Measured numbers"). Parsed golds are cached in every worker.
 
 *Response.* If the response has a complete ``\\boxed{...}`` (:func:`oar.answer.extract_boxed`),
 only the content of the LAST box is scored: it is wrapped and parsed exactly like the gold.

@@ -370,21 +370,21 @@ def sft_from_config(
     model_spec = dict(_section(config, "model"))
     task = _section(config, "task")
     sft = _section(config, "sft")
-    reward = config.get("reward") or {}
-    kind = task.get("kind", "synthetic")
+    reward = _section(config, "reward")
+    kind = _key(task, "task", "kind")
     if kind != "synthetic":
         raise ValueError(f"config: task.kind={kind!r}: sft_from_config supports only 'synthetic'")
-    template = task.get("template", "tiny")
-    options = dict(task.get("synthetic") or {})
+    template = _key(task, "task", "template")
+    options = dict(_key(task, "task", "synthetic"))
     task_seed = int(_key(task, "task", "seed"))
     sft_seed = int(_key(sft, "sft", "seed"))
     eval_size = int(_key(sft, "sft", "eval_size"))
-    max_new_tokens = int(sft.get("max_new_tokens", 96))
+    max_new_tokens = int(_key(sft, "sft", "max_new_tokens"))
 
     if model_spec.get("source") == "tiny":
         model_spec["tiny"] = {"seed": sft_seed, **dict(model_spec.get("tiny") or {})}
     model, tokenizer = load_policy(model_spec)
-    device = config.get("device", "cpu")
+    device = config["device"]
     model.to(device)
 
     train_records = generate("train", int(_key(task, "task", "train_size")), seed=task_seed, **options)
@@ -405,8 +405,8 @@ def sft_from_config(
         log_fn=log_fn,
     )
     reward_kw = {
-        "timeout_s": float(reward.get("timeout_s", 5.0)),
-        "workers": reward.get("workers"),
+        "timeout_s": float(_key(reward, "reward", "timeout_s")),
+        "workers": _key(reward, "reward", "workers"),
     }
     accuracy: dict[str, float] = {}
     examples: list[dict] = []

@@ -1,14 +1,10 @@
 # Helpers shared by every rule: config loading and validation, paths, resources, fingerprints.
 
-import hashlib
-import json
 import os
 import re
 import shlex
 import sys
-from pathlib import Path
 
-import yaml
 from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
@@ -18,82 +14,25 @@ SRC_DIR = os.path.abspath(os.path.join(workflow.basedir, os.pardir, "src"))
 if SRC_DIR not in sys.path:
     sys.path.insert(0, SRC_DIR)
 
-from oar.config import ConfigError, deep_merge, resolve_extends, resolve_methods, validate_config
-from oar.io import atomic_write_text
-from oar.plan import train_layout as _train_layout
+from oar.config import ConfigError, resolve_methods, validate_config, workflow_config, write_resolved
+from oar.launch import conda_env_choice, fingerprint, oar_env, resource, train_launcher as _train_launcher
+from oar.launch import train_resources as _train_resources
 
 
 # ---------------------------------------------------------------------------------------- config
-# config/config.yaml is the embedded default. A --configfile replaces it instead of being merged
-# into it (so a config's `methods` are exactly the ones it lists); --config KEY=VALUE overrides
-# apply on top of either.
-DEFAULT_CONFIGFILE = "config/config.yaml"
-
-if not workflow.overwrite_configfiles:
-    if not os.path.exists(DEFAULT_CONFIGFILE):
-        raise WorkflowError(
-            f"no --configfile given and the default {DEFAULT_CONFIGFILE} does not exist "
-            f"(working directory {os.getcwd()}); run snakemake from the repository root"
-        )
-    with open(DEFAULT_CONFIGFILE, encoding="utf-8") as _f:
-        _merged = deep_merge(yaml.safe_load(_f) or {}, dict(config))
-    config.clear()
-    config.update(_merged)
-
-# a --configfile that says `extends: config.yaml` is a set of changes to that config (oar.config.resolve_extends)
-if workflow.overwrite_configfiles and "extends" in config:
-    try:
-        _merged = resolve_extends(dict(config), workflow.overwrite_configfiles[-1])
-    except ConfigError as e:
-        raise WorkflowError(str(e))
-    config.clear()
-    config.update(_merged)
-
-# --config KEY=VALUE: give the scalars inside mapping/list values their YAML types (see typed_override)
-_YAML12_EXP_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
-
-
-def typed_override(value):
-    """A --config value with the scalars inside its mappings and lists given their YAML types.
-
-    Snakemake parses a --config value that is a mapping or a list with YAML's BaseLoader, which
-    leaves every scalar in it a string ('train={"lr": 0.001}' gives {"lr": "0.001"}), while a
-    top-level value such as steps=30 is typed. Nested scalars become int, float, bool or null as
-    in a config file (plus 1e-3 without a dot, a float in YAML 1.2); anything else (text, paths,
-    dates) stays the string it was.
-    """
-    if isinstance(value, dict):
-        return {k: typed_override(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [typed_override(v) for v in value]
-    if not isinstance(value, str) or not value.strip():
-        return value
-    if _YAML12_EXP_FLOAT.fullmatch(value.strip()):
-        return float(value)
-    try:
-        typed = yaml.safe_load(value)
-    except yaml.YAMLError:
-        return value
-    return typed if typed is None or isinstance(typed, (bool, int, float)) else value
-
-
-# only mapping and list values went through the BaseLoader; top-level scalars keep Snakemake's type
-_nested_overrides = {
-    k: typed_override(v) for k, v in dict(workflow.config_settings.config).items() if isinstance(v, (dict, list))
-}
-if _nested_overrides:
-    _merged = deep_merge(dict(config), _nested_overrides)
-    config.clear()
-    config.update(_merged)
-
-CONFIG_SOURCE = ", ".join(map(str, workflow.overwrite_configfiles)) or DEFAULT_CONFIGFILE
-
+# config/config.yaml is the embedded default; a --configfile replaces it (`extends:` makes it a set of
+# changes to another file); --config KEY=VALUE overrides apply on top, typed (oar.config.workflow_config).
 # oar's validation first: it names the file and the key path of the first problem, fills nested
-# defaults and resolves every method; snakemake's validate then checks the same schema again
+# defaults and resolves every method; snakemake's validate then checks the same schema again.
 try:
-    validate_config(config, source=CONFIG_SOURCE)
+    _resolved, CONFIG_SOURCE = workflow_config(
+        dict(config), configfiles=list(workflow.overwrite_configfiles), default_configfile="config/config.yaml",
+        cli_config=dict(workflow.config_settings.config))
+    validate_config(_resolved, source=CONFIG_SOURCE)
 except ConfigError as e:
     raise WorkflowError(str(e))
+config.clear()
+config.update(_resolved)
 validate(config, "../schemas/config.schema.yaml")
 
 METHODS = resolve_methods(config, source=CONFIG_SOURCE)
@@ -124,11 +63,10 @@ wildcard_constraints:
 
 # -------------------------------------------------------------------------------------- software
 # The rules run the library as OAR, `python -m oar.cli` with this repository's src/ first on
-# PYTHONPATH, so the same code runs in the active environment (a venv, where `pip install -e .` is
-# then optional) and in the conda env of --use-conda / --sdm conda, whose files (workflow/envs/)
-# hold dependencies only: Snakemake builds an env from a copy of its file in .snakemake/conda/,
-# where a path relative to the repository (pip's `-e .`) means nothing.
-OAR_ENV = f"PYTHONPATH={shlex.quote(SRC_DIR)}${{PYTHONPATH:+:$PYTHONPATH}}"
+# PYTHONPATH (oar.launch.oar_env), in the active environment or in the conda env of --use-conda,
+# whose files (workflow/envs/) hold dependencies only: Snakemake builds an env from a copy of its
+# file in .snakemake/conda/, where a path relative to the repository (pip's `-e .`) means nothing.
+OAR_ENV = oar_env(SRC_DIR)
 OAR = f"{OAR_ENV} python -m oar.cli"
 
 
@@ -140,131 +78,29 @@ def oar_command(wildcards, input):
     return OAR
 
 
-# the conda env of the rules, software.conda_env (one env per config, so training and evaluation
-# run the same software); `auto` takes gpu.yaml (vLLM and the torch it pins) for a config that uses
-# a GPU or vLLM, else cpu.yaml
-CONDA_ENVS = {"cpu": "../envs/cpu.yaml", "gpu": "../envs/gpu.yaml"}
-
-
-def uses_gpu():
-    """Whether the config runs anything on a GPU or with vLLM (software.conda_env: auto -> gpu)."""
-    return (
-        config["device"] == "cuda"
-        or "vllm" in (config["rollout"]["engine"], config["eval"]["engine"])
-        or any(int((r or {}).get("gpu", 0)) > 0 for r in (config.get("resources") or {}).values())
-    )
-
-
-def conda_env():
-    """The env file of every rule: workflow/envs/{cpu,gpu}.yaml (relative to workflow/rules/, as
-    Snakemake reads a rule's `conda:`), or the file software.conda_env names (relative to the
-    working directory, made absolute)."""
-    choice = config["software"]["conda_env"]
-    if choice == "auto":
-        choice = "gpu" if uses_gpu() else "cpu"
-    if choice in CONDA_ENVS:
-        return CONDA_ENVS[choice]
-    path = os.path.abspath(choice)
-    if workflow.deployment_settings.deployment_method and not os.path.isfile(path):
-        raise WorkflowError(f"{CONFIG_SOURCE}: key software.conda_env: no env file {path}")
-    return path
-
-
-CONDA_ENV = conda_env()
+# the conda env of every rule, software.conda_env (oar.launch.conda_env_choice: one env per config)
+CONDA_ENV, _builtin_env = conda_env_choice(config)
+if not _builtin_env and workflow.deployment_settings.deployment_method and not os.path.isfile(CONDA_ENV):
+    raise WorkflowError(f"{CONFIG_SOURCE}: key software.conda_env: no env file {CONDA_ENV}")
 
 
 # ------------------------------------------------------------------------------------- resources
-# Defaults per rule; config["resources"][<rule>] overrides any key (gpu, mem_mb, runtime in
-# minutes, threads; for train also nodes and processes, see train_layout). On SLURM, `gpu` becomes
-# --gpus=N (snakemake-executor-plugin-slurm); mem_mb, threads and a train job's gpu are per node.
-DEFAULT_RESOURCES = {
-    "data": {"gpu": 0, "mem_mb": 2000, "runtime": 30, "threads": 1},
-    "sft": {"gpu": 0, "mem_mb": 4000, "runtime": 120, "threads": 2},
-    "train": {"gpu": 0, "nodes": 1, "processes": 0, "mem_mb": 8000, "runtime": 240, "threads": 1},
-    "evaluate": {"gpu": 0, "mem_mb": 4000, "runtime": 60, "threads": 1},
-    "attribution": {"gpu": 0, "mem_mb": 4000, "runtime": 60, "threads": 1},
-    "report": {"gpu": 0, "mem_mb": 2000, "runtime": 15, "threads": 1},
-}
-
-
-# a rule without its own entry in config["resources"] uses its parent rule's entry
-RESOURCE_FALLBACK = {"evaluate_base": "evaluate"}
-
-
 def res(rule, key):
-    """Resource ``key`` of ``rule``: config["resources"][rule][key] (or its fallback rule's), else the default."""
-    table = config.get("resources") or {}
-    for name in (rule, RESOURCE_FALLBACK.get(rule)):
-        if name is not None and key in table.get(name, {}):
-            return table[name][key]
-    return DEFAULT_RESOURCES[RESOURCE_FALLBACK.get(rule, rule)][key]
-
-
-def train_layout():
-    """(nodes, processes per node, GPUs per node) of a training job (oar.plan.train_layout, which
-    `oar plan` sizes by): `processes: 2` trains with two CPU processes."""
-    return _train_layout(config)
+    """Resource ``key`` of ``rule`` (oar.launch.resource: config["resources"], else the defaults)."""
+    return resource(config, rule, key)
 
 
 def train_resources():
-    """The train rule's node and GPU resources (snakemake-executor-plugin-slurm names).
-
-    One node: `gpu` (sbatch --gpus=N) and nodes=1. Several nodes: one task per node, started by
-    the rule's own `srun` (see train_launcher): `mpi` tells the plugin's jobstep executor not to wrap
-    the command in `srun -n1`, `tasks` = nodes gives sbatch --ntasks (the plugin asks `tasks` > 1 of an
-    `mpi` job), tasks_per_gpu=0 keeps it from also passing `tasks` as --ntasks-per-gpu, and the GPUs
-    are requested per node as gres=gpu:G (--gpus is a total that SLURM may spread unevenly; the
-    plugin would pass both, so gpu is 0 then).
-    """
-    nodes, _, gpu = train_layout()
-    if nodes == 1:
-        return {"gpu": gpu, "nodes": 1}
-    return {"gpu": 0, "nodes": nodes, "tasks": nodes, "tasks_per_gpu": 0, "mpi": "srun",
-            **({"gres": f"gpu:{gpu}"} if gpu else {})}
-
-
-# torchrun on every node of a multi-node job (run by srun, one task per node): the rendezvous host
-# is the first node of the step; SLURM_JOB_ID names the rendezvous and picks the port
-_NODE_TORCHRUN = (
-    'MASTER_ADDR=$(scontrol show hostnames "${{SLURM_STEP_NODELIST:-$SLURM_JOB_NODELIST}}" | head -n 1)'
-    "; MASTER_PORT=$((29500 + SLURM_JOB_ID % 1000))"
-    "; exec torchrun --nnodes {nodes} --nproc_per_node {procs} --rdzv_backend c10d"
-    ' --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv_id "$SLURM_JOB_ID" -m oar.cli "$@"'
-)
+    """The train rule's node and GPU resources (oar.launch.train_resources)."""
+    return _train_resources(config)
 
 
 def train_launcher(wildcards, resources, threads):
-    """The command that `train --config ...` follows (see train_layout):
-
-    - one process: OAR, `python -m oar.cli` with the repository's src/ on PYTHONPATH (OAR_ENV
-      precedes every launcher; torchrun's and srun's processes inherit it);
-    - several on one node (GPUs, or CPU processes): `torchrun --standalone --nproc_per_node P -m
-      oar.cli` (a free port per job, so two jobs on one machine do not collide); accelerate's
-      Accelerator in the trainer takes RANK/WORLD_SIZE/LOCAL_RANK from it, NCCL on GPUs and gloo on
-      CPU. (`accelerate launch --cpu --num_processes 2` starts ONE process, DistributedType.NO.)
-    - several nodes (SLURM only): `srun` one task per node, each running torchrun with a c10d
-      rendezvous on the first node of the job.
-    OMP_NUM_THREADS splits the job's threads between its processes (snakemake sets it to all of them).
-    """
-    nodes, procs, gpu = train_layout()
-    if nodes == 1 and procs == 1:
-        return OAR
-    omp = f"{OAR_ENV} OMP_NUM_THREADS={max(1, int(threads) // procs)}"
-    if nodes == 1:
-        return f"{omp} torchrun --standalone --nnodes 1 --nproc_per_node {procs} -m oar.cli"
-    node = _NODE_TORCHRUN.format(nodes=nodes, procs=procs)
-    gres = f" --gres=gpu:{gpu}" if gpu else ""
-    return (f"{omp} srun --nodes={nodes} --ntasks-per-node=1 --cpus-per-task={int(threads)}{gres}"
-            f" --kill-on-bad-exit=1 bash -c {shlex.quote(node)} oar")
+    """The command that `train --config ...` follows (oar.launch.train_launcher)."""
+    return _train_launcher(config, SRC_DIR, threads)
 
 
 # ---------------------------------------------------------------------------------- fingerprints
-def fingerprint(*parts):
-    """Short hash of config sections; a rule's params carry it, so changing them reruns the rule."""
-    blob = json.dumps(parts, sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
 def section(*keys):
     return {k: config.get(k) for k in keys}
 
@@ -363,13 +199,7 @@ def final_targets():
 # ---------------------------------------------------------------------------------------- onstart
 def write_resolved_config():
     """Write CONFIG_FILE (only when its content changed, so its mtime means something)."""
-    text = (
-        f"# resolved by the workflow from {CONFIG_SOURCE} (defaults filled, --config overrides applied)\n"
-        + yaml.safe_dump(json.loads(json.dumps(dict(config))), sort_keys=False)
-    )
-    path = Path(CONFIG_FILE)
-    if not path.exists() or path.read_text(encoding="utf-8") != text:
-        atomic_write_text(path, text)
+    write_resolved(config, CONFIG_FILE, source=CONFIG_SOURCE)
 
 
 onstart:

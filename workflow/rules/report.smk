@@ -1,6 +1,6 @@
 # Tables (main comparison with paired intervals and the minimum detectable difference, steps to a
 # held-out accuracy, efficiency) and figures (learning curves, training curves, credit concentration)
-# from every evaluation and training run of the config (src/oar/report.py).
+# from every evaluation and training run of the config (src/oar/report/).
 
 REPORT_OUTPUTS.update(
     learning=f"{R}/figures/learning_curves.png",

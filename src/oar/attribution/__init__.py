@@ -19,7 +19,7 @@ Modules:
 """
 
 from oar.attribution.benchmark import (
-    DEFAULT_BENCHMARK_SIGNALS,
+    AttributionSettings,
     KINDS,
     AttributionResult,
     attribution_from_config,
@@ -79,7 +79,7 @@ __all__ = [
     "AttributionResult",
     "COST_COLUMNS",
     "Counterfactual",
-    "DEFAULT_BENCHMARK_SIGNALS",
+    "AttributionSettings",
     "DEFAULT_SIGNALS",
     "FIDELITY_COLUMNS",
     "FILLER",

@@ -30,7 +30,7 @@ import hashlib
 import os
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -42,28 +42,10 @@ from oar.attribution.metrics import cost_table, fidelity_table, localisation_tab
 from oar.attribution.parsing import UNLABELED, ParsedResponse, parse_response, token_char_spans, token_labels
 from oar.attribution.signals import SignalSpec, compute_signals, signal_specs
 
-__all__ = ["KINDS", "DEFAULT_BENCHMARK_SIGNALS", "AttributionResult", "run_attribution", "attribution_from_config"]
+__all__ = ["KINDS", "AttributionSettings", "AttributionResult", "run_attribution", "attribution_from_config"]
 
 #: Kinds of responses of the error-localisation benchmark.
 KINDS: tuple[str, ...] = ("sampled", "counterfactual")
-
-#: Signals of :func:`run_attribution` when none are given (config ``attribution.signals`` default).
-DEFAULT_BENCHMARK_SIGNALS: tuple[dict, ...] = (
-    {"name": "oar_p", "kind": "oar_p", "mode": "last"},
-    {"name": "oar_p_answer_mean", "kind": "oar_p", "mode": "answer_mean"},
-    {"name": "oar_p_joint", "kind": "oar_p", "mode": "answer_joint"},
-    {"name": "oar_g", "kind": "oar_g", "mode": "answer_mean", "noise_std": 1.0e-3},
-    {"name": "oar_g_k4", "kind": "oar_g", "mode": "answer_mean", "noise_std": 1.0e-3, "draws": 4},
-    {"name": "oar_g_joint", "kind": "oar_g", "mode": "answer_joint", "noise_std": 1.0e-3},
-    {"name": "oar_g_joint_k2", "kind": "oar_g", "mode": "answer_joint", "noise_std": 1.0e-3, "draws": 2},
-    {"name": "oar_g_joint_k4", "kind": "oar_g", "mode": "answer_joint", "noise_std": 1.0e-3, "draws": 4},
-    {"name": "oar_g_joint_n0", "kind": "oar_g", "mode": "answer_joint", "noise_std": 0.0},
-    {"name": "oar_g_joint_ig4", "kind": "oar_g", "mode": "answer_joint", "noise_std": 0.0, "baseline": "pad", "draws": 4},
-    {"name": "ktae", "kind": "ktae"},
-    {"name": "random", "kind": "random"},
-    {"name": "uniform", "kind": "uniform"},
-)
-
 
 def _derived_seed(*parts: object) -> int:
     return int.from_bytes(hashlib.sha256("\x00".join(map(str, parts)).encode()).digest()[:4], "big")
@@ -109,22 +91,11 @@ class AttributionResult:
 
 
 def _pad(prompts: Sequence[list[int]], responses: Sequence[list[int]], pad_id: int) -> tuple[torch.Tensor, ...]:
-    """Left-padded prompts and right-padded responses: ``(B, P)`` ids and mask, ``(B, T)`` ids and mask."""
-    B = len(prompts)
-    P = max((len(p) for p in prompts), default=1)
-    T = max((len(r) for r in responses), default=1)
-    p_ids = torch.full((B, P), pad_id, dtype=torch.long)
-    p_mask = torch.zeros((B, P), dtype=torch.long)
-    r_ids = torch.full((B, T), pad_id, dtype=torch.long)
-    r_mask = torch.zeros((B, T), dtype=torch.long)
-    for b, (p, r) in enumerate(zip(prompts, responses)):
-        if p:
-            p_ids[b, P - len(p) :] = torch.tensor(p)
-            p_mask[b, P - len(p) :] = 1
-        if r:
-            r_ids[b, : len(r)] = torch.tensor(r)
-            r_mask[b, : len(r)] = 1
-    return p_ids, p_mask, r_ids, r_mask
+    """Left-padded prompts and right-padded responses: ``(B, P)`` ids and mask, ``(B, T)`` ids and mask
+    (:func:`oar.rollout.base.pad_batch`, the rollout's layout)."""
+    from oar.rollout.base import pad_batch
+
+    return pad_batch(prompts, responses, pad_id)
 
 
 class _Batch:
@@ -174,225 +145,338 @@ def _fidelity_labels(r: _Response, T: int) -> np.ndarray:
     return out
 
 
-def run_attribution(
-    model: torch.nn.Module,
-    tokenizer: Any,
-    *,
-    task_options: Mapping[str, Any] | None = None,
-    n_samples: int,
-    n_sampled: int = 300,
-    n_counterfactual: int = 300,
-    max_prompts: int = 2000,
-    prompts_per_round: int = 64,
-    propagated_only: bool = True,
-    min_steps: int = 2,
-    max_per_prompt: int = 2,
-    max_delta: int = 9,
-    top_k: Sequence[int] = (1, 3),
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    max_new_tokens: int = 64,
-    seed: int = 0,
-    template: str = "tiny",
-    split: str = "test",
-    signals: Sequence[str | Mapping[str, Any] | SignalSpec] = DEFAULT_BENCHMARK_SIGNALS,
-    conclude: str | None = None,
-    oar_p_chunk_size: int = 128,
-    noise_std: float = 1e-3,
-    ktae_options: Mapping[str, Any] | None = None,
-    cost_reference: str = "oar_g",
-    stability: bool = True,
-    correct: float = 1.0,
-    wrong: float = 0.0,
-    reward_timeout_s: float = 5.0,
-    reward_workers: int | None = None,
-    batch_size: int = 256,
-    repeats: int = 1,
-) -> AttributionResult:
-    """Sample, locate mistakes, build counterfactuals, score every signal and measure it (see the
-    module docstring).
+@dataclass(frozen=True)
+class AttributionSettings:
+    """Every setting of one benchmark run, read from a validated config by :meth:`from_config` (the
+    schema holds the defaults; nothing here repeats them).
 
-    Args:
-        model, tokenizer: the policy (e.g. the warm-started tiny model).
-        task_options: keyword options of :func:`oar.data.synthetic.generate` (config ``task.synthetic``).
-        n_samples: responses per prompt (the KTAE group size).
-        n_sampled, n_counterfactual: wanted responses of each kind (fewer when ``max_prompts``
-            prompts do not yield them; the summary says how many).
-        max_prompts: most prompts to sample (the records drawn from ``split``).
-        prompts_per_round: prompts per sampling round (the collection stops after the round that
-            reaches both targets).
-        propagated_only: keep only sampled mistakes that are the only thing going wrong.
-        min_steps: keep only responses with at least this many steps (2: there is a correct step
-            to compare the mistake with).
-        max_per_prompt: at most this many responses of each kind per prompt (spreads the
-            responses over prompts).
-        max_delta: counterfactual results move by ``1..max_delta`` either way.
-        top_k: the ``k`` of the top-k hit rates.
-        temperature, top_p, max_new_tokens, batch_size: sampling settings.
-        seed: seed of the prompts, the sampling, the edits, the OAR-G noise and the random baseline.
-        template, split: prompt template and synthetic split.
-        signals: names, config dicts or specs (:func:`oar.attribution.signals.signal_specs`).
-        conclude, oar_p_chunk_size, noise_std, ktae_options: see
-            :func:`oar.attribution.signals.compute_signals`.
-        cost_reference: the signal the cost ratios are taken against ("one OAR-G pass").
-        stability: compute the stability table (a second pass of each stochastic signal, a
-            second sampled group per prompt for KTAE).
-        correct, wrong, reward_timeout_s, reward_workers: reward settings (correct when ``> 0``).
-        repeats: timing repeats per signal (the fastest is reported).
-
-    Returns:
-        an :class:`AttributionResult`.
+    Sampling (config ``rollout``): ``n_samples`` (the group size, ``rollout.n``), ``temperature``,
+    ``top_p``, ``max_new_tokens``, ``batch_size``. Task (``task``): ``template`` and ``task_options``
+    (``task.synthetic``, the keywords of :func:`oar.data.synthetic.generate`). Reward (``reward``):
+    ``reward_timeout_s``, ``reward_workers``. The benchmark (``attribution``): ``n_sampled``,
+    ``n_counterfactual`` (wanted responses of each kind), ``max_prompts``, ``prompts_per_round``,
+    ``propagated_only``, ``min_steps``, ``max_per_prompt``, ``max_delta``, ``top_k``, ``seed``,
+    ``split``, ``signals`` (:func:`oar.attribution.signals.signal_specs`), ``conclude``,
+    ``cost_reference``, ``stability``, ``repeats`` (``timing_repeats``). Not config keys:
+    ``correct`` / ``wrong`` (reward values; correct when ``> 0``), ``oar_p_chunk_size``,
+    ``noise_std``, ``ktae_options`` (see :func:`oar.attribution.signals.compute_signals`).
     """
-    import pandas as pd
 
-    from oar.credit.mc_value import ContinuationContext
-    from oar.data.prompts import render_prompt
-    from oar.data.synthetic import DEFAULT_FILLERS, generate
-    from oar.reward import score_batch
-    from oar.rollout import HFEngine
+    n_samples: int
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    batch_size: int
+    template: str
+    task_options: Mapping[str, Any]
+    reward_timeout_s: float
+    reward_workers: int | None
+    n_sampled: int
+    n_counterfactual: int
+    max_prompts: int
+    prompts_per_round: int
+    propagated_only: bool
+    min_steps: int
+    max_per_prompt: int
+    max_delta: int
+    top_k: tuple[int, ...]
+    seed: int
+    split: str
+    signals: tuple[Any, ...]
+    conclude: str | None
+    cost_reference: str
+    stability: bool
+    repeats: int
+    correct: float = 1.0
+    wrong: float = 0.0
+    oar_p_chunk_size: int = 128
+    noise_std: float = 1e-3
+    ktae_options: Mapping[str, Any] | None = None
 
-    if n_samples < 1 or max_prompts < 1 or prompts_per_round < 1:
-        raise ValueError("oar.attribution.run_attribution: n_samples, max_prompts and prompts_per_round must be >= 1")
-    if n_sampled < 0 or n_counterfactual < 0:
-        raise ValueError("oar.attribution.run_attribution: n_sampled and n_counterfactual must be >= 0")
-    specs = signal_specs(signals)
-    t_start = time.perf_counter()
-    opts = dict(task_options or {})
-    fillers = list(opts.get("fillers", DEFAULT_FILLERS))
-    records = generate(split, max_prompts, seed=seed, **opts)
-    terms = [question_terms(r["question"]) for r in records]
-    prompts = [render_prompt(template, r["question"], tokenizer) for r in records]
-    engine = HFEngine(model, tokenizer, batch_size=batch_size)
-    eos = getattr(tokenizer, "eos_token_id", None)
-    pad_id = int(tokenizer.pad_token_id)
-    edit_rng = random.Random(_derived_seed("oar-attribution-edits", seed))
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], **overrides: Any) -> "AttributionSettings":
+        """The settings of a validated config (:func:`oar.config.load_config`), with ``overrides``.
 
-    def reward_of(texts: Sequence[str], golds: Sequence[str]) -> list[float]:
-        return score_batch(list(texts), list(golds), correct=correct, wrong=wrong,
-                           timeout_s=reward_timeout_s, workers=reward_workers)
+        Raises:
+            ValueError: the task is not the synthetic one.
+        """
+        attr, ro, task, reward = config["attribution"], config["rollout"], config["task"], config["reward"]
+        if task["kind"] != "synthetic":
+            raise ValueError(f"config: task.kind={task['kind']!r}: the attribution benchmark needs 'synthetic'")
+        settings = cls(
+            n_samples=int(ro["n"]), temperature=float(ro["temperature"]), top_p=float(ro["top_p"]),
+            max_new_tokens=int(ro["max_new_tokens"]), batch_size=int(ro["batch_size"]),
+            template=str(task["template"]), task_options=dict(task["synthetic"]),
+            reward_timeout_s=float(reward["timeout_s"]), reward_workers=reward["workers"],
+            n_sampled=int(attr["n_sampled"]), n_counterfactual=int(attr["n_counterfactual"]),
+            max_prompts=int(attr["max_prompts"]), prompts_per_round=int(attr["prompts_per_round"]),
+            propagated_only=bool(attr["propagated_only"]), min_steps=int(attr["min_steps"]),
+            max_per_prompt=int(attr["max_per_prompt"]), max_delta=int(attr["max_delta"]),
+            top_k=tuple(int(k) for k in attr["top_k"]), seed=int(attr["seed"]), split=str(attr["split"]),
+            signals=tuple(attr["signals"]), conclude=attr["conclude"], cost_reference=str(attr["cost_reference"]),
+            stability=bool(attr["stability"]), repeats=int(attr["timing_repeats"]),
+        )
+        return replace(settings, **overrides)
 
-    def responses_of(ro: Any, prompt_list: Sequence[int]) -> list[_Response]:
-        golds = [records[prompt_list[i]]["answer"] for i in ro.prompt_index.tolist()]
-        rewards = reward_of(ro.texts, golds)
+    def check(self) -> None:
+        """Raise ``ValueError`` for settings the benchmark cannot run."""
+        if self.n_samples < 1 or self.max_prompts < 1 or self.prompts_per_round < 1:
+            raise ValueError("oar.attribution.run_attribution: n_samples, max_prompts and prompts_per_round must be >= 1")
+        if self.n_sampled < 0 or self.n_counterfactual < 0:
+            raise ValueError("oar.attribution.run_attribution: n_sampled and n_counterfactual must be >= 0")
+        if self.repeats < 1:
+            raise ValueError(f"oar.attribution.run_attribution: repeats must be >= 1, got {self.repeats}")
+
+    def as_summary(self, fillers: Sequence[str]) -> dict[str, Any]:
+        """The settings as recorded in ``summary.json``."""
+        return {
+            "split": self.split, "template": self.template, "seed": self.seed, "n_samples": self.n_samples,
+            "temperature": self.temperature, "top_p": self.top_p, "max_new_tokens": self.max_new_tokens,
+            "n_sampled": self.n_sampled, "n_counterfactual": self.n_counterfactual, "max_prompts": self.max_prompts,
+            "prompts_per_round": self.prompts_per_round, "propagated_only": self.propagated_only,
+            "min_steps": self.min_steps, "max_per_prompt": self.max_per_prompt, "max_delta": self.max_delta,
+            "top_k": list(self.top_k),
+            "signals": [{"name": s.name, "kind": s.kind, **dict(s.options)} for s in signal_specs(self.signals)],
+            "conclude": self.conclude, "cost_reference": self.cost_reference, "timing_repeats": self.repeats,
+            "fillers": list(fillers), "torch_threads": torch.get_num_threads(),
+        }
+
+
+@dataclass
+class _Run:
+    """What every phase of one run reads: the settings, the policy and its engine, the prompts."""
+
+    s: AttributionSettings
+    model: torch.nn.Module
+    tokenizer: Any
+    specs: list[SignalSpec]
+    records: list[dict]
+    terms: list[Any]
+    prompts: list[str]
+    fillers: list[str]
+    engine: Any
+    pad_id: int
+
+    @classmethod
+    def start(cls, model: torch.nn.Module, tokenizer: Any, s: AttributionSettings) -> "_Run":
+        from oar.data.prompts import render_prompt
+        from oar.data.synthetic import DEFAULT_FILLERS, generate
+        from oar.rollout import HFEngine
+
+        s.check()
+        opts = dict(s.task_options)
+        records = generate(s.split, s.max_prompts, seed=s.seed, **opts)
+        return cls(s=s, model=model, tokenizer=tokenizer, specs=signal_specs(s.signals), records=records,
+                   terms=[question_terms(r["question"]) for r in records],
+                   prompts=[render_prompt(s.template, r["question"], tokenizer) for r in records],
+                   fillers=list(opts.get("fillers", DEFAULT_FILLERS)),
+                   engine=HFEngine(model, tokenizer, batch_size=s.batch_size), pad_id=int(tokenizer.pad_token_id))
+
+    def reward_of(self, texts: Sequence[str], golds: Sequence[str]) -> list[float]:
+        from oar.reward import score_batch
+
+        return score_batch(list(texts), list(golds), correct=self.s.correct, wrong=self.s.wrong,
+                           timeout_s=self.s.reward_timeout_s, workers=self.s.reward_workers)
+
+    def responses_of(self, ro: Any, prompt_list: Sequence[int]) -> list[_Response]:
+        """The responses of a rollout of ``prompt_list``: scored, parsed and checked against the question."""
+        golds = [self.records[prompt_list[i]]["answer"] for i in ro.prompt_index.tolist()]
+        rewards = self.reward_of(ro.texts, golds)
         out = []
         for b in range(len(ro.texts)):
             pi = prompt_list[int(ro.prompt_index[b])]
             ids = ro.response_ids[b][ro.response_mask[b].bool()].tolist()
-            text, starts, ends = token_char_spans(tokenizer, ids)
-            parsed = parse_response(text, fillers=fillers)
-            check = None if parsed is None else check_steps(parsed.steps, *terms[pi], parsed.answer)
-            out.append(_Response(pi, ro.prompt_ids[b][ro.prompt_mask[b].bool()].tolist(), ids, float(rewards[b]),
-                                 text, starts, ends, parsed, check))
+            out.append(self.response(pi, ro.prompt_ids[b][ro.prompt_mask[b].bool()].tolist(), ids, float(rewards[b])))
         return out
 
-    # ---- 1. sample until both kinds are complete
-    groups: dict[int, list[_Response]] = {}
-    sampled: list[_Response] = []
-    edited: list[_Response] = []
-    counts: dict[str, int] = {}
+    def response(self, prompt: int, prompt_ids: list[int], ids: list[int], reward: float, **kw: Any) -> _Response:
+        """One response: decoded with token spans, parsed and checked."""
+        text, starts, ends = token_char_spans(self.tokenizer, ids)
+        parsed = parse_response(text, fillers=self.fillers)
+        check = None if parsed is None else check_steps(parsed.steps, *self.terms[prompt], parsed.answer)
+        return _Response(prompt, prompt_ids, ids, reward, text, starts, ends, parsed, check, **kw)
+
+    def continuations(self, batch: "_Batch") -> Any:
+        """The continuation context of ``mc_value`` signals, row-aligned with ``batch``."""
+        from oar.credit.mc_value import ContinuationContext
+
+        return ContinuationContext(
+            engine=self.engine, prompts=[self.prompts[m.prompt] for m in batch.members],
+            golds=[self.records[m.prompt]["answer"] for m in batch.members], score=self.reward_of,
+            temperature=self.s.temperature, top_p=self.s.top_p, max_new_tokens=self.s.max_new_tokens, seed=self.s.seed)
+
+
+@dataclass
+class _Collected:
+    """Phase 1's output: the sampled groups and the scored responses of both kinds."""
+
+    groups: dict[int, list[_Response]]
+    sampled: list[_Response]
+    edited: list[_Response]
+    counts: dict[str, int]
+    n_prompts_used: int
+    seconds: float
+
+    @property
+    def scored(self) -> list[_Response]:
+        return self.sampled + self.edited
+
+    @property
+    def kinds(self) -> list[str]:
+        return [r.kind for r in self.scored]
+
+
+@dataclass
+class _Scored:
+    """Phase 3's output: every signal's scores of the scored rows, aligned with response positions."""
+
+    scores: dict[str, torch.Tensor]
+    seconds: dict[str, float]
+    info: dict[str, Any]
+    reasoning: torch.Tensor
+    T: int
+    tens: dict[str, torch.Tensor] | None
+    rows: list[int]
+    continuations: Any
+
+
+def run_attribution(model: torch.nn.Module, tokenizer: Any, settings: AttributionSettings) -> AttributionResult:
+    """Sample, locate mistakes, build counterfactuals, score every signal and measure it (see the
+    module docstring), as a list of phases.
+
+    Args:
+        model, tokenizer: the policy (e.g. the warm-started tiny model).
+        settings: :class:`AttributionSettings` (:meth:`AttributionSettings.from_config`).
+
+    Returns:
+        an :class:`AttributionResult`.
+    """
+    t_start = time.perf_counter()
+    run = _Run.start(model, tokenizer, settings)
+    collected = _collect(run)                        # 1. sample until both kinds are complete
+    batch, rows = _group_batch(collected)            # 2. one batch: the groups KTAE needs
+    scored = _score(run, collected, batch, rows)     # 3. every signal on the scored rows
+    loc, loc_per, fid, fid_per, cost = _measure(run, collected, scored)   # 4. localisation, fidelity, cost
+    stab, stab_per, stab_seconds = _stability(run, collected, scored)     # 5. stability
+    per = _per_response(run, collected, loc_per, fid_per, stab_per)       # 6. rows and summary
+    summary = _summary(run, collected, batch, scored, stab_seconds, time.perf_counter() - t_start)
+    return AttributionResult(localisation=loc, stability=stab, cost=cost, fidelity=fid, per_response=per, summary=summary)
+
+
+def _collect(run: _Run) -> _Collected:
+    """Phase 1: sample rounds of prompts until there are ``n_sampled`` located mistakes and
+    ``n_counterfactual`` edits (or the prompts run out); edits are scored teacher-forced."""
+    s, tok = run.s, run.tokenizer
+    eos = getattr(tok, "eos_token_id", None)
+    edit_rng = random.Random(_derived_seed("oar-attribution-edits", s.seed))
+    c = _Collected(groups={}, sampled=[], edited=[], counts={}, n_prompts_used=0, seconds=0.0)
     per_prompt: dict[str, dict[int, int]] = {k: {} for k in KINDS}
-    n_prompts_used = 0
+
+    def bump(key: str) -> None:
+        c.counts[key] = c.counts.get(key, 0) + 1
+
     t0 = time.perf_counter()
-    for r0 in range(0, max_prompts, prompts_per_round):
-        if len(sampled) >= n_sampled and len(edited) >= n_counterfactual:
+    for r0 in range(0, s.max_prompts, s.prompts_per_round):
+        if len(c.sampled) >= s.n_sampled and len(c.edited) >= s.n_counterfactual:
             break
-        plist = list(range(r0, min(r0 + prompts_per_round, max_prompts)))
-        ro = engine.generate([prompts[i] for i in plist], n=n_samples, temperature=temperature, top_p=top_p,
-                             max_new_tokens=max_new_tokens, seed=_derived_seed("oar-attribution-sample", seed, r0))
-        n_prompts_used = plist[-1] + 1
-        for r in responses_of(ro, plist):
-            groups.setdefault(r.prompt, []).append(r)
+        plist = list(range(r0, min(r0 + s.prompts_per_round, s.max_prompts)))
+        ro = run.engine.generate([run.prompts[i] for i in plist], n=s.n_samples, temperature=s.temperature,
+                                 top_p=s.top_p, max_new_tokens=s.max_new_tokens,
+                                 seed=_derived_seed("oar-attribution-sample", s.seed, r0))
+        c.n_prompts_used = plist[-1] + 1
+        for r in run.responses_of(ro, plist):
+            c.groups.setdefault(r.prompt, []).append(r)
             if r.parsed is None:
-                status = "unparsed"
+                bump("unparsed")
             else:
                 assert r.check is not None
-                status = r.check.status + ("_propagated" if r.check.status == "mistake" and r.check.propagated else "")
-            counts[status] = counts.get(status, 0) + 1
+                bump(r.check.status + ("_propagated" if r.check.status == "mistake" and r.check.propagated else ""))
             ok = r.reward > 0
-            counts["correct" if ok else "wrong"] = counts.get("correct" if ok else "wrong", 0) + 1
-            if r.check is None or r.parsed is None or len(r.parsed.steps) < min_steps:
+            bump("correct" if ok else "wrong")
+            if r.check is None or r.parsed is None or len(r.parsed.steps) < s.min_steps:
                 continue
-            if (not ok and r.check.status == "mistake" and (r.check.propagated or not propagated_only)
-                    and len(sampled) < n_sampled and per_prompt["sampled"].get(r.prompt, 0) < max_per_prompt):
+            if (not ok and r.check.status == "mistake" and (r.check.propagated or not s.propagated_only)
+                    and len(c.sampled) < s.n_sampled and per_prompt["sampled"].get(r.prompt, 0) < s.max_per_prompt):
                 r.kind = "sampled"
-                sampled.append(r)
+                c.sampled.append(r)
                 per_prompt["sampled"][r.prompt] = per_prompt["sampled"].get(r.prompt, 0) + 1
-            elif (ok and r.check.status == "consistent" and len(edited) < n_counterfactual
-                  and per_prompt["counterfactual"].get(r.prompt, 0) < max_per_prompt):
+            elif (ok and r.check.status == "consistent" and len(c.edited) < s.n_counterfactual
+                  and per_prompt["counterfactual"].get(r.prompt, 0) < s.max_per_prompt):
                 assert r.parsed is not None
-                cf = draw_counterfactual(*terms[r.prompt], r.parsed.gap_fillers, records[r.prompt]["answer"],
-                                         edit_rng, max_delta=max_delta)
+                cf = draw_counterfactual(*run.terms[r.prompt], r.parsed.gap_fillers, run.records[r.prompt]["answer"],
+                                         edit_rng, max_delta=s.max_delta)
                 if cf is None:
-                    counts["edit_failed"] = counts.get("edit_failed", 0) + 1
+                    bump("edit_failed")
                     continue
-                ids = list(tokenizer(cf.text, add_special_tokens=False)["input_ids"])
+                ids = list(tok(cf.text, add_special_tokens=False)["input_ids"])
                 if eos is not None and r.ids and r.ids[-1] == eos:
                     ids.append(int(eos))
-                text, starts, ends = token_char_spans(tokenizer, ids)
-                parsed = parse_response(text, fillers=fillers)
-                check = None if parsed is None else check_steps(parsed.steps, *terms[r.prompt], parsed.answer)
-                if check is None or check.mistake_step != cf.step or not check.propagated:
+                e = run.response(r.prompt, r.prompt_ids, ids, float("nan"), kind="counterfactual", source=r, edit=cf)
+                if e.check is None or e.check.mistake_step != cf.step or not e.check.propagated:
                     raise RuntimeError(f"oar.attribution: the counterfactual {cf.text!r} does not parse back to its edit")
-                edited.append(_Response(r.prompt, r.prompt_ids, ids, float("nan"), text, starts, ends, parsed, check,
-                                        kind="counterfactual", source=r, edit=cf))
+                c.edited.append(e)
                 per_prompt["counterfactual"][r.prompt] = per_prompt["counterfactual"].get(r.prompt, 0) + 1
-    sample_seconds = time.perf_counter() - t0
-    if edited:
-        cf_rewards = reward_of([e.text for e in edited], [records[e.prompt]["answer"] for e in edited])
-        for e, rw in zip(edited, cf_rewards):
+    c.seconds = time.perf_counter() - t0
+    if c.edited:
+        rewards = run.reward_of([e.text for e in c.edited], [run.records[e.prompt]["answer"] for e in c.edited])
+        for e, rw in zip(c.edited, rewards):
             e.reward = float(rw)
-    scored = sampled + edited
-    kinds = [r.kind for r in scored]
+    return c
 
-    # ---- 2. one batch: the groups of sampled responses, one group copy per edit
+
+def _group_batch(c: _Collected) -> tuple["_Batch", list[int]]:
+    """Phase 2: the groups of the sampled responses (each once), one group copy per edit (the edit in
+    place of its source); returns the batch and the row of every scored response."""
     batch = _Batch()
     rows: list[int] = []
     group_rows: dict[int, dict[int, int]] = {}
-    for r in sampled:
+    for r in c.sampled:
         if r.prompt not in group_rows:
-            members = groups[r.prompt]
+            members = c.groups[r.prompt]
             group_rows[r.prompt] = {id(m): row for m, row in zip(members, batch.add_group(members))}
         rows.append(group_rows[r.prompt][id(r)])
-    for e in edited:
-        members = [e if m is e.source else m for m in groups[e.prompt]]
+    for e in c.edited:
+        members = [e if m is e.source else m for m in c.groups[e.prompt]]
         rows.append(batch.add_group(members)[next(i for i, m in enumerate(members) if m is e)])  # identity, not ==
-    summary_counts = {"n_prompts_sampled": n_prompts_used, "n_sampled_responses": sum(len(g) for g in groups.values()),
-                      "status": counts, "n_sampled": len(sampled), "n_counterfactual": len(edited),
-                      "counterfactual_still_correct": int(sum(e.reward > 0 for e in edited))}
+    return batch, rows
 
-    names = [s.name for s in specs]
-    n = len(scored)
-    if n == 0:
-        empty = {name: torch.zeros(0, 1) for name in names}
-        T = 1
-        reasoning = torch.zeros(0, 1, dtype=torch.bool)
-        seconds = {name: float("nan") for name in names}
-        info: dict[str, Any] = {"n_scored": {name: 0 for name in names}, "notes": {name: "" for name in names},
-                                "probe_seconds": 0.0}
-        scores = empty
-        tens = None
-    else:
-        tens = batch.tensors(pad_id)
-        T = int(tens["response_ids"].shape[1])
-        continuations = ContinuationContext(
-            engine=engine, prompts=[prompts[m.prompt] for m in batch.members],
-            golds=[records[m.prompt]["answer"] for m in batch.members], score=reward_of, temperature=temperature,
-            top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
-        scores, seconds, info = compute_signals(
-            model, tokenizer, **tens, rows=torch.tensor(rows), signals=specs, conclude=conclude,
-            oar_p_chunk_size=oar_p_chunk_size, noise_std=noise_std, ktae_options=ktae_options, seed=seed,
-            repeats=repeats, continuations=continuations,
-        )
-        if not bool(info["has_answer"].all()):
-            raise RuntimeError("oar.attribution.run_attribution: the probe found no answer in a response that parsed")
-        reasoning = info["reasoning_mask"]
 
-    mistake = torch.from_numpy(np.stack([_mistake_labels(r, T) for r in scored])) if n else torch.zeros(0, 1, dtype=torch.long)
-    fid_lab = torch.from_numpy(np.stack([_fidelity_labels(r, T) for r in scored])) if n else torch.zeros(0, 1, dtype=torch.long)
+def _signal_kwargs(run: _Run) -> dict[str, Any]:
+    s = run.s
+    return dict(conclude=s.conclude, oar_p_chunk_size=s.oar_p_chunk_size, noise_std=s.noise_std,
+                ktae_options=s.ktae_options)
 
-    loc, loc_per = localisation_table(scores, mistake, reasoning, kinds, top_k=top_k)
+
+def _score(run: _Run, c: _Collected, batch: "_Batch", rows: list[int]) -> _Scored:
+    """Phase 3: every signal's scores of the scored rows (``compute_signals``)."""
+    names = [sp.name for sp in run.specs]
+    if not c.scored:
+        return _Scored(scores={n: torch.zeros(0, 1) for n in names}, seconds={n: float("nan") for n in names},
+                       info={"n_scored": {n: 0 for n in names}, "notes": {n: "" for n in names}, "probe_seconds": 0.0},
+                       reasoning=torch.zeros(0, 1, dtype=torch.bool), T=1, tens=None, rows=rows, continuations=None)
+    tens = batch.tensors(run.pad_id)
+    cont = run.continuations(batch)
+    scores, seconds, info = compute_signals(run.model, run.tokenizer, **tens, rows=torch.tensor(rows),
+                                            signals=run.specs, seed=run.s.seed, repeats=run.s.repeats,
+                                            continuations=cont, **_signal_kwargs(run))
+    if not bool(info["has_answer"].all()):
+        raise RuntimeError("oar.attribution.run_attribution: the probe found no answer in a response that parsed")
+    return _Scored(scores=scores, seconds=seconds, info=info, reasoning=info["reasoning_mask"],
+                   T=int(tens["response_ids"].shape[1]), tens=tens, rows=rows, continuations=cont)
+
+
+def _measure(run: _Run, c: _Collected, sc: _Scored) -> tuple[Any, Any, Any, Any, Any]:
+    """Phase 4: the localisation table (one row per signal and kind, also for a kind without
+    responses), the fidelity table and the cost table."""
+    import pandas as pd
+
+    names, kinds, n = [sp.name for sp in run.specs], c.kinds, len(c.scored)
+    empty = torch.zeros(0, 1, dtype=torch.long)
+    mistake = torch.from_numpy(np.stack([_mistake_labels(r, sc.T) for r in c.scored])) if n else empty
+    fid_lab = torch.from_numpy(np.stack([_fidelity_labels(r, sc.T) for r in c.scored])) if n else empty
+    loc, loc_per = localisation_table(sc.scores, mistake, sc.reasoning, kinds, top_k=run.s.top_k)
     present = set(kinds)
-    blank = {c: float("nan") for c in loc.columns}
+    blank = {col: float("nan") for col in loc.columns}
     missing = [{**blank, "signal": s_, "kind": k, "n_responses": 0, "n_auroc": 0, "n_positive": 0, "n_negative": 0}
                for s_ in names for k in KINDS if k not in present]
     if missing:  # one row per (signal, kind) even when a kind has no response
@@ -400,84 +484,92 @@ def run_attribution(
     rank = loc["signal"].map({s_: i for i, s_ in enumerate(names)}) * len(KINDS) + loc["kind"].map(
         {k: i for i, k in enumerate(KINDS)})
     loc = loc.iloc[np.argsort(rank.to_numpy(), kind="stable")].reset_index(drop=True)
-    sec_per = {k: (seconds[k] / info["n_scored"][k] if info["n_scored"].get(k) else float("nan")) for k in seconds}
-    fid, fid_per = fidelity_table(scores, fid_lab, reasoning, seconds_per_response=sec_per)
-    cost = cost_table(seconds, info["n_scored"], reference=cost_reference, notes=info["notes"])
+    n_scored = sc.info["n_scored"]
+    sec_per = {k: (sc.seconds[k] / n_scored[k] if n_scored.get(k) else float("nan")) for k in sc.seconds}
+    fid, fid_per = fidelity_table(sc.scores, fid_lab, sc.reasoning, seconds_per_response=sec_per)
+    cost = cost_table(sc.seconds, n_scored, reference=run.s.cost_reference, notes=sc.info["notes"])
+    return loc, loc_per, fid, fid_per, cost
 
-    # ---- 3. stability
+
+def _stability(run: _Run, c: _Collected, sc: _Scored) -> tuple[Any, Any, float]:
+    """Phase 5: stochastic signals again with seed + 1; KTAE on a second sampled group per prompt."""
+    s = run.s
     pairs: dict[str, tuple[torch.Tensor, torch.Tensor, str]] = {}
-    stab_seconds = 0.0
-    if stability and n:
-        assert tens is not None
-        t0 = time.perf_counter()
-        stoch = [s for s in specs if s.stochastic]
+    t0 = time.perf_counter()
+    if s.stability and c.scored:
+        assert sc.tens is not None
+        stoch = [sp for sp in run.specs if sp.stochastic]
         if stoch:
-            again, _, _ = compute_signals(
-                model, tokenizer, **tens, rows=torch.tensor(rows), signals=stoch, conclude=conclude,
-                oar_p_chunk_size=oar_p_chunk_size, noise_std=noise_std, ktae_options=ktae_options, seed=seed + 1,
-                warmup=False, continuations=continuations,
-            )
-            seed_kind = {"oar_g": "noise seed", "mc_value": "continuation seed"}
-            for s in stoch:
-                pairs[s.name] = (scores[s.name], again[s.name], seed_kind.get(s.kind, "random seed"))
-        ktae = [s for s in specs if s.kind == "ktae"]
-        if ktae and n_samples > 1:
-            plist = sorted({r.prompt for r in scored})
-            ro = engine.generate([prompts[i] for i in plist], n=n_samples - 1, temperature=temperature, top_p=top_p,
-                                 max_new_tokens=max_new_tokens, seed=_derived_seed("oar-attribution-group2", seed))
+            again, _, _ = compute_signals(run.model, run.tokenizer, **sc.tens, rows=torch.tensor(sc.rows), signals=stoch,
+                                          seed=s.seed + 1, warmup=False, continuations=sc.continuations,
+                                          **_signal_kwargs(run))
+            for sp in stoch:
+                pairs[sp.name] = (sc.scores[sp.name], again[sp.name], _SEED_KIND.get(sp.kind, "random seed"))
+        ktae = [sp for sp in run.specs if sp.kind == "ktae"]
+        if ktae and s.n_samples > 1:
+            plist = sorted({r.prompt for r in c.scored})
+            ro = run.engine.generate([run.prompts[i] for i in plist], n=s.n_samples - 1, temperature=s.temperature,
+                                     top_p=s.top_p, max_new_tokens=s.max_new_tokens,
+                                     seed=_derived_seed("oar-attribution-group2", s.seed))
             fresh: dict[int, list[_Response]] = {}
-            for r in responses_of(ro, plist):
+            for r in run.responses_of(ro, plist):
                 fresh.setdefault(r.prompt, []).append(r)
             b2 = _Batch()
-            rows2 = [b2.add_group(fresh[r.prompt] + [r])[-1] for r in scored]
-            k2, _, _ = compute_signals(model, tokenizer, **b2.tensors(pad_id), rows=torch.tensor(rows2), signals=ktae,
-                                       conclude=conclude, ktae_options=ktae_options, seed=seed, warmup=False)
-            for s in ktae:
+            rows2 = [b2.add_group(fresh[r.prompt] + [r])[-1] for r in c.scored]
+            k2, _, _ = compute_signals(run.model, run.tokenizer, **b2.tensors(run.pad_id), rows=torch.tensor(rows2),
+                                       signals=ktae, seed=s.seed, warmup=False, **_signal_kwargs(run))
+            for sp in ktae:
                 # both batches hold the same rows right-padded: align the second on the first's width
-                b = torch.zeros_like(scores[s.name])
-                w = min(T, k2[s.name].shape[1])
-                b[:, :w] = k2[s.name][:, :w]
-                pairs[s.name] = (scores[s.name], b, "sampled group")
-        stab_seconds = time.perf_counter() - t0
-    stab, stab_per = stability_table(pairs, reasoning, kinds)
+                b = torch.zeros_like(sc.scores[sp.name])
+                w = min(sc.T, k2[sp.name].shape[1])
+                b[:, :w] = k2[sp.name][:, :w]
+                pairs[sp.name] = (sc.scores[sp.name], b, "sampled group")
+    stab, stab_per = stability_table(pairs, sc.reasoning, c.kinds)
+    return stab, stab_per, (time.perf_counter() - t0) if s.stability and c.scored else 0.0
 
-    # ---- 4. per-response rows and summary
+
+#: What the second computation of a stochastic signal changes (the stability table's comparison).
+_SEED_KIND = {"oar_g": "noise seed", "mc_value": "continuation seed"}
+
+
+def _per_response(run: _Run, c: _Collected, loc_per: Any, fid_per: Any, stab_per: Any) -> Any:
+    """Phase 6a: one row per scored response (kind, prompt, texts, metrics)."""
+    import pandas as pd
+
+    scored = c.scored
     per = pd.DataFrame({
-        "kind": kinds,
+        "kind": c.kinds,
         "prompt_index": [r.prompt for r in scored],
-        "question": [records[r.prompt]["question"] for r in scored],
-        "gold": [records[r.prompt]["answer"] for r in scored],
+        "question": [run.records[r.prompt]["question"] for r in scored],
+        "gold": [run.records[r.prompt]["answer"] for r in scored],
         "reward": [r.reward for r in scored],
         "mistake_step": [r.check.mistake_step if r.check else -1 for r in scored],
         "n_steps": [len(r.parsed.steps) if r.parsed else 0 for r in scored],
     })
-    fid_cols = fid_per[["n_pivotal", "n_filler"]] if n else pd.DataFrame(columns=["n_pivotal", "n_filler"])
+    fid_cols = fid_per[["n_pivotal", "n_filler"]] if scored else pd.DataFrame(columns=["n_pivotal", "n_filler"])
     per = pd.concat([per, loc_per.drop(columns=["kind"]), fid_cols.reset_index(drop=True), stab_per], axis=1)
     per["text"] = [r.text for r in scored]
     per["original_text"] = [r.source.text if r.source is not None else "" for r in scored]
+    return per
 
-    summary = {
-        **summary_counts,
+
+def _summary(run: _Run, c: _Collected, batch: "_Batch", sc: _Scored, stab_seconds: float, total: float) -> dict:
+    """Phase 6b: counts, settings and timings (``summary.json``)."""
+    counts = c.counts
+    return {
+        "n_prompts_sampled": c.n_prompts_used, "n_sampled_responses": sum(len(g) for g in c.groups.values()),
+        "status": counts, "n_sampled": len(c.sampled), "n_counterfactual": len(c.edited),
+        "counterfactual_still_correct": int(sum(e.reward > 0 for e in c.edited)),
         "sample_accuracy": counts.get("correct", 0) / max(counts.get("correct", 0) + counts.get("wrong", 0), 1),
         "n_batch_rows": len(batch.members),
-        "seconds_sampling": sample_seconds,
-        "seconds_probe": info["probe_seconds"],
-        "seconds_signal": seconds,
-        "n_scored": info["n_scored"],
+        "seconds_sampling": c.seconds,
+        "seconds_probe": sc.info["probe_seconds"],
+        "seconds_signal": sc.seconds,
+        "n_scored": sc.info["n_scored"],
         "seconds_stability": stab_seconds,
-        "seconds_total": time.perf_counter() - t_start,
-        "settings": {
-            "split": split, "template": template, "seed": seed, "n_samples": n_samples, "temperature": temperature,
-            "top_p": top_p, "max_new_tokens": max_new_tokens, "n_sampled": n_sampled,
-            "n_counterfactual": n_counterfactual, "max_prompts": max_prompts, "prompts_per_round": prompts_per_round,
-            "propagated_only": propagated_only, "min_steps": min_steps, "max_per_prompt": max_per_prompt,
-            "max_delta": max_delta, "top_k": list(top_k),
-            "signals": [{"name": s.name, "kind": s.kind, **dict(s.options)} for s in specs],
-            "conclude": conclude, "cost_reference": cost_reference, "timing_repeats": repeats,
-            "fillers": fillers, "torch_threads": torch.get_num_threads(),
-        },
+        "seconds_total": total,
+        "settings": run.s.as_summary(run.fillers),
     }
-    return AttributionResult(localisation=loc, stability=stab, cost=cost, fidelity=fid, per_response=per, summary=summary)
 
 
 def attribution_from_config(
@@ -487,22 +579,16 @@ def attribution_from_config(
     *,
     repeats: int | None = None,
 ) -> AttributionResult:
-    """Run the benchmark as the config says and write its outputs.
-
-    Settings: ``attribution`` (``signals``, ``n_sampled``, ``n_counterfactual``, ``max_prompts``,
-    ``prompts_per_round``, ``propagated_only``, ``min_steps``, ``max_per_prompt``, ``max_delta``, ``top_k``, ``conclude``,
-    ``cost_reference``, ``stability``, ``timing_repeats``, ``split``, ``seed``); sampling from
-    ``rollout`` (``n`` = the group size, ``temperature``, ``top_p``, ``max_new_tokens``,
-    ``batch_size``); the task from ``task`` (``kind`` must be ``synthetic``); reward settings from
-    ``reward``; ``device``. ``attribution.enabled`` is for the workflow: this function always runs.
+    """Run the benchmark as the config says (:meth:`AttributionSettings.from_config`) and write its
+    outputs. ``attribution.enabled`` is for the workflow: this function always runs.
 
     Writes (atomically) into ``output_dir``: ``localisation.csv``, ``stability.csv``, ``cost.csv``,
     ``fidelity.csv``, ``per_response.csv``, ``attribution.md`` (the three tables),
-    ``localisation.png``, ``fidelity.png`` and ``summary.json``.
+    ``localisation.png``, ``fidelity.png``, ``cost_curve.png`` and ``summary.json``.
 
     Args:
         config: a validated config (:func:`oar.config.load_config`).
-        model_dir: the warm-started policy (loaded with :func:`oar.models.load_policy`).
+        model_dir: the policy (loaded with :func:`oar.models.load_policy`).
         output_dir: output folder (created).
         repeats: timing repeats per signal (default ``attribution.timing_repeats``).
 
@@ -512,49 +598,10 @@ def attribution_from_config(
     from oar.attribution.report import write_outputs
     from oar.models import load_policy
 
-    def section(name: str) -> Mapping[str, Any]:
-        sec = config.get(name)
-        if not isinstance(sec, Mapping):
-            raise ValueError(f"config: missing or malformed section {name!r}")
-        return sec
-
-    attr, rollout, task = section("attribution"), section("rollout"), section("task")
-    reward = config.get("reward") or {}
-    if task.get("kind", "synthetic") != "synthetic":
-        raise ValueError(f"config: task.kind={task.get('kind')!r}: the attribution benchmark needs 'synthetic'")
-    if "n" not in rollout:
-        raise ValueError("config: missing key rollout.n")
+    settings = AttributionSettings.from_config(config, **({} if repeats is None else {"repeats": int(repeats)}))
     model, tokenizer = load_policy(model_dir)
-    model.to(config.get("device", "cpu"))
-    result = run_attribution(
-        model,
-        tokenizer,
-        task_options=dict(task.get("synthetic") or {}),
-        n_samples=int(rollout["n"]),
-        n_sampled=int(attr.get("n_sampled", 300)),
-        n_counterfactual=int(attr.get("n_counterfactual", 300)),
-        max_prompts=int(attr.get("max_prompts", 2000)),
-        prompts_per_round=int(attr.get("prompts_per_round", 64)),
-        propagated_only=bool(attr.get("propagated_only", True)),
-        min_steps=int(attr.get("min_steps", 2)),
-        max_per_prompt=int(attr.get("max_per_prompt", 2)),
-        max_delta=int(attr.get("max_delta", 9)),
-        top_k=tuple(int(k) for k in attr.get("top_k", (1, 3))),
-        temperature=float(rollout.get("temperature", 1.0)),
-        top_p=float(rollout.get("top_p", 1.0)),
-        max_new_tokens=int(rollout.get("max_new_tokens", 64)),
-        seed=int(attr.get("seed", 0)),
-        template=str(task.get("template", "tiny")),
-        split=str(attr.get("split", "test")),
-        signals=list(attr.get("signals") or DEFAULT_BENCHMARK_SIGNALS),
-        conclude=attr.get("conclude"),
-        cost_reference=str(attr.get("cost_reference", "oar_g")),
-        stability=bool(attr.get("stability", True)),
-        reward_timeout_s=float(reward.get("timeout_s", 5.0)),
-        reward_workers=reward.get("workers"),
-        batch_size=int(rollout.get("batch_size", 256)),
-        repeats=int(attr.get("timing_repeats", 1) if repeats is None else repeats),
-    )
+    model.to(config["device"])
+    result = run_attribution(model, tokenizer, settings)
     result.summary["model_dir"] = str(model_dir)
     write_outputs(result, Path(output_dir))
     return result

@@ -248,107 +248,179 @@ def compute_signals(
         (the probe's reasoning tokens: response tokens before the token that starts the last
         ``\\boxed{``), ``has_answer`` ``(n,)``.
     """
-    from oar.credit.importance import perturbation_importance
-    from oar.credit.ktae import ktae_scores_batch
-    from oar.credit.probe import DEFAULT_CONCLUDE, build_probe
-
     specs = signal_specs(signals)
     if repeats < 1:
         raise ValueError(f"oar.attribution.compute_signals: repeats must be >= 1, got {repeats}")
-    rows = torch.as_tensor(rows, dtype=torch.long)
-    n, T = int(rows.numel()), int(response_ids.shape[1])
-    device = next(model.parameters()).device
-    default_conclude = DEFAULT_CONCLUDE if conclude is None else conclude
-
-    probes: dict[str, tuple[Any, Any]] = {}  # conclude -> (cpu probe, device probe)
-    probe_seconds = 0.0
-
-    def probe_for(c: str) -> tuple[Any, Any]:
-        nonlocal probe_seconds
-        if c not in probes:
-            t0 = time.perf_counter()
-            p = build_probe(tokenizer, prompt_ids[rows], response_ids[rows], conclude=c,
-                            prompt_mask=prompt_mask[rows], response_mask=response_mask[rows])
-            probe_seconds += time.perf_counter() - t0
-            probes[c] = (p, p.to(device))
-        return probes[c]
-
-    base, _ = probe_for(default_conclude)
+    run = _SignalRun(model=model, tokenizer=tokenizer, prompt_ids=prompt_ids, prompt_mask=prompt_mask,
+                     response_ids=response_ids, response_mask=response_mask, rewards=rewards, group_ids=group_ids,
+                     rows=torch.as_tensor(rows, dtype=torch.long), conclude=conclude, oar_p_chunk_size=oar_p_chunk_size,
+                     noise_std=noise_std, ktae_options=ktae_options, seed=seed, warmup=warmup, repeats=repeats,
+                     continuations=continuations)
+    base, _ = run.probe_for(run.default_conclude)
     info: dict[str, Any] = {
-        "reasoning_mask": (base.to_response(base.reasoning_mask.float(), T) > 0).cpu(),
+        "reasoning_mask": (base.to_response(base.reasoning_mask.float(), run.T) > 0).cpu(),
         "has_answer": base.has_answer.cpu(),
         "n_scored": {},
         "notes": {},
     }
+    scores: dict[str, torch.Tensor] = {}
+    seconds: dict[str, float] = {}
+    for spec in specs:
+        note = ", ".join(f"{k}={v}" for k, v in spec.options.items() if k != "conclude")
+        scores[spec.name], seconds[spec.name], info["n_scored"][spec.name], extra = _SCORERS[spec.kind](run, spec)
+        info["notes"][spec.name] = ", ".join(x for x in (note, extra) if x)
+    info["probe_seconds"] = run.probe_seconds
+    return scores, seconds, info
 
-    def timed(fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, float]:
+
+@dataclass
+class _SignalRun:
+    """What every scorer of :func:`compute_signals` reads, with the probes (one per conclude string)
+    and the timing shared by all of them."""
+
+    model: torch.nn.Module
+    tokenizer: Any
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+    rewards: torch.Tensor
+    group_ids: torch.Tensor
+    rows: torch.Tensor
+    conclude: str | None
+    oar_p_chunk_size: int
+    noise_std: float
+    ktae_options: Mapping[str, Any] | None
+    seed: int
+    warmup: bool
+    repeats: int
+    continuations: Any
+    probes: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # conclude -> (cpu probe, device probe)
+    probe_seconds: float = 0.0
+    ktae: tuple[torch.Tensor, float] | None = None  # |K| of the whole batch, computed once
+
+    @property
+    def n(self) -> int:
+        return int(self.rows.numel())
+
+    @property
+    def T(self) -> int:
+        return int(self.response_ids.shape[1])
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def default_conclude(self) -> str:
+        from oar.credit.probe import DEFAULT_CONCLUDE
+
+        return DEFAULT_CONCLUDE if self.conclude is None else self.conclude
+
+    def probe_for(self, c: str) -> tuple[Any, Any]:
+        """The outcome probe of the scored rows with conclude string ``c`` (built once)."""
+        from oar.credit.probe import build_probe
+
+        if c not in self.probes:
+            t0 = time.perf_counter()
+            r = self.rows
+            p = build_probe(self.tokenizer, self.prompt_ids[r], self.response_ids[r], conclude=c,
+                            prompt_mask=self.prompt_mask[r], response_mask=self.response_mask[r])
+            self.probe_seconds += time.perf_counter() - t0
+            self.probes[c] = (p, p.to(self.device))
+        return self.probes[c]
+
+    def timed(self, fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, float]:
+        """``fn()`` run ``repeats`` times: the first result and the fastest wall time."""
         best, first = float("inf"), None
-        for _ in range(repeats):
-            _sync(device)
+        for _ in range(self.repeats):
+            _sync(self.device)
             t0 = time.perf_counter()
             out = fn()
-            _sync(device)
+            _sync(self.device)
             best = min(best, time.perf_counter() - t0)
             first = out if first is None else first
         assert first is not None
         return first, best
 
-    scores: dict[str, torch.Tensor] = {}
-    seconds: dict[str, float] = {}
-    ktae_cache: dict[bool, tuple[torch.Tensor, float]] = {}
-    for spec in specs:
-        o = spec.options
-        note = ", ".join(f"{k}={v}" for k, v in o.items() if k != "conclude")
-        if spec.kind in ("oar_p", "oar_g"):
-            cpu_probe, dev_probe = probe_for(str(o.get("conclude", default_conclude)))
-            if spec.kind == "oar_p":
-                mode, cs = o.get("mode", "last"), int(o.get("chunk_size", oar_p_chunk_size))
 
-                ties = None
-                if o.get("tie", "none") == "values":
-                    from oar.credit.importance import value_tie_ids
+#: A scorer: ``(run, spec) -> (scores (n, T) float on CPU, seconds, responses scored, note)``.
+Scorer = Callable[[_SignalRun, SignalSpec], tuple[torch.Tensor, float, int, str]]
 
-                    ties = value_tie_ids(tokenizer, cpu_probe, response_ids[rows], response_mask[rows])
 
-                def fn(p: Any, sel: Any = None, mode: str = mode, cs: int = cs, ties: Any = ties) -> torch.Tensor:
-                    t = None if ties is None else (ties if sel is None else ties[sel])
-                    t = None if t is None else t.to(p.input_ids.device)[:, t.shape[1] - p.input_ids.shape[1]:]
-                    return perturbation_importance(model, p, mode=mode, chunk_size=cs, tie_ids=t).abs()
-            else:
-                fn = _oar_g_fn(model, spec, noise_std=noise_std, seed=seed, device=device)
-            answered = cpu_probe.has_answer.nonzero().flatten()
-            if warmup and answered.numel():
-                one = dev_probe.select(answered[:1])
-                fn(one, answered[:1]) if spec.kind == "oar_p" else fn(one)
-            s, seconds[spec.name] = timed(lambda: fn(dev_probe))
-            scores[spec.name] = cpu_probe.to_response(s.float().cpu(), T)
-            info["n_scored"][spec.name] = n
-        elif spec.kind == "ktae":
-            if True not in ktae_cache:
-                opts = dict(ktae_options or {})
-                if "ignore_token_ids" not in opts and getattr(tokenizer, "eos_token_id", None) is not None:
-                    opts["ignore_token_ids"] = (int(tokenizer.eos_token_id),)
-                ktae_cache[True] = timed(lambda: ktae_scores_batch(
-                    response_ids, response_mask, rewards.float(), group_ids.long(), **opts))
-            k, dt = ktae_cache[True]
-            k = k.float().cpu()[rows]
-            scores[spec.name] = k if o.get("signed", False) else k.abs()
-            seconds[spec.name] = dt
-            info["n_scored"][spec.name] = int(response_ids.shape[0])
-            note = (note + ", " if note else "") + "per group member"
-        elif spec.kind == "mc_value":
-            scores[spec.name], seconds[spec.name] = timed(lambda: _mc_value_blame(
-                continuations, tokenizer, response_ids, response_mask, rewards, group_ids, rows, spec, seed))
-            info["n_scored"][spec.name] = n
-        elif spec.kind == "random":
-            scores[spec.name], seconds[spec.name] = timed(
-                lambda: torch.rand((n, T), generator=torch.Generator().manual_seed(int(seed)))
-                * response_mask[rows].cpu().float()
-            )
-            info["n_scored"][spec.name] = n
-        else:  # uniform
-            scores[spec.name], seconds[spec.name] = timed(lambda: response_mask[rows].cpu().float().clone())
-            info["n_scored"][spec.name] = n
-        info["notes"][spec.name] = note
-    info["probe_seconds"] = probe_seconds
-    return scores, seconds, info
+def _probe_scorer(run: _SignalRun, spec: SignalSpec, fn: Callable[..., torch.Tensor]) -> tuple[torch.Tensor, float, int, str]:
+    """OAR-P / OAR-G: ``fn(probe, rows)`` on the probe of the spec's conclude string (warmed up once)."""
+    cpu_probe, dev_probe = run.probe_for(str(spec.options.get("conclude", run.default_conclude)))
+    answered = cpu_probe.has_answer.nonzero().flatten()
+    if run.warmup and answered.numel():
+        fn(dev_probe.select(answered[:1]), answered[:1])
+    s, dt = run.timed(lambda: fn(dev_probe, None))
+    return cpu_probe.to_response(s.float().cpu(), run.T), dt, run.n, ""
+
+
+def _score_oar_p(run: _SignalRun, spec: SignalSpec) -> tuple[torch.Tensor, float, int, str]:
+    from oar.credit.importance import perturbation_importance, value_tie_ids
+
+    o = spec.options
+    mode, cs = o.get("mode", "last"), int(o.get("chunk_size", run.oar_p_chunk_size))
+    ties = None
+    if o.get("tie", "none") == "values":
+        cpu_probe, _ = run.probe_for(str(o.get("conclude", run.default_conclude)))
+        ties = value_tie_ids(run.tokenizer, cpu_probe, run.response_ids[run.rows], run.response_mask[run.rows])
+
+    def fn(p: Any, sel: Any) -> torch.Tensor:
+        t = None if ties is None else (ties if sel is None else ties[sel])
+        t = None if t is None else t.to(p.input_ids.device)[:, t.shape[1] - p.input_ids.shape[1]:]
+        return perturbation_importance(run.model, p, mode=mode, chunk_size=cs, tie_ids=t).abs()
+
+    return _probe_scorer(run, spec, fn)
+
+
+def _score_oar_g(run: _SignalRun, spec: SignalSpec) -> tuple[torch.Tensor, float, int, str]:
+    g = _oar_g_fn(run.model, spec, noise_std=run.noise_std, seed=run.seed, device=run.device)
+    return _probe_scorer(run, spec, lambda p, sel: g(p))
+
+
+def _score_ktae(run: _SignalRun, spec: SignalSpec) -> tuple[torch.Tensor, float, int, str]:
+    """KTAE over every response of the batch (its statistics use whole groups), taken at the rows."""
+    from oar.credit.ktae import ktae_scores_batch
+
+    if run.ktae is None:
+        opts = dict(run.ktae_options or {})
+        eos = getattr(run.tokenizer, "eos_token_id", None)
+        if "ignore_token_ids" not in opts and eos is not None:
+            opts["ignore_token_ids"] = (int(eos),)
+        run.ktae = run.timed(lambda: ktae_scores_batch(run.response_ids, run.response_mask, run.rewards.float(),
+                                                       run.group_ids.long(), **opts))
+    k, dt = run.ktae
+    k = k.float().cpu()[run.rows]
+    return (k if spec.options.get("signed", False) else k.abs()), dt, int(run.response_ids.shape[0]), "per group member"
+
+
+def _score_mc_value(run: _SignalRun, spec: SignalSpec) -> tuple[torch.Tensor, float, int, str]:
+    s, dt = run.timed(lambda: _mc_value_blame(run.continuations, run.tokenizer, run.response_ids, run.response_mask,
+                                              run.rewards, run.group_ids, run.rows, spec, run.seed))
+    return s, dt, run.n, ""
+
+
+def _score_random(run: _SignalRun, spec: SignalSpec) -> tuple[torch.Tensor, float, int, str]:
+    s, dt = run.timed(lambda: torch.rand((run.n, run.T), generator=torch.Generator().manual_seed(int(run.seed)))
+                      * run.response_mask[run.rows].cpu().float())
+    return s, dt, run.n, ""
+
+
+def _score_uniform(run: _SignalRun, spec: SignalSpec) -> tuple[torch.Tensor, float, int, str]:
+    s, dt = run.timed(lambda: run.response_mask[run.rows].cpu().float().clone())
+    return s, dt, run.n, ""
+
+
+#: The scorer of each signal kind (a new kind is one function here and its options in SIGNAL_OPTIONS).
+_SCORERS: dict[str, Scorer] = {
+    "oar_p": _score_oar_p,
+    "oar_g": _score_oar_g,
+    "ktae": _score_ktae,
+    "mc_value": _score_mc_value,
+    "random": _score_random,
+    "uniform": _score_uniform,
+}
+assert set(_SCORERS) == set(SIGNAL_OPTIONS), "every signal kind needs a scorer and its options"

@@ -238,8 +238,7 @@ def gradient_importance(
             (from its first reasoning position to the end), longest first, into chunks of at most
             ``chunk_tokens`` computed positions (``rows x longest x draws``):
             :func:`oar.packing.group_by_length`. Rows of a left-padded probe then no longer compute
-            the padding and prompt tokens of the longer rows beside them (38% of the positions of one
-            chunk on the tiny default). None: one chunk.
+            the padding and prompt tokens of the longer rows beside them. None: one chunk.
         naive: run the forward over the whole probe instead of reusing the prompt prefix's KV
             cache. The cached path needs a plain full-attention ``DynamicCache``
             (Llama/Qwen2-like models); for other caches it warns and falls back to the naive path.

@@ -1,0 +1,146 @@
+"""How the workflow launches and sizes its jobs: per-rule resources, the training job's node and GPU
+resources on SLURM, the command that starts one training job (one process, torchrun, srun +
+torchrun), and the conda env of the rules. ``workflow/rules/common.smk`` calls these with the
+validated config; the layout itself is :func:`oar.plan.train_layout` (``oar plan`` sizes by it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shlex
+from typing import Any, Mapping
+
+from oar.plan import train_layout
+
+__all__ = [
+    "DEFAULT_RESOURCES",
+    "RESOURCE_FALLBACK",
+    "CONDA_ENVS",
+    "resource",
+    "uses_gpu",
+    "conda_env_choice",
+    "train_resources",
+    "train_launcher",
+    "oar_env",
+    "fingerprint",
+]
+
+#: Resources per rule; ``config["resources"][<rule>]`` overrides any key (gpu, mem_mb, runtime in
+#: minutes, threads; for train also nodes and processes, see :func:`oar.plan.train_layout`). On
+#: SLURM, ``gpu`` becomes --gpus=N (snakemake-executor-plugin-slurm); mem_mb, threads and a train
+#: job's gpu are per node.
+DEFAULT_RESOURCES: dict[str, dict[str, int]] = {
+    "data": {"gpu": 0, "mem_mb": 2000, "runtime": 30, "threads": 1},
+    "sft": {"gpu": 0, "mem_mb": 4000, "runtime": 120, "threads": 2},
+    "train": {"gpu": 0, "nodes": 1, "processes": 0, "mem_mb": 8000, "runtime": 240, "threads": 1},
+    "evaluate": {"gpu": 0, "mem_mb": 4000, "runtime": 60, "threads": 1},
+    "attribution": {"gpu": 0, "mem_mb": 4000, "runtime": 60, "threads": 1},
+    "report": {"gpu": 0, "mem_mb": 2000, "runtime": 15, "threads": 1},
+}
+
+#: A rule without its own entry in ``config["resources"]`` uses its parent rule's entry.
+RESOURCE_FALLBACK: dict[str, str] = {"evaluate_base": "evaluate"}
+
+#: The rules' conda env files by ``software.conda_env`` name, relative to ``workflow/rules/`` (as
+#: Snakemake reads a rule's ``conda:``).
+CONDA_ENVS: dict[str, str] = {"cpu": "../envs/cpu.yaml", "gpu": "../envs/gpu.yaml"}
+
+
+def resource(config: Mapping[str, Any], rule: str, key: str) -> Any:
+    """Resource ``key`` of ``rule``: ``config["resources"][rule][key]`` (or its fallback rule's),
+    else :data:`DEFAULT_RESOURCES`."""
+    table = config.get("resources") or {}
+    for name in (rule, RESOURCE_FALLBACK.get(rule)):
+        if name is not None and key in table.get(name, {}):
+            return table[name][key]
+    return DEFAULT_RESOURCES[RESOURCE_FALLBACK.get(rule, rule)][key]
+
+
+def uses_gpu(config: Mapping[str, Any]) -> bool:
+    """Whether the config runs anything on a GPU or with vLLM (``software.conda_env: auto`` -> gpu)."""
+    return (
+        config["device"] == "cuda"
+        or "vllm" in (config["rollout"]["engine"], config["eval"]["engine"])
+        or any(int((r or {}).get("gpu", 0)) > 0 for r in (config.get("resources") or {}).values())
+    )
+
+
+def conda_env_choice(config: Mapping[str, Any]) -> tuple[str, bool]:
+    """The env file of every rule: ``(path, builtin)``. ``builtin``: a :data:`CONDA_ENVS` path
+    (``auto`` takes gpu for a config that uses a GPU or vLLM, else cpu); otherwise the file
+    ``software.conda_env`` names, made absolute (relative to the working directory)."""
+    choice = config["software"]["conda_env"]
+    if choice == "auto":
+        choice = "gpu" if uses_gpu(config) else "cpu"
+    if choice in CONDA_ENVS:
+        return CONDA_ENVS[choice], True
+    return os.path.abspath(choice), False
+
+
+def train_resources(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The train rule's node and GPU resources (snakemake-executor-plugin-slurm names).
+
+    One node: ``gpu`` (sbatch --gpus=N) and nodes=1. Several nodes: one task per node, started by
+    the rule's own ``srun`` (see :func:`train_launcher`): ``mpi`` tells the plugin's jobstep executor
+    not to wrap the command in ``srun -n1``, ``tasks`` = nodes gives sbatch --ntasks (the plugin asks
+    ``tasks`` > 1 of an ``mpi`` job), tasks_per_gpu=0 keeps it from also passing ``tasks`` as
+    --ntasks-per-gpu, and the GPUs are requested per node as gres=gpu:G (--gpus is a total that SLURM
+    may spread unevenly; the plugin would pass both, so gpu is 0 then).
+    """
+    nodes, _, gpu = train_layout(dict(config))
+    if nodes == 1:
+        return {"gpu": gpu, "nodes": 1}
+    return {"gpu": 0, "nodes": nodes, "tasks": nodes, "tasks_per_gpu": 0, "mpi": "srun",
+            **({"gres": f"gpu:{gpu}"} if gpu else {})}
+
+
+def oar_env(src_dir: str) -> str:
+    """The environment prefix that runs this repository's library: its ``src/`` first on PYTHONPATH
+    (so the same code runs in a venv and in the conda env of --use-conda, whose files hold
+    dependencies only)."""
+    return f"PYTHONPATH={shlex.quote(src_dir)}${{PYTHONPATH:+:$PYTHONPATH}}"
+
+
+# torchrun on every node of a multi-node job (run by srun, one task per node): the rendezvous host
+# is the first node of the step; SLURM_JOB_ID names the rendezvous and picks the port
+_NODE_TORCHRUN = (
+    'MASTER_ADDR=$(scontrol show hostnames "${{SLURM_STEP_NODELIST:-$SLURM_JOB_NODELIST}}" | head -n 1)'
+    "; MASTER_PORT=$((29500 + SLURM_JOB_ID % 1000))"
+    "; exec torchrun --nnodes {nodes} --nproc_per_node {procs} --rdzv_backend c10d"
+    ' --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv_id "$SLURM_JOB_ID" -m oar.cli "$@"'
+)
+
+
+def train_launcher(config: Mapping[str, Any], src_dir: str, threads: int) -> str:
+    """The command that ``train --config ...`` follows (see :func:`oar.plan.train_layout`):
+
+    - one process: ``python -m oar.cli`` behind :func:`oar_env` (which precedes every launcher;
+      torchrun's and srun's processes inherit it);
+    - several on one node (GPUs, or CPU processes): ``torchrun --standalone --nproc_per_node P -m
+      oar.cli`` (a free port per job, so two jobs on one machine do not collide); accelerate's
+      Accelerator in the trainer takes RANK/WORLD_SIZE/LOCAL_RANK from it, NCCL on GPUs and gloo on
+      CPU. (``accelerate launch --cpu --num_processes 2`` starts ONE process, DistributedType.NO.)
+    - several nodes (SLURM only): ``srun`` one task per node, each running torchrun with a c10d
+      rendezvous on the first node of the job.
+
+    OMP_NUM_THREADS splits the job's ``threads`` between its processes (snakemake sets it to all of them).
+    """
+    env = oar_env(src_dir)
+    nodes, procs, gpu = train_layout(dict(config))
+    if nodes == 1 and procs == 1:
+        return f"{env} python -m oar.cli"
+    omp = f"{env} OMP_NUM_THREADS={max(1, int(threads) // procs)}"
+    if nodes == 1:
+        return f"{omp} torchrun --standalone --nnodes 1 --nproc_per_node {procs} -m oar.cli"
+    node = _NODE_TORCHRUN.format(nodes=nodes, procs=procs)
+    gres = f" --gres=gpu:{gpu}" if gpu else ""
+    return (f"{omp} srun --nodes={nodes} --ntasks-per-node=1 --cpus-per-task={int(threads)}{gres}"
+            f" --kill-on-bad-exit=1 bash -c {shlex.quote(node)} oar")
+
+
+def fingerprint(*parts: Any) -> str:
+    """Short hash of config sections; a rule's params carry it, so changing them reruns the rule."""
+    blob = json.dumps(parts, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]

@@ -1,0 +1,74 @@
+"""What the report's modules share: the row and metric names, the ``report`` config defaults,
+:class:`ReportError`, :class:`RunScores`, and where a config's results lie.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from oar.config import section_defaults
+
+__all__ = ["BASE_ROW", "METRICS", "REPORT_DEFAULTS", "ReportError", "RunScores"]
+
+#: Name of the row of the starting model.
+BASE_ROW = "base"
+#: Per-problem scores a table can show (see the module docstring).
+METRICS = ("pass@1", "avg@k", "pass@k")
+#: Defaults of the config's ``report`` section (the schema fills them in a validated config).
+#: The schema's defaults of the ``report`` section (for configs that are not validated).
+REPORT_DEFAULTS = section_defaults("report")
+
+
+class ReportError(FileNotFoundError):
+    """A missing or inconsistent piece of the results tree; the message names the file(s)."""
+
+
+@dataclass
+class RunScores:
+    """Per-problem scores of one table row on one benchmark.
+
+    Attributes:
+        ids: problem ids, shape ``(n,)``, sorted.
+        scores: ``(n_seeds, n)`` array of per-problem scores in [0, 1].
+        seeds: the seeds of the rows of ``scores`` (``[None]`` for the base row).
+        files: the files read.
+    """
+
+    ids: list[str]
+    scores: np.ndarray
+    seeds: list[int | None]
+    files: list[Path] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------------------- loading
+def _results_root(config: Mapping[str, Any], results: str | Path | None) -> Path:
+    return Path(results) if results is not None else Path(config["results_dir"]) / config["name"]
+
+
+def _rows_of(config: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """``(row name, label)``: base first, then every method in config order."""
+    from oar.config import resolve_methods
+
+    methods = resolve_methods(dict(config))
+    return [(BASE_ROW, "Base")] + [(name, m.label or name) for name, m in methods.items()]
+
+
+def _eval_dirs(root: Path, row: str, seeds: Sequence[int]) -> dict[int | None, Path]:
+    if row == BASE_ROW:
+        return {None: root / BASE_ROW / "eval"}
+    return {s: root / row / f"seed{s}" / "eval" for s in seeds}
+
+
+def _missing(paths: Sequence[Path]) -> None:
+    gone = [str(p) for p in paths if not Path(p).exists()]
+    if gone:
+        more = f" (and {len(gone) - 10} more)" if len(gone) > 10 else ""
+        raise ReportError(f"missing result file(s): {', '.join(gone[:10])}{more}; run the workflow first")
+
+
+def _report_option(config: Mapping[str, Any], key: str, value: Any) -> Any:
+    return (config.get("report") or {}).get(key, REPORT_DEFAULTS[key]) if value is None else value

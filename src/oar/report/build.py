@@ -1,0 +1,135 @@
+"""``oar report``: :func:`build_report` writes every table and figure of a finished results tree."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Mapping
+
+from oar.io import atomic_write_text
+from oar.report.base import BASE_ROW, _report_option, _results_root, _rows_of
+from oar.report.efficiency import _all_metrics, efficiency_table
+from oar.report.figures import plot_credit_concentration, plot_training_curves
+from oar.report.tables import main_table, start_model_table
+
+__all__ = ["report_metrics", "build_report"]
+
+
+def report_metrics(config: Mapping[str, Any]) -> list[str]:
+    """The metrics the main tables show: ``avg@k`` when ``eval.samples`` > 0, ``pass@1`` when
+    ``eval.greedy`` (at least one of them)."""
+    ev = config["eval"]
+    out = (["avg@k"] if ev.get("samples") else []) + (["pass@1"] if ev.get("greedy", True) else [])
+    return out or ["pass@1"]
+
+
+def _all_heldout(config: Mapping[str, Any], root: Path) -> dict[str, dict[int, "pd.DataFrame"]]:  # noqa: F821
+    from oar.learning_curves import load_heldout
+
+    seeds = list(config.get("seeds") or [0])
+    methods = [name for name, _ in _rows_of(config) if name != BASE_ROW]
+    return {m: {s: load_heldout(root / m / f"seed{s}" / "metrics.jsonl") for s in seeds} for m in methods}
+
+
+def build_report(
+    config: Mapping[str, Any],
+    results: str | Path | None = None,
+    *,
+    reference: str | None = None,
+    seed: int = 0,
+    n_boot: int | None = None,
+    confidence: float | None = None,
+    metric: str | None = None,
+    skip_steps: int = 1,
+) -> dict[str, Path]:
+    """Write the tables and figures of a finished results tree (see the module docstring).
+
+    Args:
+        config: a validated config (:func:`oar.config.load_config`).
+        results: the results folder ``R`` (default ``<results_dir>/<name>``).
+        reference: the method differences and overheads are relative to (default ``report.reference``).
+        seed: bootstrap seed.
+        n_boot: bootstrap resamples (default ``eval.bootstrap``).
+        confidence: interval coverage (default ``report.confidence``).
+        metric: only this metric's tables (default: :func:`report_metrics`).
+        skip_steps: warm-up steps left out of the efficiency means (see :func:`efficiency_table`).
+
+    Returns:
+        ``{"main_csv", "main_md", "main_tex", "steps_to_threshold_csv", "learning_speed_csv", "efficiency_csv",
+        "learning_curves", "training_curves", "credit_concentration"}`` -> the paths written.
+
+    Raises:
+        ReportError: a result file is missing (every missing file is named).
+    """
+    import pandas as pd
+
+    from oar.learning_curves import (
+        auto_threshold,
+        learning_speed_markdown,
+        learning_speed_table,
+        plot_learning_curves,
+        steps_to_threshold,
+        threshold_markdown,
+    )
+    from oar.report.render import main_latex, main_markdown
+
+    root = _results_root(config, results)
+    labels = dict(_rows_of(config))
+    reference = _report_option(config, "reference", reference)
+    confidence = float(_report_option(config, "confidence", confidence))
+    power = float(_report_option(config, "power", None))
+    n_boot = int(config["eval"].get("bootstrap", 1000)) if n_boot is None else int(n_boot)
+    metrics_shown = [metric] if metric else report_metrics(config)
+    tables = {m: main_table(config, root, reference=reference, n_boot=n_boot, seed=seed, confidence=confidence,
+                            metric=m, power=power) for m in metrics_shown}
+    start = start_model_table(config, root)
+    metrics = _all_metrics(config, root)
+    eff = efficiency_table(config, root, reference=reference, metrics=metrics, skip_steps=skip_steps)
+    heldout = _all_heldout(config, root)
+    threshold = _report_option(config, "threshold", None)
+    ref_label = labels.get(reference, reference)
+    if threshold is None:
+        threshold = auto_threshold(heldout, reference)
+        how = f"halfway between the start model's held-out accuracy and {ref_label}'s last one"
+    else:
+        how = "report.threshold"
+    if not any(len(df) for per_seed in heldout.values() for df in per_seed.values()):
+        threshold, how = math.nan, "no held-out evaluation during training (train.heldout.every is 0)"
+    elif math.isnan(threshold):
+        how = (f"{ref_label}'s last held-out accuracy is not above the start model's, so no accuracy lies "
+               "between them; set report.threshold")
+    steps = steps_to_threshold(heldout, threshold, labels) if not math.isnan(threshold) else steps_to_threshold({}, 0.0)
+    speed = learning_speed_table(heldout, threshold, reference, labels=labels, confidence=confidence)
+    out = {
+        "main_csv": root / "tables" / "main.csv",
+        "main_md": root / "tables" / "main.md",
+        "main_tex": root / "tables" / "main.tex",
+        "steps_to_threshold_csv": root / "tables" / "steps_to_threshold.csv",
+        "learning_speed_csv": root / "tables" / "learning_speed.csv",
+        "efficiency_csv": root / "tables" / "efficiency.csv",
+        "learning_curves": root / "figures" / "learning_curves.png",
+        "training_curves": root / "figures" / "training_curves.png",
+        "credit_concentration": root / "figures" / "credit_concentration.png",
+    }
+    ev = config["eval"]
+    k = int(ev.get("samples") or 0) or None
+    temperature = float(ev.get("temperature", 0.6))
+    rollout_t = (config.get("rollout") or {}).get("temperature")
+    atomic_write_text(out["main_csv"], pd.concat(list(tables.values()), ignore_index=True)
+                      .to_csv(index=False, float_format="%.6g"))
+    atomic_write_text(out["main_md"], main_markdown(
+        tables, start=start, reference=reference, reference_label=ref_label, confidence=confidence, power=power,
+        n_boot=n_boot, seed=seed, k=k, temperature=temperature, rollout_temperature=rollout_t,
+        seeds=list(config.get("seeds") or [0]),
+        extra=threshold_markdown(steps, threshold=threshold, how=how) + "\n" + learning_speed_markdown(
+            speed, threshold=threshold, reference_label=ref_label, confidence=confidence)))
+    atomic_write_text(out["main_tex"], main_latex(tables, reference=reference, reference_label=ref_label,
+                                                  confidence=confidence, k=k, temperature=temperature))
+    atomic_write_text(out["steps_to_threshold_csv"], steps.to_csv(index=False, float_format="%.6g"))
+    atomic_write_text(out["learning_speed_csv"], speed.to_csv(index=False, float_format="%.6g"))
+    atomic_write_text(out["efficiency_csv"], eff.to_csv(index=False, float_format="%.6g"))
+    plot_learning_curves(out["learning_curves"], heldout, labels, band=_report_option(config, "band", None),
+                         threshold=threshold)
+    plot_training_curves(out["training_curves"], metrics, labels)
+    plot_credit_concentration(out["credit_concentration"], metrics, labels)
+    return out

@@ -1,0 +1,206 @@
+"""Rendering of the main comparison (``main.md``, ``main.tex``) from :func:`oar.report.tables.main_table`'s
+long tables: per metric the scores, the differences from the reference with their paired intervals,
+the per-seed differences, the minimum detectable difference, and the differences from the start model;
+and the start model's own accuracy.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Sequence
+
+__all__ = ["main_markdown", "main_latex", "wide", "metric_title"]
+
+
+def metric_title(metric: str, k: int | None, temperature: float | None) -> str:
+    """``avg@8 (sampled, T = 1.0)``, ``pass@1 (greedy)``, ..."""
+    if metric == "pass@1":
+        return "pass@1 (greedy)"
+    name = metric.replace("@k", f"@{k}") if k else metric
+    return f"{name} (sampled, T = {temperature:g})" if temperature is not None else name
+
+
+def _fmt_cell(mean: float, std: float, digits: int = 1) -> str:
+    if math.isnan(std):
+        return f"{mean:.{digits}f}"
+    return f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+def _fmt_diff(diff: float, lo: float, hi: float, digits: int = 1) -> str:
+    """``+2.1 [-2.4, +6.5]``; bold only when the (seed-level) interval excludes 0."""
+    if math.isnan(diff):
+        return "—"
+    if math.isnan(lo):
+        return f"{diff:+.{digits}f}"
+    text = f"{diff:+.{digits}f} [{lo:+.{digits}f}, {hi:+.{digits}f}]"
+    return f"**{text}**" if lo > 0 or hi < 0 else text
+
+
+def _fmt_seeds(joined: str, digits: int = 1) -> str:
+    if not isinstance(joined, str) or not joined:
+        return "—"
+    return " / ".join(f"{float(v):+.{digits}f}" for v in joined.split(";"))
+
+
+def wide(df, column: str, *, rows: Sequence[str] | None = None) -> "pd.DataFrame":  # noqa: F821
+    """One formatted cell per (row label, benchmark): ``cell`` (mean ± std), ``diff`` (difference from
+    the reference [interval]), ``seeds`` (per-seed differences) or ``start`` (difference from the start)."""
+    import pandas as pd
+
+    order = list(dict.fromkeys(df["benchmark"]))
+    sel = df if rows is None else df[df["row"].isin(rows)]
+    labels = list(dict.fromkeys(sel["label"]))
+    cells = {}
+    for r in sel.itertuples(index=False):
+        if column == "cell":
+            v = _fmt_cell(r.mean, r.std)
+        elif column == "diff":
+            v = _fmt_diff(r.diff, r.ci_low, r.ci_high)
+        elif column == "seeds":
+            v = _fmt_seeds(r.diff_per_seed)
+        elif column == "start":
+            v = _fmt_diff(r.start_diff, r.start_ci_low, r.start_ci_high)
+        else:
+            raise ValueError(f"wide: unknown column {column!r}")
+        cells[(r.label, r.benchmark)] = v
+    return pd.DataFrame([[cells[(lab, b)] for b in order] for lab in labels], index=pd.Index(labels, name="Method"),
+                        columns=order)
+
+
+def _md_table(w) -> str:
+    head = "| " + " | ".join([w.index.name] + list(w.columns)) + " |"
+    sep = "|" + "|".join(["---"] + ["---:"] * len(w.columns)) + "|"
+    body = ["| " + " | ".join([str(i)] + list(map(str, r))) + " |" for i, r in zip(w.index, w.values)]
+    return "\n".join([head, sep, *body])
+
+
+def _interval_note(*, reference_label: str, confidence: float, n_boot: int, seed: int, n_seeds: int,
+                   start: bool = False) -> str:
+    other = "the start model" if start else reference_label
+    pairing = ("seed s of the method minus the start model (one evaluation, paired with every seed)" if start
+               else f"seed s of the method minus seed s of {reference_label} (the start model, evaluated once, "
+                    "is paired with every seed)")
+    return (
+        f"Difference from {other} in points: the mean over seeds and problems of d[s, i] = score on problem i of "
+        f"{pairing}. Interval: {confidence:.0%} t interval over the {n_seeds} training seed(s), each seed one "
+        f"replicate: D_s = mean_i d[s, i] (the Average column: the mean over benchmarks), mean(D) -+ "
+        f"t_(S-1) sd(D) / sqrt(S) with S - 1 = {max(n_seeds - 1, 0)} degrees of freedom (oar.stats.seed_interval; "
+        "no interval with one seed). Bold: the interval excludes 0. The problems are the same for every seed, "
+        f"so which problems were drawn is not resampled; main.csv holds that problem-level interval "
+        f"(problem_ci_*, a {n_boot}-resample bootstrap, seed {seed}) for comparison."
+    )
+
+
+def _mde_line(df, *, confidence: float, power: float, reference_label: str, short: bool = False) -> str:
+    mdes = df.drop_duplicates("benchmark")
+    vals = ", ".join(f"{r.benchmark} {r.mde:.1f}" if not math.isnan(r.mde) else f"{r.benchmark} —"
+                     for r in mdes.itertuples(index=False))
+    target = float(mdes["target_mde"].iloc[0])
+    need = ", ".join(f"{r.benchmark} {int(r.seeds_for_target)}" if r.seeds_for_target == r.seeds_for_target
+                     and r.seeds_for_target is not None else f"{r.benchmark} —" for r in mdes.itertuples(index=False))
+    alpha = 1.0 - confidence
+    seeds_line = f" Seeds for a seed-level MDE of {target:g} points (same sd): {need}."
+    if short:
+        return (f"**Minimum detectable difference** (seed level, power {power:.0%}, two-sided alpha {alpha:.2g}, "
+                f"as above), in points: {vals}.{seeds_line}")
+    source = str(mdes["mde_source"].iloc[0]).replace("the reference", reference_label)
+    pse = df["problem_se"].dropna()
+    ratio = (f" For comparison, the problem-sampling SE of a difference (median over methods) is "
+             f"{float(pse.median()):.2f} points." if len(pse) else "")
+    return (
+        f"**Minimum detectable difference** (seed level, power {power:.0%}, two-sided alpha {alpha:.2g}) of this "
+        f"design, in points: {vals}. MDE = (t_(S-1, {1 - alpha / 2:.3g}) + t_(S-1, {power:.2g})) x sd / sqrt(S), "
+        f"sd here the {source}.{ratio}{seeds_line}"
+    )
+
+
+def main_markdown(tables: Mapping[str, Any], *, start: Any | None, reference: str, reference_label: str,
+                  confidence: float, power: float, n_boot: int, seed: int, k: int | None,
+                  temperature: float | None, rollout_temperature: float | None, seeds: Sequence[int] = (),
+                  extra: str = "") -> str:
+    """``main.md``: the start model's accuracy, then per metric (``tables``: metric -> long table) the
+    scores, the differences from the reference with intervals, per-seed differences, the MDE line
+    and the differences from the start model; ``extra`` (e.g. the steps-to-threshold table) last."""
+    parts: list[str] = []
+    if start is not None and len(start):
+        parts += ["## Start model (the base row)", ""]
+        heads = [("pass@1", "pass@1 greedy")]
+        if k:
+            heads += [("avg@k", f"pass@1 at T = {temperature:g} (avg@{k})"), ("pass@k", f"pass@{k} at T = {temperature:g}")]
+        lines = ["| | " + " | ".join(start["benchmark"]) + " |", "|---|" + "---:|" * len(start)]
+        for key, name in heads:
+            if key in start and start[key].notna().any():
+                lines.append(f"| {name} | " + " | ".join("—" if math.isnan(v) else f"{v:.1f}" for v in start[key]) + " |")
+        parts += lines + [""]
+        if k and rollout_temperature is not None and temperature is not None and rollout_temperature != temperature:
+            parts += [f"(The rollout temperature is {rollout_temperature:g}; these samples use eval.temperature "
+                      f"{temperature:g}.)", ""]
+        if k:
+            parts += [f"pass@{k}: share of problems with at least one correct answer among its {k} samples.", ""]
+    seed_names = " / ".join(str(s) for s in seeds) if seeds else "in config order"
+    for j, (metric, df) in enumerate(tables.items()):
+        title = metric_title(metric, k, temperature)
+        non_base = df.loc[df["row"] != "base", "n_seeds"]
+        n_seeds = int(non_base.max()) if len(non_base) else 1
+        again = "" if j == 0 else "Interval as defined above. "  # the notes are spelled out once
+        parts += [f"## {title}", "", f"### Mean ± std over {n_seeds} seed(s) (%)", "", _md_table(wide(df, "cell")), ""]
+        if df["diff"].notna().any():
+            others = [r for r in dict.fromkeys(df["row"]) if r != reference]
+            note = again or _interval_note(reference_label=reference_label, confidence=confidence, n_boot=n_boot,
+                                           seed=seed, n_seeds=n_seeds)
+            parts += [f"### Difference from {reference_label} (points), {confidence:.0%} interval over training seeds", "",
+                      _md_table(wide(df, "diff", rows=others)), "", note.strip(), "",
+                      _mde_line(df, confidence=confidence, power=power, reference_label=reference_label,
+                                short=bool(again)), "",
+                      f"#### Per-seed differences from {reference_label} (points; seeds {seed_names})", "",
+                      _md_table(wide(df, "seeds", rows=others)), ""]
+        if df["start_diff"].notna().any():
+            methods = [r for r in dict.fromkeys(df["row"]) if r != "base"]
+            note = again or _interval_note(reference_label=reference_label, confidence=confidence, n_boot=n_boot,
+                                           seed=seed, n_seeds=n_seeds, start=True)
+            parts += [f"### Difference from the start model (points), {confidence:.0%} interval over training seeds", "",
+                      _md_table(wide(df, "start", rows=methods)), "", note.strip(), ""]
+    if extra:
+        parts += [extra]
+    return "\n".join(parts).rstrip() + "\n"
+
+
+def _esc(s: str) -> str:
+    for a, b in (("\\", r"\textbackslash{}"), ("_", r"\_"), ("%", r"\%"), ("&", r"\&"), ("#", r"\#"),
+                 ("±", r"$\pm$"), ("—", "--")):
+        s = s.replace(a, b)
+    return s
+
+
+def _cell_tex(v: str) -> str:
+    """A markdown cell as LaTeX: ``**x**`` (interval excludes 0) becomes ``\\textbf{x}``."""
+    if len(v) > 4 and v.startswith("**") and v.endswith("**"):
+        return r"\textbf{" + _esc(v[2:-2]) + "}"
+    return _esc(v)
+
+
+def _tabular(w, caption: str) -> str:
+    cols = "l" + "r" * len(w.columns)
+    lines = [r"\begin{table}[t]", r"\centering", rf"\caption{{{_esc(caption)}}}", rf"\begin{{tabular}}{{{cols}}}",
+             r"\toprule", " & ".join([_esc(w.index.name)] + [_esc(c) for c in w.columns]) + r" \\", r"\midrule"]
+    for i, r in zip(w.index, w.values):
+        lines.append(" & ".join([_esc(str(i))] + [_cell_tex(str(v)) for v in r]) + r" \\")
+    lines += [r"\bottomrule", r"\end{tabular}", r"\end{table}"]
+    return "\n".join(lines)
+
+
+def main_latex(tables: Mapping[str, Any], *, reference: str, reference_label: str, confidence: float,
+               k: int | None, temperature: float | None) -> str:
+    """``main.tex``: per metric the scores and the differences from the reference (booktabs tabulars)."""
+    out = []
+    for metric, df in tables.items():
+        title = metric_title(metric, k, temperature)
+        out.append(_tabular(wide(df, "cell"), f"{title} (%), mean ± std over seeds"))
+        if df["diff"].notna().any():
+            others = [r for r in dict.fromkeys(df["row"]) if r != reference]
+            mdes = df.drop_duplicates("benchmark")
+            mde_txt = "; ".join(f"{b} {v:.1f}" for b, v in zip(mdes["benchmark"], mdes["mde"]) if not math.isnan(v))
+            out.append(_tabular(wide(df, "diff", rows=others),
+                                f"{title}: difference from {reference_label} (points), {confidence:.0%} t interval "
+                                f"over training seeds; seed-level minimum detectable difference: {mde_txt}"))
+    return "% generated by oar.report (needs \\usepackage{booktabs})\n" + "\n\n".join(out) + "\n"

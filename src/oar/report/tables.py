@@ -1,0 +1,197 @@
+"""The comparison tables: :func:`main_table` (one metric, long format, differences from the reference
+and from the start model with their intervals), :func:`column_mde` and :func:`start_model_table`.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from oar.report.base import (
+    BASE_ROW,
+    METRICS,
+    RunScores,
+    _eval_dirs,
+    _missing,
+    _report_option,
+    _results_root,
+    _rows_of,
+)
+from oar.report.scores import _check_summary, _compare, load_scores
+from oar.stats import seed_mde, seeds_for_mde
+
+__all__ = ["main_table", "column_mde", "start_model_table"]
+
+
+def main_table(
+    config: Mapping[str, Any],
+    results: str | Path | None = None,
+    *,
+    reference: str | None = None,
+    n_boot: int | None = None,
+    seed: int = 0,
+    confidence: float | None = None,
+    metric: str = "pass@1",
+    power: float | None = None,
+    target_mde: float | None = None,
+) -> "pd.DataFrame":  # noqa: F821
+    """The main comparison table of one metric in long format (values in percent, differences in points).
+
+    Columns: ``row``, ``label``, ``metric``, ``benchmark`` (each benchmark, then ``Average``),
+    ``n_problems``, ``n_seeds``, ``mean``, ``std`` (NaN for one seed), ``per_seed`` (";"-joined values);
+    against ``reference``: ``diff`` (mean paired difference), ``ci_low``, ``ci_high`` (seed-level t
+    interval over the per-seed differences, :func:`oar.stats.seed_interval`), ``se`` (its SE),
+    ``sd_seed`` (sd of the per-seed differences), ``diff_per_seed`` (";"-joined per-seed mean
+    differences), ``problem_ci_low``, ``problem_ci_high``, ``problem_se`` (the problem-level paired
+    bootstrap and :func:`oar.stats.paired_se`, for comparison), all NaN for the reference itself or
+    when the config has no method named ``reference``; against the start model (the base row):
+    ``start_diff``, ``start_ci_low``, ``start_ci_high``, ``start_se`` (seed level) and
+    ``start_problem_ci_low``, ``start_problem_ci_high`` (NaN for the base row); ``mde``: the
+    seed-level minimum detectable difference of the column, ``seeds_for_target``: the seeds that
+    would bring it to ``report.target_mde`` (see :func:`column_mde`; the same on every row), and
+    ``mde_source``.
+
+    Args:
+        config: a validated config (``eval.benchmarks``, ``seeds``, ``methods``, ``report``).
+        results: the results folder ``R``; default ``<results_dir>/<name>``.
+        reference: the method differences are taken against (default ``report.reference``).
+        n_boot: bootstrap resamples (default ``eval.bootstrap``).
+        seed: bootstrap seed.
+        confidence: interval coverage (default ``report.confidence``); the MDE's alpha is 1 - confidence.
+        metric: ``pass@1`` (greedy; falls back to sampled answers when there are none), ``avg@k``
+            or ``pass@k``.
+        power: power of the MDE (default ``report.power``).
+        target_mde: the MDE (points) ``seeds_for_target`` is computed for (default ``report.target_mde``).
+    """
+    import pandas as pd
+
+    reference = _report_option(config, "reference", reference)
+    confidence = float(_report_option(config, "confidence", confidence))
+    power = float(_report_option(config, "power", power))
+    root = _results_root(config, results)
+    seeds = list(config.get("seeds") or [0])
+    benches = [b["name"] for b in config["eval"]["benchmarks"]]
+    if not benches:
+        raise ValueError("config: eval.benchmarks is empty; nothing to report")
+    n_boot = int(config["eval"].get("bootstrap", 1000)) if n_boot is None else int(n_boot)
+    rows = _rows_of(config)
+    files = []
+    for row, _ in rows:
+        for d in _eval_dirs(root, row, seeds).values():
+            files += [d / "summary.json"] + [d / f"{b}.jsonl" for b in benches]
+    _missing(files)
+
+    scores: dict[str, dict[str, RunScores]] = {}
+    for row, _ in rows:
+        dirs = _eval_dirs(root, row, seeds)
+        scores[row] = {}
+        for b in benches:
+            rs = load_scores(dirs, b, metric=metric)
+            for k, (s, d) in enumerate(dirs.items()):
+                _check_summary(d, b, rs.scores[k], metric)
+            scores[row][b] = rs
+    has_ref = reference in scores and reference != BASE_ROW
+    opts = dict(n_boot=n_boot, seed=seed, confidence=confidence)
+
+    records = []
+    for row, label in rows:
+        per_bench = {b: scores[row][b].scores.mean(axis=1) * 100.0 for b in benches}  # (n_seeds,)
+        cols = [(b, per_bench[b], [j]) for j, b in enumerate(benches)]
+        cols.append(("Average", np.mean([per_bench[b] for b in benches], axis=0), list(range(len(benches)))))
+        for bname, values, bidx in cols:
+            vs_ref = vs_start = None
+            if has_ref and row != reference:
+                vs_ref = _compare(scores[row], scores[reference], benches, bidx, **opts)
+            if row != BASE_ROW:
+                vs_start = _compare(scores[row], scores[BASE_ROW], benches, bidx, **opts)
+            nan = math.nan
+            records.append({
+                "row": row,
+                "label": label,
+                "metric": metric,
+                "benchmark": bname,
+                "n_problems": int(sum(len(scores[row][b].ids) for b in benches)) if bname == "Average"
+                else len(scores[row][bname].ids),
+                "n_seeds": len(values),
+                "mean": float(np.mean(values)),
+                "std": float(np.std(values, ddof=1)) if len(values) > 1 else nan,
+                "per_seed": ";".join(f"{v:.4f}" for v in values),
+                "diff": vs_ref["diff"] if vs_ref else nan,
+                "ci_low": vs_ref["low"] if vs_ref else nan,
+                "ci_high": vs_ref["high"] if vs_ref else nan,
+                "se": vs_ref["se"] if vs_ref else nan,
+                "sd_seed": vs_ref["sd_seed"] if vs_ref else nan,
+                "diff_per_seed": ";".join(f"{v:.4f}" for v in vs_ref["per_seed"]) if vs_ref else "",
+                "problem_ci_low": vs_ref["problem_low"] if vs_ref else nan,
+                "problem_ci_high": vs_ref["problem_high"] if vs_ref else nan,
+                "problem_se": vs_ref["problem_se"] if vs_ref else nan,
+                "start_diff": vs_start["diff"] if vs_start else nan,
+                "start_ci_low": vs_start["low"] if vs_start else nan,
+                "start_ci_high": vs_start["high"] if vs_start else nan,
+                "start_se": vs_start["se"] if vs_start else nan,
+                "start_sd_seed": vs_start["sd_seed"] if vs_start else nan,
+                "start_problem_ci_low": vs_start["problem_low"] if vs_start else nan,
+                "start_problem_ci_high": vs_start["problem_high"] if vs_start else nan,
+            })
+    df = pd.DataFrame.from_records(records)
+    target = float(_report_option(config, "target_mde", target_mde))
+    mdes = column_mde(df, reference=reference, alpha=1.0 - confidence, power=power, target=target)
+    for j, key in enumerate(("mde", "seeds_for_target", "mde_source")):
+        df[key] = df["benchmark"].map(lambda b, j=j: mdes[b][j])
+    df["target_mde"] = target
+    return df
+
+
+def column_mde(df: "pd.DataFrame", *, reference: str, alpha: float = 0.05,  # noqa: F821
+               power: float = 0.8, target: float = 2.0) -> dict[str, tuple[float, int | None, str]]:
+    """Per benchmark column: the seed-level minimum detectable difference from ``reference`` of this
+    design, the seeds that would bring it to ``target`` points, and where its sd comes from.
+
+    ``MDE = (t_{S-1, 1-alpha/2} + t_{S-1, power}) sd / sqrt(S)`` (:func:`oar.stats.seed_mde`) with
+    ``S`` the seeds and ``sd`` the median over the methods (every row but the base row and the
+    reference) of the sd of their per-seed differences from the reference; with no such method, the
+    sd of the reference's per-seed differences from the start model. NaN with one seed.
+    """
+    out = {}
+    for b in dict.fromkeys(df["benchmark"]):
+        col = df[df["benchmark"] == b]
+        others = col.loc[(col["row"] != BASE_ROW) & (col["row"] != reference)]
+        sds = others["sd_seed"].dropna()
+        if len(sds):
+            sd, source = float(np.median(sds)), (f"median over {len(sds)} method(s) of the sd of the per-seed "
+                                                 "differences from the reference")
+        else:
+            ref = col.loc[col["row"] == reference, "start_sd_seed"].dropna()
+            sd, source = ((float(ref.iloc[0]), "sd of the reference's per-seed differences from the start")
+                          if len(ref) else (math.nan, "no paired comparison over 2 or more seeds"))
+        n = int(col.loc[col["row"] != BASE_ROW, "n_seeds"].max()) if (col["row"] != BASE_ROW).any() else 1
+        out[b] = (seed_mde(sd, n, alpha=alpha, power=power), seeds_for_mde(sd, target, alpha=alpha, power=power),
+                  f"{source} (sd {sd:.2f} points over {n} seeds)")
+    return out
+
+
+def start_model_table(config: Mapping[str, Any], results: str | Path | None = None) -> "pd.DataFrame":  # noqa: F821
+    """The start model's (base row's) accuracy per benchmark, in percent: ``pass@1`` (greedy),
+    ``avg@k`` (pass@1 of a sample at ``eval.temperature``) and ``pass@k`` (share of problems with at
+    least one correct answer among its k samples); NaN for what the evaluation did not produce."""
+    import pandas as pd
+
+    root = _results_root(config, results)
+    d = {None: root / BASE_ROW / "eval"}
+    recs = []
+    for b in [b["name"] for b in config["eval"]["benchmarks"]]:
+        rec: dict[str, Any] = {"benchmark": b}
+        for metric in METRICS:
+            try:
+                rs = load_scores(d, b, metric=metric)
+                rec[metric] = float(rs.scores.mean()) * 100.0
+                rec["n_problems"] = len(rs.ids)
+            except ValueError:  # no answers of that kind
+                rec[metric] = math.nan
+        if config["eval"].get("greedy") is False:  # pass@1 fell back to the samples
+            rec["pass@1"] = math.nan
+        recs.append(rec)
+    return pd.DataFrame.from_records(recs)

@@ -1,0 +1,253 @@
+"""The ``lean`` samplers of :class:`oar.rollout.hf.HFEngine`: :func:`lean_generate`, a plain loop over
+the model's forward with a preallocated KV cache that reproduces transformers' ``generate`` for a seed,
+and :func:`lean_unsupported`, the generation-config settings it does not reproduce.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import torch
+
+from oar.models import cache_argument
+
+__all__ = ["lean_generate", "lean_unsupported", "COMPACT_BELOW"]
+
+
+#: generation-config settings under which ``generate`` adds no logits processor and no stopping
+#: criterion beyond what :func:`lean_generate` reproduces (temperature, top-p, eos, max length);
+#: each maps to the predicate a neutral value satisfies
+_LEAN_NEUTRAL = {
+    "repetition_penalty": lambda v: v is None or v == 1.0,
+    "no_repeat_ngram_size": lambda v: not v,
+    "encoder_no_repeat_ngram_size": lambda v: not v,
+    "encoder_repetition_penalty": lambda v: v is None or v == 1.0,
+    "bad_words_ids": lambda v: v is None,
+    "sequence_bias": lambda v: v is None,
+    "min_length": lambda v: not v,
+    "min_new_tokens": lambda v: not v,
+    "forced_bos_token_id": lambda v: v is None,
+    "forced_eos_token_id": lambda v: v is None,
+    "suppress_tokens": lambda v: v is None,
+    "begin_suppress_tokens": lambda v: v is None,
+    "guidance_scale": lambda v: v is None or v == 1.0,
+    "remove_invalid_values": lambda v: not v,
+    "exponential_decay_length_penalty": lambda v: v is None,
+    "renormalize_logits": lambda v: not v,
+    "watermarking_config": lambda v: v is None,
+    "max_time": lambda v: v is None,
+    "stop_strings": lambda v: v is None,
+    "cache_implementation": lambda v: v in (None, "dynamic"),
+    "prefill_chunk_size": lambda v: v is None,
+    "use_cache": lambda v: v is None or bool(v),
+    "min_p": lambda v: v is None,
+    "typical_p": lambda v: v is None or v >= 1.0,
+    "epsilon_cutoff": lambda v: not v or not 0.0 < v < 1.0,
+    "eta_cutoff": lambda v: not v or not 0.0 < v < 1.0,
+    "top_h": lambda v: v is None,
+    "num_beams": lambda v: v in (None, 1),
+    "num_return_sequences": lambda v: v in (None, 1),
+}
+
+
+def lean_unsupported(model: Any) -> list[str]:
+    """The settings of ``model.generation_config`` that :func:`lean_generate` does not reproduce.
+
+    An empty list means ``generate`` (with the engine's arguments) would apply temperature and top-p
+    only, which :func:`lean_generate` replicates; otherwise :class:`oar.rollout.hf.HFEngine` falls back
+    to ``generate``. The settings the engine passes (``temperature``, ``top_p``, ``top_k``:
+    :func:`oar.rollout.hf.hf_generate_kwargs`) are not checked here.
+    """
+    gc = getattr(model, "generation_config", None)
+    bad = [k for k, ok in _LEAN_NEUTRAL.items() if gc is not None and not ok(getattr(gc, k, None))]
+    if getattr(model.config, "is_encoder_decoder", False):
+        bad.append("is_encoder_decoder")
+    return bad
+
+
+def _preallocated_cache(model: Any, capacity: int) -> Any:
+    """A ``DynamicCache`` whose full-attention layers write into buffers of ``capacity`` positions.
+
+    transformers' ``DynamicLayer`` grows its keys and values with ``torch.cat`` at every step (a copy of
+    the whole cache, O(T^2) bytes over a response); :class:`_PreallocatedLayer` writes each step's
+    keys and values in place and hands attention views of the filled prefix, the same values
+    (``capacity``: prompt length + ``max_new_tokens``).
+    Sliding-window and other layer types are kept as they are.
+    """
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    layer_cls = _preallocated_layer_class()
+    cache = DynamicCache(config=model.config.get_text_config(decoder=True))
+    cache.layers = [layer_cls(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
+
+
+@functools.cache
+def _preallocated_layer_class() -> type:
+    """The class of :func:`_preallocated_cache`'s layers (defined on first use: transformers is imported lazily)."""
+    from transformers.cache_utils import DynamicLayer
+
+    class _PreallocatedLayer(DynamicLayer):
+        """A ``DynamicLayer`` backed by ``(B, H, capacity, D)`` buffers; ``keys`` / ``values`` are views of the prefix."""
+
+        def __init__(self, capacity: int) -> None:
+            super().__init__()
+            self.capacity = capacity
+            self.length = 0
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+            if not self.is_initialized:
+                b, h, _, d = key_states.shape
+                self._k = key_states.new_empty(b, h, self.capacity, d)
+                self._v = value_states.new_empty(b, h, self.capacity, value_states.shape[-1])
+                self.device = key_states.device
+                self.is_initialized = True
+            end = self.length + key_states.shape[-2]
+            if end > self.capacity:
+                raise RuntimeError(f"preallocated KV cache full ({self.capacity} positions)")
+            self._k[:, :, self.length : end] = key_states
+            self._v[:, :, self.length : end] = value_states
+            self.length = end
+            self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
+            return self.keys, self.values
+
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            """Keep the rows ``indices`` (new buffers holding their filled prefix)."""
+            if not self.is_initialized:
+                return
+            n = self.length
+            for name in ("_k", "_v"):
+                buf = getattr(self, name)
+                new = buf.new_empty(len(indices), buf.shape[1], self.capacity, buf.shape[3])
+                new[:, :, :n] = buf[indices, :, :n]
+                setattr(self, name, new)
+            self.keys, self.values = self._k[:, :, :n], self._v[:, :, :n]
+
+    return _PreallocatedLayer
+
+
+#: ``lean_compact``: drop finished rows once at most this fraction of the batch is unfinished (each
+#: compaction copies the unfinished rows' KV cache, so it pays only when it removes a good share)
+COMPACT_BELOW = 0.75
+
+
+def lean_generate(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    eos_ids: Sequence[int],
+    pad_id: int,
+    greedy: bool = False,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    compact: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample continuations with a plain loop over ``model``'s forward and a preallocated KV cache.
+
+    A replica of transformers' ``generate`` (``_sample``) for a decoder-only model without its
+    per-token machinery: the forwards get the same arguments (position ids from the attention mask,
+    the 2-D mask dropped when there is no padding, ``logits_to_keep=1``), the scores the same
+    warpers (``scores / temperature``, ``TopPLogitsWarper``), and every row draws
+    ``torch.multinomial(softmax(scores), 1)`` at every step from the global RNG, finished rows
+    included (their token is then replaced by ``pad_id``), so the RNG stream and the tokens equal
+    ``generate``'s. Greedy: ``argmax`` of the raw logits. The loop stops when every row has emitted
+    one of ``eos_ids`` or after ``max_new_tokens`` steps.
+
+    ``compact=True`` (``rollout.sampler: lean_compact``) drops finished rows from the batch (and
+    their KV cache) once at most :data:`COMPACT_BELOW` of the rows in it are unfinished. The random
+    draws stay those of the full batch (multinomial's own method, ``argmax(probs / q)`` with
+    ``q ~ Exp(1)`` drawn for all rows, :func:`_multinomial_rows`), so the samples are a deterministic
+    function of the seed and equal ``generate``'s as long as a row's logits do not depend on which
+    other rows share its forward -- which the CPU/GPU matmul kernels do not promise (a change of the
+    batch size can change the last bits of the logits, and then rarely a token).
+
+    Args:
+        model: a decoder-only ``PreTrainedModel`` (or an FSDP-wrapped one, gathered) in eval mode.
+        input_ids: ``(B, P)`` long, left-padded prompts.
+        attention_mask: ``(B, P)`` long, 1 on real prompt tokens.
+    Returns:
+        tokens ``(B, T)`` long (``pad_id`` after a row's eos) and their log-probs ``(B, T)`` float32
+        under ``log_softmax(logits / temperature)`` (temperature 1 when greedy), as
+        :func:`oar.rollout.base.token_logprobs` of the step logits (0 after a row's eos when
+        compacting);
+        ``T <= max_new_tokens`` is the step at which the last row stopped.
+    """
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    B = input_ids.shape[0]
+    device = input_ids.device
+    temp = 1.0 if greedy else float(temperature)
+    # TemperatureLogitsWarper is ``scores / temperature``, applied (by generate) only when temperature != 1
+    top_p_warper = TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=1) if not greedy and top_p < 1.0 else None
+    # as generate: positions from the mask; the mask itself is dropped when it is all ones
+    position_ids = attention_mask.long().cumsum(-1) - 1
+    position_ids = position_ids.masked_fill(attention_mask == 0, 0)
+    mask = None if bool((attention_mask == 1).all()) else attention_mask
+    cache = _preallocated_cache(model, input_ids.shape[1] + max_new_tokens)
+    cache_arg = cache_argument(model)  # its name differs between transformers versions
+    eos_t = torch.tensor(list(eos_ids), dtype=torch.long, device=device) if eos_ids else None
+    tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    logprobs = torch.zeros(B, max_new_tokens, dtype=torch.float32, device=device)
+    rows = torch.arange(B, device=device)  # the full-batch index of each row in the forward's batch
+    unfinished = torch.ones(B, dtype=torch.bool, device=device)  # of the rows in the batch
+    step_ids, step_pos = input_ids, position_ids
+    T = max_new_tokens
+    for t in range(max_new_tokens):
+        out = model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos, **{cache_arg: cache},
+                    use_cache=True, logits_to_keep=1, return_dict=True)
+        logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
+        del out
+        scaled = logits / temp if temp != 1.0 else logits  # the warped scores, and what token_logprobs uses
+        if greedy:
+            nxt = torch.argmax(logits, dim=-1)
+        else:
+            scores = top_p_warper(step_ids, scaled) if top_p_warper is not None else scaled
+            probs = torch.softmax(scores, dim=-1)
+            if len(rows) == B:
+                nxt = torch.multinomial(probs, num_samples=1).squeeze(1)
+            else:
+                nxt = _multinomial_rows(probs, rows, B)
+        if eos_t is not None:
+            nxt = torch.where(unfinished, nxt, pad_id)
+        lp = torch.gather(torch.log_softmax(scaled, dim=-1), -1, nxt.unsqueeze(-1)).squeeze(-1)
+        if len(rows) == B:
+            tokens[:, t], logprobs[:, t] = nxt, lp
+        else:
+            tokens[rows, t], logprobs[rows, t] = nxt, lp
+        if eos_t is not None:
+            unfinished &= ~torch.isin(nxt, eos_t)
+            n_left = int(unfinished.sum())
+            if n_left == 0:
+                T = t + 1
+                break
+        step_ids = nxt.unsqueeze(1)
+        step_pos = step_pos[:, -1:] + 1
+        if mask is not None:
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
+        if compact and eos_t is not None and n_left <= COMPACT_BELOW * len(rows):
+            keep = unfinished.nonzero().squeeze(1)
+            rows, unfinished, step_ids, step_pos = rows[keep], unfinished[keep], step_ids[keep], step_pos[keep]
+            mask = mask[keep] if mask is not None else None
+            for layer in cache.layers:
+                layer.batch_select_indices(keep)
+    return tokens[:, :T], logprobs[:, :T]
+
+
+def _multinomial_rows(probs: torch.Tensor, rows: torch.Tensor, batch: int) -> torch.Tensor:
+    """``torch.multinomial(full_probs, 1)[rows]`` for a batch of ``batch`` rows of which only ``rows`` are given.
+
+    torch draws one sample as ``argmax(probs / q)`` with ``q = empty_like(probs).exponential_()``
+    (``aten/src/ATen/native/Distributions.cpp``); drawing ``q`` for the full batch consumes the RNG
+    as the full-batch call does, and the given rows get the samples they would get in it.
+
+    Args:
+        probs: ``(b, V)`` float, the probabilities of the rows ``rows`` (``(b,)`` long) of the batch.
+    Returns:
+        ``(b,)`` long.
+    """
+    q = torch.empty(batch, probs.shape[-1], dtype=probs.dtype, device=probs.device).exponential_(1)
+    return torch.argmax(probs / q[rows], dim=-1)

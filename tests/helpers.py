@@ -1,0 +1,55 @@
+"""Helpers the tests share (import them from here; conftest.py holds only fixtures)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = ROOT.parent / "shared" / "data"
+
+
+def small_overrides(tmp_path: Path, **extra) -> dict:
+    """Overrides that shrink config/config.yaml to a run of a few seconds (tiny model, few prompts)."""
+    from oar.config import deep_merge
+
+    base = {
+        "model": {"tiny": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64,
+                           "max_position_embeddings": 128}},
+        "task": {"train_size": 64},
+        "train": {"steps": 3, "prompts_per_step": 4, "mini_batch_size": 8, "micro_batch_size": 8, "save_every": 2,
+                  "heldout": {"every": 0}},
+        "rollout": {"n": 4, "max_new_tokens": 24},
+        "tracking": {"uri": f"sqlite:///{tmp_path}/mlflow.db", "enabled": False},
+        "reward": {"workers": 1},
+    }
+    return deep_merge(base, extra)
+
+
+#: The synthetic task of hand-built credit batches: fillers so / ok / well.
+SYNTHETIC_TASK = {"kind": "synthetic", "synthetic": {"fillers": ["so", "ok", "well"]}}
+
+
+def credit_batch(responses, rewards, prompts=None, task=None, model=None):
+    """A CreditBatch of hand-written responses of the synthetic task, tokenized by the tiny (one token per
+    character) tokenizer: prompts left-padded, responses right-padded with eos and two columns of padding.
+    ``task`` defaults to the synthetic task with fillers so / ok / well; ``prompts`` to "Compute 4+3-2."."""
+    from oar.credit import CreditBatch
+    from oar.models import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    prompts = prompts or ["Compute 4+3-2.\n"] * len(responses)
+    pid = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    rid = [tok(r, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for r in responses]
+    B, P, T = len(responses), max(map(len, pid)), max(map(len, rid)) + 2
+    p_ids, p_mask = torch.full((B, P), tok.pad_token_id), torch.zeros((B, P), dtype=torch.long)
+    r_ids, r_mask = torch.full((B, T), tok.pad_token_id), torch.zeros((B, T), dtype=torch.long)
+    for b in range(B):
+        p_ids[b, P - len(pid[b]):] = torch.tensor(pid[b])
+        p_mask[b, P - len(pid[b]):] = 1
+        r_ids[b, : len(rid[b])] = torch.tensor(rid[b])
+        r_mask[b, : len(rid[b])] = 1
+    return CreditBatch(response_ids=r_ids, response_mask=r_mask, rewards=torch.tensor(rewards),
+                       group_ids=torch.zeros(B, dtype=torch.long), prompt_ids=p_ids, prompt_mask=p_mask,
+                       model=model, tokenizer=tok, extras={"task": task or SYNTHETIC_TASK, "seed": 3, "step": 1})

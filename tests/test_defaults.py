@@ -1,0 +1,104 @@
+"""Each config default exists once, in the schema: the code reads the validated config (or the
+schema's section defaults), never a fallback of its own."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from oar.config import schema, section_defaults, validate_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: Modules that read validated config sections; none may carry a `.get("<schema key>", <fallback>)`.
+READERS = ["plan.py", "sft.py", "evaluate.py", "regimes.py", "attribution/benchmark.py", "report/base.py"]
+
+
+def minimal_config() -> dict:
+    """A config with only the required keys: every optional key comes from the schema."""
+    return validate_config({"name": "minimal", "model": {"source": "tiny"}, "task": {"kind": "synthetic"},
+                            "recipes": {"grpo": {}}, "methods": {"grpo": {"recipe": "grpo", "credit": "none"}}})
+
+
+def _schema_keys() -> set[str]:
+    """Every property name the schema gives a default."""
+    keys: set[str] = set()
+
+    def walk(node: object) -> None:
+        if isinstance(node, dict):
+            for k, v in (node.get("properties") or {}).items():
+                if isinstance(v, dict) and "default" in v:
+                    keys.add(k)
+                walk(v)
+            for v in node.values():
+                if isinstance(v, (dict, list)):
+                    walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(schema())
+    return keys
+
+
+@pytest.mark.parametrize("module", READERS)
+def test_no_config_fallback_copies(module):
+    """`.get("key", default)` on a schema key repeats the schema's default: a second copy that can drift."""
+    keys = _schema_keys()
+    tree = ast.parse((ROOT / "src" / "oar" / module).read_text())
+    found = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+                and len(node.args) == 2 and isinstance(node.args[0], ast.Constant) and node.args[0].value in keys
+                # not a config: a model's config.json (cfg), an option dict, a table row, a saved summary
+                and not (isinstance(node.func.value, ast.Name) and node.func.value.id in ("cfg", "o", "options", "cell",
+                                                                                        "row", "entry", "prev", "r", "counts"))):
+            found.append(f"line {node.lineno}: .get({node.args[0].value!r}, ...)")
+    assert not found, f"src/oar/{module}: {found}"
+
+
+def test_the_code_runs_on_the_schema_defaults_alone():
+    """A config that omits every optional key: the readers find every key they need, and the values
+    they use are the schema's."""
+    from oar.attribution import AttributionSettings
+    from oar.attribution.signals import signal_specs
+    from oar.plan import _settings, model_shape
+    from oar.report import REPORT_DEFAULTS
+
+    cfg = minimal_config()
+    assert REPORT_DEFAULTS == cfg["report"] == section_defaults("report")
+    settings = AttributionSettings.from_config(cfg)
+    attr = section_defaults("attribution")
+    assert settings.n_sampled == attr["n_sampled"] and settings.top_k == tuple(attr["top_k"])
+    assert [s.name for s in signal_specs(settings.signals)] == [s["name"] for s in attr["signals"]]
+    assert settings.n_samples == cfg["rollout"]["n"] and settings.max_new_tokens == cfg["rollout"]["max_new_tokens"]
+    shape = model_shape(cfg)
+    tiny = cfg["model"]["tiny"]
+    assert (shape.hidden_size, shape.num_layers) == (tiny["hidden_size"], tiny["num_layers"])
+    s = _settings(cfg, 1, shape)
+    assert s["gpu_gb"] == cfg["plan"]["gpu_memory_gb"] and s["strategy"] == cfg["train"]["strategy"]
+    assert s["prompt"] == min(cfg["plan"]["prompt_tokens"], tiny["max_position_embeddings"] - cfg["rollout"]["max_new_tokens"])
+
+
+def test_the_default_config_leaves_the_signal_list_to_the_schema():
+    """config.yaml does not repeat the schema's default signal list (it did, and the two had drifted)."""
+    import yaml
+
+    raw = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
+    assert "signals" not in raw["attribution"]
+
+
+def test_package_map_matches_the_folders():
+    """oar/__init__.py lists every subpackage and top-level module (and nothing that is gone)."""
+    import re
+
+    import oar
+
+    src = ROOT / "src" / "oar"
+    present = {p.stem for p in src.glob("*.py") if p.stem != "__init__"} | {
+        p.name for p in src.iterdir() if p.is_dir() and (p / "__init__.py").exists() or p.name == "schemas"}
+    present.discard("__pycache__")
+    listed = set(re.findall(r":mod:`oar\.(\w+)`", oar.__doc__))
+    assert listed == present, f"missing: {sorted(present - listed)}, stale: {sorted(listed - present)}"
