@@ -79,7 +79,9 @@ def test_regime_table_efficiency_and_report(tmp_path):
     assert not bool(third.loc["oar_g", "separates"]) and math.isnan(third.loc["oar_g", "efficiency"])
     assert int((~df["done"]).sum()) == 4  # cells not run yet are listed as such
     md = out["md"].read_text()
-    assert "| ~28 tokens, n=8 (default) | 28 | 8 | oracle_first_mistake | 4 | **+4.0 [+1.0, +7.0]** | 2.0 | — |" in md
-    assert "| ~28 tokens, n=8 (default) | 28 | 8 | oar_g | 4 | +1.0 [-1.0, +3.0] | 2.0 | 0.25 |" in md
+    # the base row (-10 from GRPO) is GRPO's room: +10.0 over the start model
+    assert "| ~28 tokens, n=8 (default) | 28 | 8 | +10.0 | oracle_first_mistake | 4 | **+4.0 [+1.0, +7.0]** | 2.0 | — |" in md
+    assert "| ~28 tokens, n=8 (default) | 28 | 8 | +10.0 | oar_g | 4 | +1.0 [-1.0, +3.0] | 2.0 | 0.25 |" in md
+    assert first.loc["oar_g", "headroom"] == pytest.approx(10.0)
     assert "(not run)" in md
     assert out["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

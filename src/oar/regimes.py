@@ -65,7 +65,8 @@ def regime_table(config: Mapping[str, Any], results: str | Path | None = None, *
     ``group_size``, ``method``, ``n_seeds``, ``diff``, ``ci_low``, ``ci_high`` (seed-level, points),
     ``mde`` (the cell's seed-level MDE), ``separates`` (the oracle's interval excludes 0 in this cell),
     ``efficiency`` ((method - reference) / (oracle - reference) where the oracle separates, else NaN),
-    ``done`` (False for a cell whose main.csv does not exist yet: its other columns are NaN).
+    ``headroom`` (the reference's own gain over the start model, points: a cell where RL does not move
+    the reference cannot show credit paying), ``done`` (False for a cell whose main.csv does not exist yet: its other columns are NaN).
     """
     import pandas as pd
 
@@ -82,29 +83,34 @@ def regime_table(config: Mapping[str, Any], results: str | Path | None = None, *
             recs.append({**base, "method": None, "done": False})
             continue
         df = pd.read_csv(path)
-        df = df[(df["metric"] == metric) & (df["benchmark"] == bench) & df["diff"].notna() & (df["row"] != "base")]
-        by = df.set_index("row")
+        df = df[(df["metric"] == metric) & (df["benchmark"] == bench) & df["diff"].notna()]
+        start = df[df["row"] == "base"]
+        headroom = -float(start["diff"].iloc[0]) if len(start) else math.nan
+        by = df[df["row"] != "base"].set_index("row")
         sep = oracle in by.index and (by.loc[oracle, "ci_low"] > 0 or by.loc[oracle, "ci_high"] < 0)
         for row, r in by.iterrows():
             eff = (r["diff"] / by.loc[oracle, "diff"]) if sep and row != oracle else math.nan
             recs.append({**base, "method": row, "n_seeds": int(r["n_seeds"]), "diff": r["diff"], "ci_low": r["ci_low"],
                          "ci_high": r["ci_high"], "mde": r["mde"], "separates": bool(sep), "efficiency": eff,
-                         "done": True})
+                         "headroom": headroom, "done": True})
     return pd.DataFrame.from_records(recs)
 
 
 def regime_markdown(df: "pd.DataFrame", *, reference_label: str = "GRPO") -> str:  # noqa: F821
-    """The regime table as markdown: one row per (cell, method)."""
+    """The regime table as markdown: one row per (cell, method), with the reference's gain over the
+    start model (the cell's room for RL)."""
     from oar.report.render import _fmt_diff
 
-    lines = [f"| cell | length | group | method | seeds | difference from {reference_label} [95% CI over seeds] "
-             "| seed-level MDE | credit efficiency |", "|---|---:|---:|---|---:|---:|---:|---:|"]
+    lines = [f"| cell | length | group | {reference_label} - start | method | seeds | difference from "
+             f"{reference_label} [95% CI over seeds] | seed-level MDE | credit efficiency |",
+             "|---|---:|---:|---:|---|---:|---:|---:|---:|"]
     for r in df.itertuples(index=False):
         if not r.done:
-            lines.append(f"| {r.label} | {r.length:g} | {r.group_size:g} | (not run) | | | | |")
+            lines.append(f"| {r.label} | {r.length:g} | {r.group_size:g} | | (not run) | | | | |")
             continue
         eff = "—" if math.isnan(r.efficiency) else f"{r.efficiency:.2f}"
-        lines.append(f"| {r.label} | {r.length:g} | {r.group_size:g} | {r.method} | {int(r.n_seeds)} | "
+        gain = "" if math.isnan(r.headroom) else f"{r.headroom:+.1f}"
+        lines.append(f"| {r.label} | {r.length:g} | {r.group_size:g} | {gain} | {r.method} | {int(r.n_seeds)} | "
                      f"{_fmt_diff(r.diff, r.ci_low, r.ci_high)} | {r.mde:.1f} | {eff} |")
     return "\n".join(lines) + "\n"
 
@@ -120,21 +126,29 @@ def plot_regime_map(path: str | Path, df: "pd.DataFrame", methods: list[str], *,
 
     done = df[df["done"]]
     sizes = sorted(done["group_size"].dropna().unique()) or [math.nan]
+    colors = {m: f"C{i}" for i, m in enumerate(methods)}  # one colour per method in every panel
+    lengths = sorted(done["length"].dropna().unique())
     fig, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 3.8), squeeze=False, sharey=True)
     for ax, g in zip(axes[0], sizes):
         sub = done[done["group_size"] == g] if not math.isnan(g) else done
-        for m in methods:
+        for i, m in enumerate(methods):
             rows = sub[sub["method"] == m].sort_values("length")
             if not len(rows):
                 continue
             err = [rows["diff"] - rows["ci_low"], rows["ci_high"] - rows["diff"]]
-            ax.errorbar(rows["length"], rows["diff"], yerr=err, marker="o", capsize=3, label=m)
+            x = rows["length"] * 1.04 ** (i - (len(methods) - 1) / 2)  # side by side at each length
+            ax.errorbar(x, rows["diff"], yerr=err, marker="o", capsize=3, label=m, color=colors[m])
         ax.axhline(0.0, color="grey", lw=0.8)
         ax.set_xscale("log")
+        if lengths:
+            ax.set_xticks(lengths, [f"{v:g}" for v in lengths])
+            ax.minorticks_off()
+            ax.set_xlim(min(lengths) / 1.3, max(lengths) * 1.3)
         ax.set_xlabel("response length (tokens)")
         ax.set_title(f"group size {g:g}")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     axes[0][0].set_ylabel(f"avg@k difference from {reference_label} (points)")
-    axes[0][-1].legend(fontsize=8)
     fig.tight_layout()
     with atomic_path(Path(path)) as tmp:
         fig.savefig(tmp, format="png", dpi=120)
