@@ -20,7 +20,9 @@ if SRC_DIR not in sys.path:
 
 from oar.config import ConfigError, deep_merge, resolve_extends, resolve_methods, validate_config
 from oar.io import atomic_write_text
+from oar.plan import PlanError, preemption_signal_seconds
 from oar.plan import train_layout as _train_layout
+from oar.preemption import STOP_SIGNALS
 
 
 # ---------------------------------------------------------------------------------------- config
@@ -206,8 +208,45 @@ def train_layout():
     return _train_layout(config)
 
 
+# ------------------------------------------------------------------------------------ preemption
+# SLURM ends a job (time limit, preemption, scancel) with SIGTERM to every process of its job
+# steps, then SIGKILL after KillWait. The trainer (oar.preemption) then finishes its step, writes a
+# checkpoint and exits 75; Snakemake's own process in the step waits for its job on SIGTERM; but
+# bash dies of it, and once bash is gone Snakemake reports the job failed and exits, and SLURM
+# kills what is left of the step, the trainer in the middle of its checkpoint. So every rule's
+# shell ignores SIGTERM (a rule's subshell inherits that; the trainer and torchrun install their
+# own handlers). The prefix is not part of a rule's recorded code: setting it reruns nothing.
+shell.prefix("set -euo pipefail; trap '' TERM; ")
+
+
+def train_signal_seconds():
+    """Seconds before the time limit at which SLURM sends a training job SIGTERM (sbatch
+    --signal=TERM@N, through the plugin's slurm_extra), and the time torchrun gives its workers to
+    stop: train.preemption.signal_seconds, else sized by oar.plan.preemption_signal_seconds (the
+    longest step + the checkpoint's bytes at the stated write speed + a margin)."""
+    try:
+        seconds = preemption_signal_seconds(config)
+    except PlanError as e:
+        raise WorkflowError(f"train.preemption.signal_seconds: cannot size the early SIGTERM of training jobs: {e}; "
+                            f"or set train.preemption.signal_seconds (seconds)")
+    runtime_s = 60 * int(res("train", "runtime"))
+    if seconds >= runtime_s:
+        raise WorkflowError(
+            f"train.preemption: training jobs would get SIGTERM {seconds} s before their time limit, but "
+            f"resources.train.runtime is {runtime_s // 60} min; raise the runtime or set a smaller "
+            f"train.preemption.signal_seconds (or step_seconds, margin_seconds)")
+    return seconds
+
+
+TRAIN_SIGNAL_S = train_signal_seconds()
+# the signals torchrun forwards to its workers: its own defaults and those that stop the trainer
+TORCHRUN_SIGNALS = ",".join(dict.fromkeys(["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", *(s.name for s in STOP_SIGNALS)]))
+
+
 def train_resources():
-    """The train rule's node and GPU resources (snakemake-executor-plugin-slurm names).
+    """The train rule's node and GPU resources (snakemake-executor-plugin-slurm names), and the
+    early SIGTERM (slurm_extra: --signal=TERM@<train_signal_seconds()>; to the job steps, not B:,
+    whose batch shell, the plugin's /bin/sh script, would die of it and end the job).
 
     One node: `gpu` (sbatch --gpus=N) and nodes=1. Several nodes: one task per node, started by
     the rule's own `srun` (see train_launcher): `mpi` tells the plugin's jobstep executor not to wrap
@@ -217,10 +256,11 @@ def train_resources():
     plugin would pass both, so gpu is 0 then).
     """
     nodes, _, gpu = train_layout()
+    signal = {"slurm_extra": f"--signal=TERM@{TRAIN_SIGNAL_S}"}
     if nodes == 1:
-        return {"gpu": gpu, "nodes": 1}
+        return {"gpu": gpu, "nodes": 1, **signal}
     return {"gpu": 0, "nodes": nodes, "tasks": nodes, "tasks_per_gpu": 0, "mpi": "srun",
-            **({"gres": f"gpu:{gpu}"} if gpu else {})}
+            **({"gres": f"gpu:{gpu}"} if gpu else {}), **signal}
 
 
 # torchrun on every node of a multi-node job (run by srun, one task per node): the rendezvous host
@@ -228,7 +268,7 @@ def train_resources():
 _NODE_TORCHRUN = (
     'MASTER_ADDR=$(scontrol show hostnames "${{SLURM_STEP_NODELIST:-$SLURM_JOB_NODELIST}}" | head -n 1)'
     "; MASTER_PORT=$((29500 + SLURM_JOB_ID % 1000))"
-    "; exec torchrun --nnodes {nodes} --nproc_per_node {procs} --rdzv_backend c10d"
+    "; exec torchrun {signals} --nnodes {nodes} --nproc_per_node {procs} --rdzv_backend c10d"
     ' --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv_id "$SLURM_JOB_ID" -m oar.cli "$@"'
 )
 
@@ -245,14 +285,17 @@ def train_launcher(wildcards, resources, threads):
     - several nodes (SLURM only): `srun` one task per node, each running torchrun with a c10d
       rendezvous on the first node of the job.
     OMP_NUM_THREADS splits the job's threads between its processes (snakemake sets it to all of them).
+    torchrun forwards SIGUSR1 too (--signals-to-handle) and waits train_signal_seconds() for its
+    workers to stop after forwarding a signal (--shutdown-timeout) before it kills them.
     """
     nodes, procs, gpu = train_layout()
     if nodes == 1 and procs == 1:
         return OAR
     omp = f"{OAR_ENV} OMP_NUM_THREADS={max(1, int(threads) // procs)}"
+    signals = f"--signals-to-handle {TORCHRUN_SIGNALS} --shutdown-timeout {TRAIN_SIGNAL_S}"
     if nodes == 1:
-        return f"{omp} torchrun --standalone --nnodes 1 --nproc_per_node {procs} -m oar.cli"
-    node = _NODE_TORCHRUN.format(nodes=nodes, procs=procs)
+        return f"{omp} torchrun {signals} --standalone --nnodes 1 --nproc_per_node {procs} -m oar.cli"
+    node = _NODE_TORCHRUN.format(signals=signals, nodes=nodes, procs=procs)
     gres = f" --gres=gpu:{gpu}" if gpu else ""
     return (f"{omp} srun --nodes={nodes} --ntasks-per-node=1 --cpus-per-task={int(threads)}{gres}"
             f" --kill-on-bad-exit=1 bash -c {shlex.quote(node)} oar")
@@ -269,10 +312,17 @@ def section(*keys):
     return {k: config.get(k) for k in keys}
 
 
+# train keys a run may change without starting over (oar.runs.RESUMABLE_TRAIN_KEYS): leaving them
+# out keeps the fingerprints of runs started before they existed
+_RESUMABLE_NEW_TRAIN_KEYS = ("save_every_minutes", "preemption")
+
+
 def method_fingerprint(method):
     m = METHODS[method]
+    sections = section("model", "task", "sft", "rollout", "train", "reward")
+    sections["train"] = {k: v for k, v in sections["train"].items() if k not in _RESUMABLE_NEW_TRAIN_KEYS}
     return fingerprint(
-        section("model", "task", "sft", "rollout", "train", "reward"),
+        sections,
         {"recipe": m.recipe, "credit": m.credit, "options": m.credit_options, "sft": SFT},
     )
 
