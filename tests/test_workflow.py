@@ -248,7 +248,17 @@ def _free_port(lo: int, hi: int) -> int:
     raise RuntimeError(f"no free port in [{lo}, {hi})")
 
 
-MULTI_NODE_TORCHRUN = ('torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d'
+def _torchrun_signals(name: str) -> str:
+    """torchrun's options for signals in a training launch of config/<name>: forward SIGUSR1 too,
+    and give the workers the config's early-signal time to stop (oar.plan.preemption_signal_seconds)."""
+    from oar.config import load_config
+    from oar.plan import preemption_signal_seconds
+
+    seconds = preemption_signal_seconds(load_config(ROOT / "config" / name))
+    return f"--signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout {seconds}"
+
+
+MULTI_NODE_TORCHRUN = (f'torchrun {_torchrun_signals("paper.yaml")} --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d'
                        ' --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv_id "$SLURM_JOB_ID" -m oar.cli "$@"')
 
 
@@ -261,10 +271,12 @@ def test_dry_run_train_launch_commands_one_and_several_nodes(tmp_path):
     assert launcher == "python -m oar.cli"
 
     paper = set(_train_launchers("--configfile", "config/paper.yaml", results=tmp_path))
-    assert paper == {"OMP_NUM_THREADS=4 torchrun --standalone --nnodes 1 --nproc_per_node 8 -m oar.cli"}
+    assert paper == {f"OMP_NUM_THREADS=4 torchrun {_torchrun_signals('paper.yaml')} --standalone --nnodes 1 "
+                     f"--nproc_per_node 8 -m oar.cli"}
 
     (smol,) = set(_train_launchers("--configfile", "config/smollm2.yaml", results=tmp_path, cores=2))
-    assert smol == "OMP_NUM_THREADS=1 torchrun --standalone --nnodes 1 --nproc_per_node 2 -m oar.cli"
+    assert smol == (f"OMP_NUM_THREADS=1 torchrun {_torchrun_signals('smollm2.yaml')} --standalone --nnodes 1 "
+                    f"--nproc_per_node 2 -m oar.cli")
 
     two = set(_train_launchers("--configfile", str(_paper_with_train(tmp_path, nodes=2)), results=tmp_path))
     (launcher,) = two

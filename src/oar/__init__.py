@@ -29,7 +29,8 @@ Subpackages and modules:
 - :mod:`oar.report_format` -- the old import name of :mod:`oar.report.render`.
 - :mod:`oar.config` -- loading, validating and resolving a YAML config (also the workflow's: defaults,
   ``extends``, typed ``--config`` overrides).
-- :mod:`oar.runs` -- a training run's output folder (contents, ownership, resume).
+- :mod:`oar.runs` -- a training run's output folder (contents, ownership, resume, checkpoint checks).
+- :mod:`oar.preemption` -- stopping training cleanly on a signal, and checkpoints by step or by time.
 - :mod:`oar.tracking` -- experiment tracking: MLflow plus ``metrics.jsonl``.
 - :mod:`oar.io` -- atomic, resumable file output.
 - :mod:`oar.cli` -- the command line (``oar <command>``).

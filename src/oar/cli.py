@@ -41,19 +41,24 @@ def _cmd_sft(args: argparse.Namespace) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from oar.config import load_config
-    from oar.train import train
+    from oar.preemption import EXIT_INTERRUPTED, StopSignal
 
     overrides = {"train": {"steps": args.steps}} if args.steps is not None else None
     config = load_config(args.config, overrides)
-    try:
-        summary = train(config, args.method, args.seed, args.output, init=args.init, restart=args.restart,
-                        progress=not args.no_progress)
-    finally:
-        from oar.strategy import shutdown
+    # signals are caught from here on, before the slow imports and the model load: a SIGTERM while
+    # starting stops the run before its first step instead of killing it
+    with StopSignal(repeat_seconds=config["train"]["preemption"]["repeat_seconds"]) as stop:
+        from oar.train import train
 
-        shutdown()  # leave the process group cleanly (torchrun: a process may abort at exit otherwise)
+        try:
+            summary = train(config, args.method, args.seed, args.output, init=args.init, restart=args.restart,
+                            progress=not args.no_progress, stop=stop)
+        finally:
+            from oar.strategy import shutdown
+
+            shutdown()  # leave the process group cleanly (torchrun: a process may abort at exit otherwise)
     print(json.dumps(summary, indent=2, default=str))
-    return 0
+    return EXIT_INTERRUPTED if "interrupted_at" in summary else 0
 
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
@@ -159,7 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--output", required=True, help="folder for the SFT model (save_pretrained) and sft_summary.json")
     s.set_defaults(fn=_cmd_sft)
 
-    s = sub.add_parser("train", help="RL training of one method and seed (resumes from <output>/checkpoint)")
+    s = sub.add_parser("train", help="RL training of one method and seed (resumes from <output>/checkpoint); "
+                                     "SIGTERM, SIGINT or SIGUSR1 stop it after its step with a checkpoint, exit 75")
     s.add_argument("--config", required=True)
     s.add_argument("--method", required=True, help="a key of the config's 'methods'")
     s.add_argument("--seed", type=_seed, default=0)
@@ -229,12 +235,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from oar.io import FolderLockedError
+    from oar.io import DiskFullError, FolderLockedError, SharedWriteError
 
     args = build_parser().parse_args(argv)
     try:
         return int(args.fn(args) or 0)
-    except (FileNotFoundError, ValueError, KeyError, FolderLockedError) as e:
+    except (FileNotFoundError, ValueError, KeyError, FolderLockedError, DiskFullError, SharedWriteError) as e:
         print(f"oar {args.command}: error: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:  # a benchmark given as a hub id while the hub cannot be used

@@ -17,6 +17,8 @@ __all__ = [
     "recover_atomic_dir",
     "exclusive_lock",
     "FolderLockedError",
+    "DiskFullError",
+    "SharedWriteError",
     "atomic_write_text",
     "atomic_write_json",
     "atomic_write_jsonl",
@@ -110,6 +112,17 @@ class FolderLockedError(RuntimeError):
     """Another process holds the folder's lock (see :func:`exclusive_lock`); the message names it."""
 
 
+class DiskFullError(OSError):
+    """The file system filled up while writing a checkpoint or the final model; nothing half-written
+    is left, and the message names the path, the space it needed and the checkpoint that is intact
+    (``oar.runs.disk_full_error``)."""
+
+
+class SharedWriteError(OSError):
+    """Another process failed writing a folder that every process writes (its own error says why;
+    ``oar.strategy.Strategy.shared_atomic_dir``)."""
+
+
 LOCK_FILE = ".lock"
 
 
@@ -164,13 +177,27 @@ def atomic_write_jsonl(path: str | os.PathLike, rows: Iterable[dict]) -> None:
 
 
 def append_jsonl(path: str | os.PathLike, row: dict) -> None:
-    """Append one JSON line and flush it to disk (for streaming logs such as metrics.jsonl)."""
+    """Append one JSON line and flush it to disk (for streaming logs such as metrics.jsonl).
+
+    A write that fails (a full disk) cuts the file back to its previous end, so no half line is
+    left for :func:`read_jsonl` to trip over; the error is raised.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(row, default=_json_default) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    data = (json.dumps(row, default=_json_default) + "\n").encode("utf-8")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        end = os.fstat(fd).st_size
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        except OSError:
+            os.ftruncate(fd, end)
+            raise
+    finally:
+        os.close(fd)
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:

@@ -12,9 +12,43 @@ import os
 import shlex
 from typing import Any, Mapping
 
-from oar.plan import train_layout
+from oar.plan import PlanError, preemption_signal_seconds, train_layout
+from oar.preemption import STOP_SIGNALS
+
+
+class LaunchError(ValueError):
+    """A config the workflow cannot launch as asked (the message names the key)."""
+
+
+#: The signals torchrun forwards to its workers: its own defaults and those that stop the trainer.
+TORCHRUN_SIGNALS = ",".join(dict.fromkeys(["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", *(s.name for s in STOP_SIGNALS)]))
+
+
+def train_signal_seconds(config: Mapping[str, Any], *, runtime_minutes: int) -> int:
+    """Seconds before the time limit at which SLURM sends a training job SIGTERM (sbatch
+    --signal=TERM@N, through the plugin's slurm_extra), and the time torchrun gives its workers to
+    stop: ``train.preemption.signal_seconds``, else sized by :func:`oar.plan.preemption_signal_seconds`
+    (the longest step + the checkpoint's bytes at the stated write speed + a margin).
+
+    Raises:
+        LaunchError: the signal cannot be sized, or it would come before the job's ``runtime_minutes``.
+    """
+    try:
+        seconds = preemption_signal_seconds(dict(config))
+    except PlanError as e:
+        raise LaunchError(f"train.preemption.signal_seconds: cannot size the early SIGTERM of training jobs: {e}; "
+                          f"or set train.preemption.signal_seconds (seconds)") from None
+    if seconds >= 60 * runtime_minutes:
+        raise LaunchError(
+            f"train.preemption: training jobs would get SIGTERM {seconds} s before their time limit, but "
+            f"resources.train.runtime is {runtime_minutes} min; raise the runtime or set a smaller "
+            f"train.preemption.signal_seconds (or step_seconds, margin_seconds)")
+    return seconds
 
 __all__ = [
+    "LaunchError",
+    "TORCHRUN_SIGNALS",
+    "train_signal_seconds",
     "DEFAULT_RESOURCES",
     "RESOURCE_FALLBACK",
     "CONDA_ENVS",
@@ -79,8 +113,10 @@ def conda_env_choice(config: Mapping[str, Any]) -> tuple[str, bool]:
     return os.path.abspath(choice), False
 
 
-def train_resources(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The train rule's node and GPU resources (snakemake-executor-plugin-slurm names).
+def train_resources(config: Mapping[str, Any], *, signal_seconds: int) -> dict[str, Any]:
+    """The train rule's node and GPU resources (snakemake-executor-plugin-slurm names), and the
+    early SIGTERM (``slurm_extra``: --signal=TERM@<signal_seconds>; to the job steps, not ``B:``,
+    whose batch shell, the plugin's /bin/sh script, would die of it and end the job).
 
     One node: ``gpu`` (sbatch --gpus=N) and nodes=1. Several nodes: one task per node, started by
     the rule's own ``srun`` (see :func:`train_launcher`): ``mpi`` tells the plugin's jobstep executor
@@ -90,10 +126,11 @@ def train_resources(config: Mapping[str, Any]) -> dict[str, Any]:
     may spread unevenly; the plugin would pass both, so gpu is 0 then).
     """
     nodes, _, gpu = train_layout(dict(config))
+    signal = {"slurm_extra": f"--signal=TERM@{signal_seconds}"}
     if nodes == 1:
-        return {"gpu": gpu, "nodes": 1}
+        return {"gpu": gpu, "nodes": 1, **signal}
     return {"gpu": 0, "nodes": nodes, "tasks": nodes, "tasks_per_gpu": 0, "mpi": "srun",
-            **({"gres": f"gpu:{gpu}"} if gpu else {})}
+            **({"gres": f"gpu:{gpu}"} if gpu else {}), **signal}
 
 
 def oar_env(src_dir: str) -> str:
@@ -108,12 +145,12 @@ def oar_env(src_dir: str) -> str:
 _NODE_TORCHRUN = (
     'MASTER_ADDR=$(scontrol show hostnames "${{SLURM_STEP_NODELIST:-$SLURM_JOB_NODELIST}}" | head -n 1)'
     "; MASTER_PORT=$((29500 + SLURM_JOB_ID % 1000))"
-    "; exec torchrun --nnodes {nodes} --nproc_per_node {procs} --rdzv_backend c10d"
+    "; exec torchrun {signals} --nnodes {nodes} --nproc_per_node {procs} --rdzv_backend c10d"
     ' --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv_id "$SLURM_JOB_ID" -m oar.cli "$@"'
 )
 
 
-def train_launcher(config: Mapping[str, Any], src_dir: str, threads: int) -> str:
+def train_launcher(config: Mapping[str, Any], src_dir: str, threads: int, *, signal_seconds: int) -> str:
     """The command that ``train --config ...`` follows (see :func:`oar.plan.train_layout`):
 
     - one process: ``python -m oar.cli`` behind :func:`oar_env` (which precedes every launcher;
@@ -125,16 +162,20 @@ def train_launcher(config: Mapping[str, Any], src_dir: str, threads: int) -> str
     - several nodes (SLURM only): ``srun`` one task per node, each running torchrun with a c10d
       rendezvous on the first node of the job.
 
-    OMP_NUM_THREADS splits the job's ``threads`` between its processes (snakemake sets it to all of them).
+    OMP_NUM_THREADS splits the job's ``threads`` between its processes (snakemake sets it to all of
+    them). torchrun forwards SIGUSR1 too (--signals-to-handle, :data:`TORCHRUN_SIGNALS`) and waits
+    ``signal_seconds`` for its workers to stop after forwarding a signal (--shutdown-timeout)
+    before it kills them.
     """
     env = oar_env(src_dir)
     nodes, procs, gpu = train_layout(dict(config))
     if nodes == 1 and procs == 1:
         return f"{env} python -m oar.cli"
     omp = f"{env} OMP_NUM_THREADS={max(1, int(threads) // procs)}"
+    signals = f"--signals-to-handle {TORCHRUN_SIGNALS} --shutdown-timeout {signal_seconds}"
     if nodes == 1:
-        return f"{omp} torchrun --standalone --nnodes 1 --nproc_per_node {procs} -m oar.cli"
-    node = _NODE_TORCHRUN.format(nodes=nodes, procs=procs)
+        return f"{omp} torchrun {signals} --standalone --nnodes 1 --nproc_per_node {procs} -m oar.cli"
+    node = _NODE_TORCHRUN.format(signals=signals, nodes=nodes, procs=procs)
     gres = f" --gres=gpu:{gpu}" if gpu else ""
     return (f"{omp} srun --nodes={nodes} --ntasks-per-node=1 --cpus-per-task={int(threads)}{gres}"
             f" --kill-on-bad-exit=1 bash -c {shlex.quote(node)} oar")

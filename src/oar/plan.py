@@ -98,6 +98,8 @@ __all__ = [
     "engine_memory",
     "plan",
     "format_plan",
+    "checkpoint_bytes",
+    "preemption_signal_seconds",
 ]
 
 GiB = 1024**3
@@ -677,6 +679,43 @@ def engine_memory(config: dict, world: int | None = None) -> dict[str, int]:
     return {t.name: t.bytes for t in engine_terms(config, world)}
 
 
+# --------------------------------------------------------------------------------- checkpoints
+
+
+def checkpoint_bytes(config: dict, shape: ModelShape | None = None) -> int:
+    """Bytes of one training checkpoint, all processes together: the master weights and AdamW's two
+    states (``3 x P x`` the master dtype's bytes: float32, or ``model.dtype`` with
+    ``train.master_dtype: model``); the tokenizer and the trainer state's scalars are negligible.
+
+    Raises:
+        PlanError: when the model's shape is unknown (see :func:`model_shape`).
+    """
+    shape = shape or model_shape(config)
+    t, m = config["train"], config["model"]
+    if t.get("master_dtype", "float32") == "float32":
+        master_b = 4
+    else:
+        dtype = m.get("dtype", "float32")
+        master_b = _dtype_bytes(shape.dtype if dtype == "auto" else dtype, "model.dtype")
+    return 3 * shape.num_params * master_b
+
+
+def preemption_signal_seconds(config: dict, shape: ModelShape | None = None) -> int:
+    """Seconds before a SLURM job's time limit at which a training job should get SIGTERM (``sbatch
+    --signal=TERM@N``), so that it finishes its step and writes a checkpoint before SIGKILL:
+    ``train.preemption.signal_seconds`` when set, else ``step_seconds`` + :func:`checkpoint_bytes` /
+    ``write_gb_per_s`` + ``margin_seconds``, rounded up.
+
+    Raises:
+        PlanError: sized, and the model's shape is unknown.
+    """
+    p = config["train"].get("preemption") or {}
+    if p.get("signal_seconds"):
+        return int(p["signal_seconds"])
+    write_s = checkpoint_bytes(config, shape) / (float(p.get("write_gb_per_s", 0.5)) * 1e9)
+    return math.ceil(float(p.get("step_seconds", 300)) + write_s + float(p.get("margin_seconds", 60)))
+
+
 # --------------------------------------------------------------------------------------- plan
 
 
@@ -719,6 +758,9 @@ def plan(config: dict, world: int | None = None, *, padded: bool = True) -> Plan
                        f"the KV cache of one {s['seq']}-token sequence) > its share {_gib(share.bytes)} GiB "
                        f"({share.note}); raise rollout.vllm.gpu_memory_utilization or shorten rollout.max_new_tokens")
     s["padded"] = padded
+    s["checkpoint_bytes"] = checkpoint_bytes(config, shape)
+    s["signal_seconds"] = preemption_signal_seconds(config, shape)
+    s["preemption"] = dict(config["train"].get("preemption") or {})
     return PlanResult(shape=shape, world_size=world, gpu_bytes=gpu, headroom_bytes=headroom, terms=terms,
                       engine=engine, phase_totals=totals, peak_phase=peak, fits=fits, breaker=breaker,
                       message=message, settings=s)
@@ -778,4 +820,11 @@ def format_plan(result: PlanResult, *, source: str = "") -> str:
     out.append(f"peak {_gib(result.peak_bytes)} GiB of {s['gpu_gb']:g} GiB per GPU: {verdict}")
     if not result.fits:
         out.append(result.message)
+    if "checkpoint_bytes" in s:
+        p = s["preemption"]
+        how = ("train.preemption.signal_seconds" if p.get("signal_seconds") else
+               f"step_seconds {p.get('step_seconds', 300):g} + {_gib(s['checkpoint_bytes'])} GiB at write_gb_per_s "
+               f"{p.get('write_gb_per_s', 0.5):g} + margin_seconds {p.get('margin_seconds', 60):g}")
+        out.append(f"checkpoint {_gib(s['checkpoint_bytes'])} GiB (master weights + AdamW states, all processes); "
+                   f"SLURM sends training SIGTERM {s['signal_seconds']} s before the time limit ({how})")
     return "\n".join(out) + "\n"

@@ -16,26 +16,40 @@ run; ``restart=True`` (``oar train --restart``) discards the folder's state and 
 
 The trainer state is read with ``torch.load(weights_only=True)``: it holds only tensors and plain
 Python values (RNG states are converted), so a tampered file cannot run code.
+
+What an interruption costs (see also :mod:`oar.preemption`): a checkpoint is written into a
+temporary folder and renamed into place, and its last file, ``checkpoint.json``, lists every file
+with its size, so a kill at any point leaves the previous checkpoint whole (:meth:`RunFolder.recover`
+removes the partial one). A checkpoint file that cannot be read (truncated, corrupt, missing) is
+refused before anything is loaded from it, naming the file (:class:`CheckpointError`); a write that
+fills the disk leaves no partial file and names the path, the space it needed and the checkpoint
+that is intact (:class:`DiskFullError`).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import random
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 import torch
 
-from oar.io import atomic_write_json, atomic_write_jsonl, read_jsonl, recover_atomic_dir
+from oar.io import DiskFullError, atomic_write_json, atomic_write_jsonl, read_jsonl, recover_atomic_dir
 from oar.tracking import flatten
 
 __all__ = [
     "RunFolder",
     "RunMismatchError",
+    "CheckpointError",
+    "DiskFullError",
+    "write_manifest",
+    "check_checkpoint_files",
+    "is_disk_full",
     "run_identity",
     "identity_diff",
     "save_trainer_state",
@@ -49,17 +63,178 @@ STATE_FILE = "trainer_state.pt"
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "train_summary.json"
 RUN_FILE = "run.json"
+#: The last file of a checkpoint: its step and every file's size (:func:`write_manifest`).
+MANIFEST_FILE = "checkpoint.json"
 
 #: ``train`` keys a resumed run may change: how long it runs, how often it saves, when it gives up,
-#: and where the start model came from (its content is part of the identity instead). A longer
+#: how it reacts to signals, and where the start model came from (its content is part of the identity instead). A longer
 #: ``steps`` continues the run; the schedule is then computed for the new total.
-RESUMABLE_TRAIN_KEYS: tuple[str, ...] = ("steps", "save_every", "max_nonfinite", "init")
+RESUMABLE_TRAIN_KEYS: tuple[str, ...] = ("steps", "save_every", "save_every_minutes", "max_nonfinite", "init",
+                                         "preemption")
 #: ``model`` keys that only say where the start model is; its content hash stands for them.
 _MODEL_LOCATION_KEYS = ("source", "gguf_file")
 
 
 class RunMismatchError(ValueError):
     """The folder's checkpoint belongs to a run with other settings; the message names the keys."""
+
+
+class CheckpointError(ValueError):
+    """A file of the checkpoint cannot be read (truncated, corrupt, missing, tampered); the message
+    names the file and what to do."""
+
+
+#: What to do about a checkpoint that cannot be resumed.
+_RESTART_HINT = ("Put back a good copy of the file, or pass --restart to start over at step 0 (it discards the "
+                 "run's checkpoint, model and metrics).")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def unreadable(folder: str | Path, path: str | Path, reason: str) -> CheckpointError:
+    """The error for ``path`` of the checkpoint ``folder`` that cannot be read for ``reason``."""
+    return CheckpointError(f"{path}: unreadable ({reason}), so the checkpoint {folder} cannot be resumed. "
+                           f"{_RESTART_HINT}")
+
+
+def write_manifest(folder: str | Path, **fields: Any) -> None:
+    """Write ``checkpoint.json`` into a complete checkpoint ``folder``: ``fields`` (the step) and the
+    size of every file in it, so a later start can tell a whole checkpoint from a damaged one."""
+    folder = Path(folder)
+    files = {p.relative_to(folder).as_posix(): p.stat().st_size
+             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST_FILE}
+    atomic_write_json(folder / MANIFEST_FILE, {**fields, "files": files})
+
+
+def _check_safetensors(folder: Path, path: Path) -> None:
+    """A ``.safetensors`` file whose header reads and whose size is what the header describes."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise unreadable(folder, path, f"{size} bytes, shorter than a safetensors header: truncated")
+        n = int.from_bytes(head, "little")
+        if 8 + n > size:
+            raise unreadable(folder, path, f"truncated: its header takes {n} bytes and the file has {size}")
+        try:
+            header = json.loads(f.read(n))
+            end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            raise unreadable(folder, path, "its safetensors header is corrupt") from None
+    if 8 + n + end != size:
+        raise unreadable(folder, path, f"{size} bytes where its header describes {8 + n + end}: "
+                                       f"{'truncated' if size < 8 + n + end else 'corrupt'}")
+
+
+def check_checkpoint_files(folder: str | Path) -> dict[str, Any] | None:
+    """Check that every file of the checkpoint ``folder`` can be read, before anything is loaded.
+
+    Every file ``checkpoint.json`` lists must exist with the size it was written with, and every
+    ``.safetensors`` file must have a whole header and the size it describes. A checkpoint written
+    before ``checkpoint.json`` existed gets the second check only.
+
+    Returns:
+        The manifest (None when the checkpoint has none).
+    Raises:
+        CheckpointError: naming the first file that cannot be read, and what to do.
+    """
+    folder = Path(folder)
+    manifest = None
+    mpath = folder / MANIFEST_FILE
+    if mpath.exists():
+        try:
+            manifest = json.loads(mpath.read_text(encoding="utf-8"))
+            files = {str(k): int(v) for k, v in manifest["files"].items()}
+        except (ValueError, TypeError, KeyError, AttributeError, UnicodeDecodeError):
+            raise unreadable(folder, mpath, "not a checkpoint manifest") from None
+        for rel, size in files.items():
+            path = folder / rel
+            if not path.is_file():
+                raise unreadable(folder, path, "missing")
+            actual = path.stat().st_size
+            if actual != size:
+                what = "truncated" if actual < size else "not the file that was written"
+                raise unreadable(folder, path, f"{actual} bytes where {size} were written: {what}")
+    for path in sorted(folder.glob("*.safetensors")):
+        _check_safetensors(folder, path)
+    return manifest
+
+
+# ---------------------------------------------------------------------------------------- disk full
+
+#: errno values of a full file system (or a full quota).
+_DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+#: How writers say it when they do not raise an OSError (safetensors: "IoError(Os { code: 28, kind:
+#: StorageFull, message: \"No space left on device\" })").
+_DISK_FULL_TEXT = ("no space left on device", "disk quota exceeded", "storagefull")
+#: What torch's zip writer (``torch.save``) says when a write failed, the errno lost: a full disk
+#: when the file system has less room than the write needed.
+_WRITE_FAILED_TEXT = ("unexpected pos", "file write failed")
+
+
+def _exception_chain(exc: BaseException) -> Iterator[BaseException]:
+    """``exc``, its causes and contexts, and the per-process failures of a
+    ``torch.distributed.checkpoint`` ``CheckpointException``."""
+    todo, seen = [exc], set()
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        todo += [e.__cause__, e.__context__]
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, Mapping):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+
+
+def free_bytes(path: str | Path) -> int:
+    """Free bytes on the file system of ``path`` (or of its nearest existing parent)."""
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
+def is_disk_full(exc: BaseException, path: str | Path, needed: int) -> bool:
+    """Whether ``exc``, raised while writing ``needed`` bytes under ``path``, means the disk is full."""
+    for e in _exception_chain(exc):
+        if isinstance(e, OSError) and e.errno in _DISK_FULL_ERRNOS:
+            return True
+        text = str(e).lower()
+        if any(t in text for t in _DISK_FULL_TEXT):
+            return True
+        if any(t in text for t in _WRITE_FAILED_TEXT) and free_bytes(path) < needed:
+            return True
+    return False
+
+
+def format_bytes(n: float) -> str:
+    """``1.5 GiB``, ``320 KiB``: a size for a message."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def disk_full_error(path: str | Path, what: str, needed: int, intact: str) -> DiskFullError:
+    """The one-line error of a write of ``what`` under ``path`` that filled the disk.
+
+    Args:
+        path: where it was written (the checkpoint or model folder).
+        what: ``"the step-12 checkpoint"``.
+        needed: bytes the write needed (an estimate: the tensors it held).
+        intact: the sentence that says which checkpoint is intact.
+    """
+    e = DiskFullError(f"{path}: no space left on device writing {what}: it needs about {format_bytes(needed)} "
+                      f"and {format_bytes(free_bytes(path))} are free there; nothing of it was left. {intact} "
+                      f"Free space (or move the run folder and pass the new --output) and run the same command again.")
+    e.errno = errno.ENOSPC
+    return e
 
 
 def run_identity(config: Mapping[str, Any], method: Any, seed: int, start_model: str) -> dict[str, str]:
@@ -127,17 +302,18 @@ def load_trainer_state(path: str | Path) -> dict[str, Any]:
     """Read a file of :func:`save_trainer_state` with ``weights_only=True`` (no code runs).
 
     Raises:
-        ValueError: naming the file when it is not a trainer state (tampered, truncated, or written
-            by an older oar that pickled arbitrary objects).
+        CheckpointError: (a ValueError) naming the file when it is not a trainer state (tampered,
+            truncated, or written by an older oar that pickled arbitrary objects).
     """
     try:
         saved = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # UnpicklingError for forbidden globals, RuntimeError for a broken zip
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"{path}: not a loadable trainer state ({first}); it was not executed. "
-                         f"Delete the checkpoint or pass --restart to start over.") from None
+        raise CheckpointError(f"{path}: not a loadable trainer state ({_first_line(e)}); it was not executed. "
+                              f"Delete the checkpoint or pass --restart to start over.") from None
     if not isinstance(saved, dict) or not {"optimizer", "scheduler", "rng", "state"} <= set(saved):
-        raise ValueError(f"{path}: not a trainer state (keys {sorted(saved) if isinstance(saved, dict) else type(saved).__name__})")
+        raise CheckpointError(f"{path}: not a trainer state (keys "
+                              f"{sorted(saved) if isinstance(saved, dict) else type(saved).__name__}); "
+                              f"delete the checkpoint or pass --restart to start over.")
     return saved
 
 
@@ -172,6 +348,10 @@ class RunFolder:
         return self.path / FINAL_DIR
 
     @property
+    def manifest(self) -> Path:
+        return self.checkpoint / MANIFEST_FILE
+
+    @property
     def metrics(self) -> Path:
         return self.path / METRICS_FILE
 
@@ -183,6 +363,15 @@ class RunFolder:
         """Repair what a kill during a checkpoint or final-model write left (see
         :func:`oar.io.recover_atomic_dir`); returns what was done."""
         return recover_atomic_dir(self.checkpoint) + recover_atomic_dir(self.final)
+
+    def check_checkpoint(self) -> dict[str, Any] | None:
+        """:func:`check_checkpoint_files` of the checkpoint (raises :class:`CheckpointError`)."""
+        return check_checkpoint_files(self.checkpoint)
+
+    def unreadable_checkpoint(self, exc: BaseException) -> CheckpointError:
+        """The error for a checkpoint that passed :meth:`check_checkpoint` but failed to load."""
+        return CheckpointError(f"{self.checkpoint}: cannot be resumed: {_first_line(exc)}. "
+                               f"{_RESTART_HINT}")
 
     def start_over(self) -> list[str]:
         """Remove the checkpoint, final model, metrics and summary (``--restart``); returns what went."""

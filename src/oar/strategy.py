@@ -31,13 +31,13 @@ import json
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
-from oar.io import commit_path
+from oar.io import SharedWriteError, commit_path
 
-__all__ = ["Strategy", "DDPStrategy", "FSDPStrategy", "make_strategy", "shutdown", "COMPUTE_DTYPES"]
+__all__ = ["Strategy", "DDPStrategy", "FSDPStrategy", "make_strategy", "shutdown", "COMPUTE_DTYPES", "SharedWriteError"]
 
 COMPUTE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: Folder of the sharded model and optimizer state inside an FSDP checkpoint.
@@ -144,9 +144,16 @@ class Strategy:
 
     # ------------------------------------------------------------------ checkpoints
     @contextlib.contextmanager
-    def shared_atomic_dir(self, path: Path) -> Iterator[Path]:
+    def shared_atomic_dir(self, path: Path, *, seal: Callable[[Path], None] | None = None) -> Iterator[Path]:
         """A temporary folder beside ``path`` that every process may write, renamed onto ``path`` by
-        the main process once all are done (:func:`oar.io.commit_path`)."""
+        the main process once all are done (:func:`oar.io.commit_path`).
+
+        ``seal(tmp)`` runs on the main process after every process wrote its part and before the
+        rename (it writes the checkpoint's manifest). When the block raises on any process (a full
+        disk), every process learns it (a maximum over them, so none waits for the others at a
+        barrier), the temporary folder is removed, the original exception is raised where it
+        happened and :class:`SharedWriteError` on the other processes; ``path`` is left as it was.
+        """
         path = Path(path)
         tmp = None
         if self.is_main:
@@ -158,14 +165,50 @@ class Strategy:
             tmp = box[0]
         tmp_path = Path(tmp)
         try:
-            yield tmp_path
-            self.barrier()
-            if self.is_main:
-                commit_path(tmp_path, path)
+            error: BaseException | None = None
+            try:
+                yield tmp_path
+            except BaseException as e:  # noqa: BLE001 - re-raised below, once every process knows
+                error = e
+            self._raise_if_any_failed(error, path)
+            if self.is_main:  # after every process's part is written (the maximum above is a barrier)
+                try:
+                    if seal is not None:
+                        seal(tmp_path)
+                    commit_path(tmp_path, path)
+                except BaseException as e:  # noqa: BLE001
+                    error = e
+            self._raise_if_any_failed(error, path)
         finally:
             if self.is_main and tmp_path.exists():
                 shutil.rmtree(tmp_path, ignore_errors=True)
         self.barrier()
+
+    def _raise_if_any_failed(self, error: BaseException | None, path: Path) -> None:
+        """Raise ``error`` (or, where it is None, :class:`SharedWriteError`) on every process when
+        any process has one."""
+        if self.max_over_ranks([int(error is not None)])[0]:
+            if error is not None:
+                raise error
+            raise SharedWriteError(f"{path}: another process failed writing it (its error says why); "
+                                   f"{path} was left as it was")
+
+    def checkpoint_bytes(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
+        """Bytes of the tensors a checkpoint holds (the weights, and the optimizer states when
+        ``optimizer`` is given), all processes together: what writing it needs on disk, give or
+        take the small files. Every process must call it (under fsdp it sums over them)."""
+        def local(t: Any) -> int:
+            t = t.to_local() if hasattr(t, "to_local") else t
+            return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+        n = sum(local(v) for v in model.state_dict().values())
+        if optimizer is not None:
+            n += sum(local(v) for st in optimizer.state.values() for v in st.values())
+        return int(self._total_over_ranks(n))
+
+    def _total_over_ranks(self, n: int) -> int:
+        """``n`` summed over the processes that hold a share of it (only the main one's under ddp)."""
+        return n
 
     def save_pretrained(self, model: torch.nn.Module, tokenizer: Any, folder: Path) -> None:
         """Full, consolidated weights in ``save_pretrained`` format (the main process writes)."""
@@ -289,6 +332,9 @@ class FSDPStrategy(Strategy):
     def sync_context(self, model, sync):
         model.set_requires_gradient_sync(sync)
         return contextlib.nullcontext()
+
+    def _total_over_ranks(self, n):
+        return round(self.mean_over_ranks([float(n)])[0] * self.world)  # every process holds a shard
 
     def clip_grad_norm_(self, model, max_norm):
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)

@@ -184,3 +184,11 @@ class Tracker:
     def finish(self, status: str = "FINISHED") -> None:
         if self.client is not None:
             with_retry(lambda: self.client.set_terminated(self.run_id, status=status))
+
+    def interrupted(self, step: int, reason: str) -> None:
+        """End the run as ``KILLED`` after ``step`` steps, stopped by ``reason`` (``"SIGTERM"``):
+        tags ``oar.interrupted_at_step`` and ``oar.interrupted_by``. Resuming it sets it RUNNING."""
+        if self.client is not None:
+            with_retry(lambda: self.client.set_tag(self.run_id, "oar.interrupted_at_step", str(step)))
+            with_retry(lambda: self.client.set_tag(self.run_id, "oar.interrupted_by", reason))
+        self.finish("KILLED")

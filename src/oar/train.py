@@ -9,7 +9,9 @@ Read it top to bottom, like nanoGPT's ``train.py``: per step we
 4. update the policy: ``ppo_epochs`` passes over shuffled mini-batches, PPO clip with the recipe's
    ``eps_low``/``eps_high``, optional k3 KL to a frozen reference, gradient clipping, AdamW and a
    warmup + schedule;
-5. log metrics (MLflow and ``metrics.jsonl``) and checkpoint every ``save_every`` steps.
+5. log metrics (MLflow and ``metrics.jsonl``) and checkpoint every ``save_every`` steps (and every
+   ``save_every_minutes``); a SIGTERM, SIGINT or SIGUSR1 stops the run after the step it is in,
+   with a checkpoint (:mod:`oar.preemption`).
 
 Methods differ only by their resolved recipe and estimator (``oar.config.resolve_method``).
 
@@ -20,6 +22,7 @@ Output folder layout, locking, crash recovery and what may be resumed: :mod:`oar
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import random
 import sys
@@ -37,9 +40,11 @@ from oar.credit.metrics import ess_ratio, top_mass
 from oar.io import atomic_write_json, read_jsonl
 from oar.loss import aggregate, k3_kl, policy_loss
 from oar.packing import MicroBatch, micro_batch_logprobs, plan_micro_batches
+from oar.preemption import CheckpointSchedule, StopSignal
 from oar.rollout import Rollout, generate_per_prompt, make_engine
 from oar.strategy import Strategy
-from oar.runs import STATE_FILE, RunFolder, load_trainer_state, restore_rng, run_identity, save_trainer_state
+from oar.runs import (STATE_FILE, RunFolder, disk_full_error, is_disk_full, load_trainer_state, restore_rng,
+                      run_identity, save_trainer_state, write_manifest)
 
 __all__ = [
     "TrainingError",
@@ -208,12 +213,14 @@ def train(
     restart: bool = False,
     progress: bool = True,
     stop_after: int | None = None,
+    stop: StopSignal | None = None,
 ) -> dict:
     """Train ``method_name`` with ``seed``; resume from ``<output>/checkpoint`` if it exists.
 
     The folder is locked for the whole run (a second trainer into it fails at once, naming this
     one), repaired if a kill interrupted a checkpoint write, and resumed only if its checkpoint
-    belongs to the same run (:mod:`oar.runs`).
+    belongs to the same run and every file of it reads (:mod:`oar.runs`). SIGTERM, SIGINT and
+    SIGUSR1 stop it after the step it is in, with a checkpoint (:mod:`oar.preemption`).
 
     Args:
         config: validated config (``oar.config.load_config``).
@@ -223,12 +230,17 @@ def train(
         init: starting checkpoint (defaults to ``train.init``, else the config's ``model``).
         restart: discard the folder's checkpoint, model and metrics and start over.
         progress: show a progress bar.
-        stop_after: stop (as if interrupted) after this many steps of this invocation; for tests.
+        stop_after: stop (as if killed: no checkpoint) after this many steps of this invocation; for tests.
+        stop: the :class:`oar.preemption.StopSignal` already catching signals (``oar train`` installs
+            one before the slow imports); by default one is installed here for the run.
     Returns:
-        The run summary (also written to ``<output>/train_summary.json``).
+        The run summary (also written to ``<output>/train_summary.json``); after a signal,
+        ``{"interrupted_at": <steps done>, "signal": "SIGTERM", "checkpoint": <path>}`` instead.
     Raises:
         oar.io.FolderLockedError: another process trains into ``output``.
         oar.runs.RunMismatchError: the checkpoint belongs to a run with other settings.
+        oar.runs.CheckpointError: a file of the checkpoint cannot be read.
+        oar.runs.DiskFullError: the disk filled up while writing a checkpoint or the model.
     """
     from oar.io import exclusive_lock
     from oar.models import model_identity
@@ -238,21 +250,25 @@ def train(
     folder = RunFolder(Path(output))
     start = init if init is not None else config["train"].get("init")
     start_spec = dict(config["model"], source=start, gguf_file=None) if start else dict(config["model"])
-    strategy = make_strategy(config)
-    lock = (exclusive_lock(folder.path, purpose=f"oar train {method.name} seed {seed}")
-            if strategy.is_main else contextlib.nullcontext())
-    with lock:
-        identity = run_identity(config, method, seed, model_identity(start_spec))
-        if strategy.is_main:
-            for line in folder.recover() + ([f"removed {n}" for n in folder.start_over()] if restart else []):
-                print(f"oar train: {folder.path}: {line}", file=sys.stderr)
-        strategy.barrier()
-        return _train(config, method, seed, folder, start_spec, identity, strategy,
-                      progress=progress, stop_after=stop_after)
+    signals = (contextlib.nullcontext(stop) if stop is not None
+               else StopSignal(repeat_seconds=config["train"]["preemption"]["repeat_seconds"]))
+    with signals as stop:
+        strategy = make_strategy(config)
+        lock = (exclusive_lock(folder.path, purpose=f"oar train {method.name} seed {seed}")
+                if strategy.is_main else contextlib.nullcontext())
+        with lock:
+            identity = run_identity(config, method, seed, model_identity(start_spec))
+            if strategy.is_main:
+                for line in folder.recover() + ([f"removed {n}" for n in folder.start_over()] if restart else []):
+                    print(f"oar train: {folder.path}: {line}", file=sys.stderr)
+            strategy.barrier()
+            return _train(config, method, seed, folder, start_spec, identity, strategy,
+                          progress=progress, stop_after=stop_after, stop=stop)
 
 
 def _train(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder, start_spec: dict,
-           identity: dict[str, str], strategy: Strategy, *, progress: bool, stop_after: int | None) -> dict:
+           identity: dict[str, str], strategy: Strategy, *, progress: bool, stop_after: int | None,
+           stop: StopSignal) -> dict:
     """The loop of :func:`train`, run while the folder is locked and repaired."""
     from tqdm.auto import tqdm
 
@@ -266,10 +282,17 @@ def _train(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder, s
     _seed_everything(seed)
 
     # ---- model, reference, optimizer (restored from the checkpoint when resuming)
-    saved = load_trainer_state(folder.state_file) if folder.state_file.exists() else None
-    if saved is not None:
+    saved = None
+    if folder.state_file.exists():
+        folder.check_checkpoint()  # every file whole (checkpoint.json's sizes, safetensors headers)
+        saved = load_trainer_state(folder.state_file)
         folder.check_identity(saved.get("identity"), identity)
-    model, tokenizer = load_policy(strategy.resume_source(folder.checkpoint, start_spec) if saved else start_spec)
+    try:
+        model, tokenizer = load_policy(strategy.resume_source(folder.checkpoint, start_spec) if saved else start_spec)
+    except Exception as e:
+        if saved is None:
+            raise
+        raise folder.unreadable_checkpoint(e) from e
     ref_model = None
     if recipe["kl_coef"] > 0:  # the reference only exists when the KL term is used, placed like the policy
         ref_model = strategy.prepare_frozen(load_policy(start_spec)[0])
@@ -278,9 +301,14 @@ def _train(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder, s
     scheduler = make_scheduler(optimizer, warmup_steps=tcfg["warmup_steps"], total_steps=tcfg["steps"], schedule=tcfg["schedule"])
     state: dict[str, Any] = {"step": 0, "cursor": 0, "run_id": None, "nonfinite_streak": 0}
     if saved is not None:
-        strategy.load_training_state(model, optimizer, folder.checkpoint, saved)
-        scheduler.load_state_dict(saved["scheduler"])
-        restore_rng(saved)
+        try:
+            strategy.load_training_state(model, optimizer, folder.checkpoint, saved)
+            scheduler.load_state_dict(saved["scheduler"])
+            restore_rng(saved)
+        except BaseException as e:  # noqa: BLE001 - torch.distributed.checkpoint's errors are BaseExceptions
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise folder.unreadable_checkpoint(e) from e
         state.update(saved["state"])
     if strategy.is_main:  # rows of steps after the checkpoint (or of a run killed before one) go
         folder.keep_metrics_before(state["step"])
@@ -289,7 +317,7 @@ def _train(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder, s
     # ---- data, engine, tracking
     records = load_training_records(config)
     prompts_all = [render_prompt(config["task"]["template"], r["question"], tokenizer) for r in records]
-    stream = _PromptStream(len(records), seed, state["cursor"])
+    stream = _PromptStream(len(records), seed, _resume_cursor(state, strategy.rank, strategy.world))
     engine = make_engine(rcfg["engine"], policy, tokenizer, batch_size=rcfg["batch_size"], seed=seed, sampler=rcfg["sampler"],
                          model_path=str(start_spec["source"]), vllm_kwargs=rcfg.get("vllm"),
                          sleep_mode=rcfg["sleep_mode"])
@@ -329,6 +357,15 @@ def _train(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder, s
     heldout = HeldoutEval(config, engine=engine, tokenizer=tokenizer, strategy=strategy, model=model, tracker=tracker,
                           seed=seed, metrics_path=folder.metrics, total_steps=tcfg["steps"])
     heldout.after_step(state["step"], 0.0)
+    schedule = CheckpointSchedule(save_every=tcfg["save_every"], total_steps=tcfg["steps"],
+                                  save_every_minutes=tcfg["save_every_minutes"], stop=stop, strategy=strategy)
+    intact = state["step"] if saved is not None else None  # the step of the checkpoint on disk
+    for name in stop.reinstall():  # a library (the rollout engine) may have put its own handlers in place
+        print(f"oar train: the {name} handler that stops after a step was replaced while starting; put back",
+              file=sys.stderr)
+    if state["step"] < tcfg["steps"] and schedule.before_first_step():  # a signal while starting: nothing to save
+        bar.close()
+        return _interrupted(stop, state["step"], folder, tracker, strategy, checkpointed=saved is not None)
 
     while state["step"] < tcfg["steps"]:
         step = state["step"]
@@ -404,8 +441,10 @@ def _train(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder, s
         for k in phase_totals:
             phase_totals[k] += timings[k]
         last_metrics = metrics
-        if tracker is not None:
-            tracker.log_metrics(metrics, step)
+        if tracker is not None:  # a full disk here: one line, no half row (oar.io.append_jsonl)
+            with _disk_full_named(folder.metrics, f"the metrics of step {step}", len(json.dumps(metrics)),
+                                  _intact_sentence(folder, intact)):
+                tracker.log_metrics(metrics, step)
         if state["nonfinite_streak"] >= tcfg["max_nonfinite"]:
             if tracker is not None:
                 tracker.finish("FAILED")
@@ -416,12 +455,22 @@ def _train(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder, s
             )
         state["step"] = step + 1
         state["cursor"] = stream.cursor
-        heldout.after_step(state["step"], metrics["time_step"])  # not counted in any step's time
+        with _disk_full_named(folder.metrics, f"the held-out row of step {state['step']}", len(json.dumps(metrics)),
+                              _intact_sentence(folder, intact)):
+            heldout.after_step(state["step"], metrics["time_step"])  # not counted in any step's time
         bar.update(1)
         bar.set_postfix(reward=f"{metrics['reward']:.3f}", acc=f"{metrics['accuracy']:.3f}")
         steps_this_call += 1
-        if state["step"] % tcfg["save_every"] == 0 or state["step"] == tcfg["steps"]:
-            _save_checkpoint(strategy, model, tokenizer, optimizer, scheduler, state, identity, folder)
+        decision = schedule.after_step(state["step"])  # the same on every process
+        if decision.save:
+            if world > 1:  # DAPO's extra sampling rounds differ between processes: each resumes at its own place
+                state["cursors"] = strategy.max_over_ranks([stream.cursor if r == rank else 0 for r in range(world)])
+            _save_checkpoint(strategy, model, tokenizer, optimizer, scheduler, state, identity, folder, intact=intact)
+            intact = state["step"]
+            schedule.saved()
+        if decision.stop:
+            bar.close()
+            return _interrupted(stop, state["step"], folder, tracker, strategy, checkpointed=True)
         if stop_after is not None and steps_this_call >= stop_after and state["step"] < tcfg["steps"]:
             bar.close()
             return {"interrupted_at": state["step"]}
@@ -429,8 +478,10 @@ def _train(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder, s
 
     # ---- final model + summary
     summary: dict[str, Any] = {}
-    with strategy.shared_atomic_dir(folder.final) as tmp:  # full, consolidated weights
-        strategy.save_pretrained(model, tokenizer, tmp)
+    with _disk_full_named(folder.final, "the final model", strategy.checkpoint_bytes(model),
+                          _intact_sentence(folder, intact)):
+        with strategy.shared_atomic_dir(folder.final) as tmp:  # full, consolidated weights
+            strategy.save_pretrained(model, tokenizer, tmp)
     if strategy.is_main:
         rows = read_jsonl(folder.metrics)
         summary = {
@@ -680,14 +731,62 @@ def _merge(parts: list[StepBatch], pad_id: int) -> StepBatch:
 
 
 def _save_checkpoint(strategy: Strategy, model: Any, tokenizer: Any, optimizer: Any, scheduler: Any, state: dict,
-                     identity: dict[str, str], folder: RunFolder) -> None:
+                     identity: dict[str, str], folder: RunFolder, *, intact: int | None) -> None:
     """Write model and optimizer (whole or sharded, per strategy), tokenizer, scheduler, RNG states,
-    data position and run identity into a temporary folder, then rename it onto the checkpoint."""
-    with strategy.shared_atomic_dir(folder.checkpoint) as tmp:
-        optimizer_state = strategy.save_training_state(model, optimizer, tmp, tokenizer)
-        if strategy.is_main:
-            save_trainer_state(tmp / STATE_FILE, optimizer_state=optimizer_state, scheduler=scheduler, state=state,
-                               identity=identity)
+    data position and run identity into a temporary folder, then ``checkpoint.json`` (every file's
+    size), then rename it onto the checkpoint. A full disk raises :class:`oar.runs.DiskFullError`
+    naming the checkpoint that is intact (the one of step ``intact``, None: none yet)."""
+    step = state["step"]
+    with _disk_full_named(folder.checkpoint, f"the step-{step} checkpoint", strategy.checkpoint_bytes(model, optimizer),
+                          _intact_sentence(folder, intact)):
+        with strategy.shared_atomic_dir(folder.checkpoint, seal=lambda tmp: write_manifest(tmp, step=step)) as tmp:
+            optimizer_state = strategy.save_training_state(model, optimizer, tmp, tokenizer)
+            if strategy.is_main:
+                save_trainer_state(tmp / STATE_FILE, optimizer_state=optimizer_state, scheduler=scheduler, state=state,
+                                   identity=identity)
+
+
+def _resume_cursor(state: dict, rank: int, world: int) -> int:
+    """Where this process's prompt stream resumes: its own cursor (``state["cursors"]``, one per
+    process, saved since the processes' streams can differ), else the main process's (a checkpoint
+    of one process, of another number of processes, or of an older oar)."""
+    cursors = state.get("cursors")
+    return int(cursors[rank]) if cursors and len(cursors) == world else int(state["cursor"])
+
+
+def _intact_sentence(folder: RunFolder, intact: int | None) -> str:
+    """Which checkpoint a failed write left intact, for :class:`oar.runs.DiskFullError`."""
+    if intact is None:
+        return "No checkpoint was written before: a rerun starts at step 0."
+    return f"The step-{intact} checkpoint {folder.checkpoint} is intact: a rerun resumes from step {intact}."
+
+
+@contextlib.contextmanager
+def _disk_full_named(path: Path, what: str, needed: int, intact: str) -> Any:
+    """Turn an error of the block that means a full disk into one :class:`oar.runs.DiskFullError`
+    line (the block's atomic write has already removed what it wrote); other errors pass."""
+    try:
+        yield
+    except BaseException as e:  # noqa: BLE001 - torch.distributed.checkpoint's errors are BaseExceptions
+        if isinstance(e, (KeyboardInterrupt, SystemExit)) or not is_disk_full(e, path, needed):
+            raise
+        raise disk_full_error(path, what, needed, intact) from e
+
+
+def _interrupted(stop: StopSignal, step: int, folder: RunFolder, tracker: Any, strategy: Strategy, *,
+                 checkpointed: bool) -> dict:
+    """End a run that a signal stopped after ``step`` steps (``checkpointed``: the checkpoint holds
+    them): the MLflow run is marked KILLED with the step, and the summary says where to resume."""
+    reason = stop.received or "a signal to another process"
+    if tracker is not None:
+        tracker.interrupted(step, reason)
+    if strategy.is_main:
+        where = (f"the checkpoint {folder.checkpoint} holds step {step}" if checkpointed
+                 else "nothing was trained yet, so nothing was saved")
+        print(f"oar train: {folder.path}: stopped by {reason} after step {step}; {where}: run the same command "
+              f"again to resume", file=sys.stderr, flush=True)
+    strategy.barrier()
+    return {"interrupted_at": step, "signal": reason, "checkpoint": str(folder.checkpoint) if checkpointed else None}
 
 
 def train_from_config(config_path: str | Path, method: str, seed: int, output: str | Path, **kw: Any) -> dict:

@@ -15,8 +15,8 @@ if SRC_DIR not in sys.path:
     sys.path.insert(0, SRC_DIR)
 
 from oar.config import ConfigError, resolve_methods, validate_config, workflow_config, write_resolved
-from oar.launch import conda_env_choice, fingerprint, oar_env, resource, train_launcher as _train_launcher
-from oar.launch import train_resources as _train_resources
+from oar.launch import LaunchError, conda_env_choice, fingerprint, oar_env, resource, train_signal_seconds
+from oar.launch import train_launcher as _train_launcher, train_resources as _train_resources
 
 
 # ---------------------------------------------------------------------------------------- config
@@ -90,14 +90,32 @@ def res(rule, key):
     return resource(config, rule, key)
 
 
+# ------------------------------------------------------------------------------------ preemption
+# SLURM ends a job (time limit, preemption, scancel) with SIGTERM to every process of its job
+# steps, then SIGKILL after KillWait. The trainer (oar.preemption) then finishes its step, writes a
+# checkpoint and exits 75; Snakemake's own process in the step waits for its job on SIGTERM; but
+# bash dies of it, and once bash is gone Snakemake reports the job failed and exits, and SLURM
+# kills what is left of the step, the trainer in the middle of its checkpoint. So every rule's
+# shell ignores SIGTERM (a rule's subshell inherits that; the trainer and torchrun install their
+# own handlers). The prefix is not part of a rule's recorded code: setting it reruns nothing.
+shell.prefix("set -euo pipefail; trap '' TERM; ")
+
+# seconds before the time limit at which SLURM sends a training job SIGTERM, and the time torchrun
+# gives its workers to stop (oar.launch.train_signal_seconds)
+try:
+    TRAIN_SIGNAL_S = train_signal_seconds(config, runtime_minutes=int(res("train", "runtime")))
+except LaunchError as e:
+    raise WorkflowError(str(e))
+
+
 def train_resources():
-    """The train rule's node and GPU resources (oar.launch.train_resources)."""
-    return _train_resources(config)
+    """The train rule's node and GPU resources and its early SIGTERM (oar.launch.train_resources)."""
+    return _train_resources(config, signal_seconds=TRAIN_SIGNAL_S)
 
 
 def train_launcher(wildcards, resources, threads):
     """The command that `train --config ...` follows (oar.launch.train_launcher)."""
-    return _train_launcher(config, SRC_DIR, threads)
+    return _train_launcher(config, SRC_DIR, threads, signal_seconds=TRAIN_SIGNAL_S)
 
 
 # ---------------------------------------------------------------------------------- fingerprints
@@ -105,10 +123,17 @@ def section(*keys):
     return {k: config.get(k) for k in keys}
 
 
+# train keys a run may change without starting over (oar.runs.RESUMABLE_TRAIN_KEYS): leaving them
+# out keeps the fingerprints of runs started before they existed
+_RESUMABLE_NEW_TRAIN_KEYS = ("save_every_minutes", "preemption")
+
+
 def method_fingerprint(method):
     m = METHODS[method]
+    sections = section("model", "task", "sft", "rollout", "train", "reward")
+    sections["train"] = {k: v for k, v in sections["train"].items() if k not in _RESUMABLE_NEW_TRAIN_KEYS}
     return fingerprint(
-        section("model", "task", "sft", "rollout", "train", "reward"),
+        sections,
         {"recipe": m.recipe, "credit": m.credit, "options": m.credit_options, "sft": SFT},
     )
 
