@@ -247,18 +247,21 @@ def transformers_compat(model: Any) -> dict[str, Any]:
 
 
 def run_config(size: str, run: dict[str, int], *, device: str, prompt_tokens: int, gpu_gb: float) -> dict:
-    """The config ``oar.strategy.make_strategy`` and ``oar.plan`` read, written out in full (no
-    ``oar.config``): :data:`TRAIN`, the run's batch, one process (``resources.train.gpu: 1``)."""
-    return {
-        "device": device,
+    """The config ``oar.strategy.make_strategy`` and ``oar.plan`` read: :data:`TRAIN`, the run's batch,
+    one process (``resources.train.gpu: 1``), the rest the schema's defaults
+    (:func:`oar.config.section_defaults`; no validation: the stock image has no jsonschema)."""
+    from oar.config import deep_merge, section_defaults
+
+    given = {
         "model": {"source": f"gpu_check:{size}", "dtype": "float32"},
         "plan": {"model": plan_shape(size), "prompt_tokens": prompt_tokens, "gpu_memory_gb": gpu_gb, "headroom": 0.0},
         "train": dict(TRAIN, prompts_per_step=run["prompts"], mini_batch_size=run["mini_batch_size"],
                       micro_batch_size=run["micro_batch_size"]),
         "rollout": {"engine": "hf", "sampler": "lean", "n": run["n"], "max_new_tokens": run["max_new_tokens"],
                     "batch_size": run["prompts"] * run["n"], "temperature": 1.0, "top_p": 1.0},
-        "resources": {"train": {"gpu": 1}},
     }
+    return {"device": device, **{k: deep_merge(section_defaults(k), v) for k, v in given.items()},
+            "resources": {"train": {"gpu": 1}}}
 
 
 def prompt_sets(count: int, per_set: int, seed: int) -> list[list[str]]:

@@ -13,7 +13,8 @@ from oar.config import schema, section_defaults, validate_config
 ROOT = Path(__file__).resolve().parents[1]
 
 #: Modules that read validated config sections; none may carry a `.get("<schema key>", <fallback>)`.
-READERS = ["plan.py", "sft.py", "evaluate.py", "regimes.py", "attribution/benchmark.py", "report/base.py"]
+READERS = ["plan.py", "sft.py", "evaluate.py", "regimes.py", "attribution/benchmark.py", "report/base.py", "train.py",
+           "strategy.py", "launch.py", "heldout.py"]
 
 
 def minimal_config() -> dict:
@@ -102,3 +103,10 @@ def test_package_map_matches_the_folders():
     present.discard("__pycache__")
     listed = set(re.findall(r":mod:`oar\.(\w+)`", oar.__doc__))
     assert listed == present, f"missing: {sorted(present - listed)}, stale: {sorted(listed - present)}"
+
+
+@pytest.mark.parametrize("section", ["train", "rollout", "eval", "sft", "plan", "report", "attribution", "reward"])
+def test_section_defaults_are_what_validation_fills(section):
+    """oar.config.section_defaults (used where a partial config is accepted, e.g. make_strategy) gives
+    exactly what validating a config without the section fills in."""
+    assert section_defaults(section) == minimal_config()[section]

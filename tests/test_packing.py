@@ -38,7 +38,10 @@ def _update(model0, ro, adv, agg: str, *, ref=None, **layout) -> tuple[dict, dic
 
     model = copy.deepcopy(model0)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    tcfg = {"mini_batch_size": 64, "micro_batch_size": 64, "ppo_epochs": 1, "grad_clip": 1e9, **layout}
+    from oar.config import section_defaults
+
+    tcfg = {**section_defaults("train"), "mini_batch_size": 64, "micro_batch_size": 64, "ppo_epochs": 1,
+            "grad_clip": 1e9, **layout}
     recipe = {"loss_agg": agg, "eps_low": 0.2, "eps_high": 0.28, "clip_ratio_c": 3.0, "kl_coef": 0.1 if ref else 0.0}
     upd, bad = _update_policy(model, opt, make_strategy({"device": "cpu", "train": {"strategy": "ddp"}}), ro, adv, ref,
                               recipe=recipe, tcfg=tcfg, temperature=0.9,

@@ -15,7 +15,6 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-import jsonschema
 import yaml
 
 __all__ = [
@@ -69,10 +68,18 @@ def _extend_with_default(validator_class: type) -> type:
                     instance[prop] = copy.deepcopy(subschema["default"])
         yield from validate_properties(validator, properties, instance, sch)
 
+    import jsonschema
+
     return jsonschema.validators.extend(validator_class, {"properties": set_defaults})
 
 
-_DefaultFilling = _extend_with_default(jsonschema.Draft202012Validator)
+@lru_cache(maxsize=1)
+def _default_filling() -> type:
+    """The default-filling Draft 2020-12 validator (jsonschema is imported on first use: the stock GPU
+    image that ``benchmarks/gpu_check.py`` targets has no jsonschema, and needs no validation)."""
+    import jsonschema
+
+    return _extend_with_default(jsonschema.Draft202012Validator)
 
 
 def section_defaults(section: str) -> dict:
@@ -86,14 +93,23 @@ def section_defaults(section: str) -> dict:
     sub = schema()["properties"].get(section)
     if sub is None:
         raise KeyError(f"oar.config.section_defaults: the schema has no section {section!r}")
+    return _defaults_of(sub)
+
+
+def _defaults_of(sub: dict) -> dict:
+    """The ``default`` of every property of ``sub``, nested defaults filled into object defaults (as
+    the default-filling validator does: a default is inserted, then its own properties' defaults)."""
     out: dict = {}
-    for _ in range(2):  # nested defaults appear once their parent exists
-        for _err in _DefaultFilling({**sub, "$defs": schema().get("$defs", {})}).iter_errors(out):
-            pass
+    for k, v in (sub.get("properties") or {}).items():
+        if isinstance(v, dict) and "default" in v:
+            d = copy.deepcopy(v["default"])
+            if isinstance(d, dict) and v.get("properties"):
+                d = deep_merge(_defaults_of(v), d)
+            out[k] = d
     return out
 
 
-def _key_path(err: jsonschema.ValidationError) -> str:
+def _key_path(err: Any) -> str:
     return ".".join(str(p) for p in err.absolute_path) or "<top level>"
 
 
@@ -110,7 +126,7 @@ def validate_config(config: dict, *, source: str = "<config>") -> dict:
     sch = schema()
     # fill defaults twice: nested defaults appear only once their parent exists
     for _ in range(2):
-        errors = sorted(_DefaultFilling(sch).iter_errors(config), key=lambda e: list(e.absolute_path))
+        errors = sorted(_default_filling()(sch).iter_errors(config), key=lambda e: list(e.absolute_path))
         if errors:
             e = errors[0]
             more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
@@ -339,6 +355,8 @@ def resolve_method(config: dict, name: str, *, source: str = "<config>") -> Reso
                 f"allowed: {allowed}"
             )
     for obj, sub, what in ((recipe, recipe_schema, "recipe"), (credit_options, credit_schemas[credit], "credit")):
+        import jsonschema
+
         errs = list(jsonschema.Draft202012Validator(sub).iter_errors(obj))
         if errs:
             e = errs[0]

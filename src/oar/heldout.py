@@ -23,7 +23,6 @@ are summed.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -149,7 +148,9 @@ class HeldoutEval:
 
         ev = self.config["eval"]
         # every process enters the phase (gathering a sharded policy is collective), even with no problems
-        phase = contextlib.nullcontext() if self.engine.needs_weights else self.strategy.local_phase(self.model)
+        from oar.rollout import engine_phase
+
+        phase = engine_phase(self.engine, self.strategy, self.model)
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
         with torch.random.fork_rng(devices=devices), phase, torch.no_grad():
             if not self.records:

@@ -692,10 +692,10 @@ def checkpoint_bytes(config: dict, shape: ModelShape | None = None) -> int:
     """
     shape = shape or model_shape(config)
     t, m = config["train"], config["model"]
-    if t.get("master_dtype", "float32") == "float32":
+    if t["master_dtype"] == "float32":
         master_b = 4
     else:
-        dtype = m.get("dtype", "float32")
+        dtype = m["dtype"]
         master_b = _dtype_bytes(shape.dtype if dtype == "auto" else dtype, "model.dtype")
     return 3 * shape.num_params * master_b
 
@@ -709,11 +709,11 @@ def preemption_signal_seconds(config: dict, shape: ModelShape | None = None) -> 
     Raises:
         PlanError: sized, and the model's shape is unknown.
     """
-    p = config["train"].get("preemption") or {}
+    p = config["train"]["preemption"]
     if p.get("signal_seconds"):
         return int(p["signal_seconds"])
-    write_s = checkpoint_bytes(config, shape) / (float(p.get("write_gb_per_s", 0.5)) * 1e9)
-    return math.ceil(float(p.get("step_seconds", 300)) + write_s + float(p.get("margin_seconds", 60)))
+    write_s = checkpoint_bytes(config, shape) / (float(p["write_gb_per_s"]) * 1e9)
+    return math.ceil(float(p["step_seconds"]) + write_s + float(p["margin_seconds"]))
 
 
 # --------------------------------------------------------------------------------------- plan
@@ -823,8 +823,8 @@ def format_plan(result: PlanResult, *, source: str = "") -> str:
     if "checkpoint_bytes" in s:
         p = s["preemption"]
         how = ("train.preemption.signal_seconds" if p.get("signal_seconds") else
-               f"step_seconds {p.get('step_seconds', 300):g} + {_gib(s['checkpoint_bytes'])} GiB at write_gb_per_s "
-               f"{p.get('write_gb_per_s', 0.5):g} + margin_seconds {p.get('margin_seconds', 60):g}")
+               f"step_seconds {p['step_seconds']:g} + {_gib(s['checkpoint_bytes'])} GiB at write_gb_per_s "
+               f"{p['write_gb_per_s']:g} + margin_seconds {p['margin_seconds']:g}")
         out.append(f"checkpoint {_gib(s['checkpoint_bytes'])} GiB (master weights + AdamW states, all processes); "
                    f"SLURM sends training SIGTERM {s['signal_seconds']} s before the time limit ({how})")
     return "\n".join(out) + "\n"

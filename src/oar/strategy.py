@@ -58,9 +58,9 @@ class Strategy:
 
     def __init__(self, accelerator: Any, tcfg: dict) -> None:
         self.accelerator = accelerator
-        self.compute_dtype = COMPUTE_DTYPES[tcfg.get("compute_dtype", "float32")]
-        self.master_dtype = torch.float32 if tcfg.get("master_dtype", "float32") == "float32" else None
-        self.gradient_checkpointing = bool(tcfg.get("gradient_checkpointing", False))
+        self.compute_dtype = COMPUTE_DTYPES[tcfg["compute_dtype"]]
+        self.master_dtype = torch.float32 if tcfg["master_dtype"] == "float32" else None
+        self.gradient_checkpointing = bool(tcfg["gradient_checkpointing"])
 
     # ------------------------------------------------------------------ processes
     @property
@@ -275,12 +275,12 @@ class FSDPStrategy(Strategy):
         super().__init__(accelerator, tcfg)
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-        fcfg = tcfg.get("fsdp") or {}
+        fcfg = tcfg["fsdp"]
         param_dtype = None if self.compute_dtype == torch.float32 else self.compute_dtype
         self.mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-        self.cpu_offload = bool(fcfg.get("cpu_offload", False))
+        self.cpu_offload = bool(fcfg["cpu_offload"])
         self.offload = CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy()
-        self.reshard_after_forward = bool(fcfg.get("reshard_after_forward", True))
+        self.reshard_after_forward = bool(fcfg["reshard_after_forward"])
         _ensure_process_group(accelerator)
         self._arch: str | None = None
 
@@ -416,15 +416,19 @@ def shutdown() -> None:
 
 
 def make_strategy(config: dict) -> Strategy:
-    """The strategy named by ``train.strategy`` with its accelerator (process group, device)."""
+    """The strategy named by ``train.strategy`` with its accelerator (process group, device).
+    ``config`` may be partial (tests, benchmarks): what it leaves out comes from the schema's defaults."""
     from accelerate import Accelerator
 
-    tcfg = config["train"]
-    accelerator = Accelerator(cpu=config.get("device", "cpu") == "cpu")
-    if tcfg.get("compute_dtype") == "float16" and accelerator.device.type == "cpu":
+    from oar.config import deep_merge, schema, section_defaults
+
+    tcfg = deep_merge(section_defaults("train"), config.get("train") or {})
+    device = config["device"] if "device" in config else schema()["properties"]["device"]["default"]
+    accelerator = Accelerator(cpu=device == "cpu")
+    if tcfg["compute_dtype"] == "float16" and accelerator.device.type == "cpu":
         raise ValueError("train.compute_dtype: float16 needs a GPU; use bfloat16 or float32 on CPU")
-    if (tcfg.get("fsdp") or {}).get("cpu_offload") and accelerator.device.type == "cpu":
+    if tcfg["fsdp"]["cpu_offload"] and accelerator.device.type == "cpu":
         # FSDP2's CPUOffloadPolicy moves shards to the accelerator for compute; without one it fails
         raise ValueError("train.fsdp.cpu_offload: needs a GPU (on CPU the shards are in CPU memory already)")
-    cls = {"ddp": DDPStrategy, "fsdp": FSDPStrategy}[tcfg.get("strategy", "ddp")]
+    cls = {"ddp": DDPStrategy, "fsdp": FSDPStrategy}[tcfg["strategy"]]
     return cls(accelerator, tcfg)

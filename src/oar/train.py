@@ -54,6 +54,9 @@ __all__ = [
     "load_training_records",
     "make_scheduler",
     "dynamic_sampling_keep",
+    "step_metrics",
+    "marked_timer",
+    "PHASES",
 ]
 
 
@@ -266,22 +269,119 @@ def train(
                           progress=progress, stop_after=stop_after, stop=stop)
 
 
+#: The timed phases of a step (``time_<phase>`` in the metrics, ``mean_time`` in the summary).
+PHASES: tuple[str, ...] = ("rollout", "reward", "importance", "update")
+
+
+@contextlib.contextmanager
+def marked_timer(name: str, timings: dict[str, float]) -> Any:
+    """Add the wall time of the block to ``timings[name]`` (verl's ``marked_timer``)."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0
+
+
+@dataclass
+class _Loop:
+    """What the phases of one training run share (built by :func:`_setup`)."""
+
+    config: dict
+    method: ResolvedMethod
+    seed: int
+    folder: RunFolder
+    identity: dict[str, str]
+    strategy: Strategy
+    stop: StopSignal
+    model: Any
+    tokenizer: Any
+    optimizer: Any
+    scheduler: Any
+    ref_model: Any
+    policy: Any  # what the rollout and the credit estimators call, in strategy.local_phase
+    records: list[dict]
+    prompts_all: list[str]
+    stream: "_PromptStream"
+    engine: Any
+    tracker: Any
+    heldout: Any
+    schedule: CheckpointSchedule
+    state: dict[str, Any]
+    resumed: bool  # started from a checkpoint
+    intact: int | None  # the step of the checkpoint on disk
+
+    @property
+    def tcfg(self) -> dict:
+        return self.config["train"]
+
+    @property
+    def rcfg(self) -> dict:
+        return self.config["rollout"]
+
+    @property
+    def recipe(self) -> dict:
+        return self.method.recipe
+
+    @property
+    def local_prompts(self) -> int:
+        """This process's share of each step's prompts."""
+        return len(range(self.strategy.rank, self.tcfg["prompts_per_step"], self.strategy.world))
+
+    @property
+    def agg_max_len(self) -> int | None:
+        """Dr. GRPO's aggregation divides by the generation budget, not the batch's padded length."""
+        return self.rcfg["max_new_tokens"] if self.recipe["loss_agg"] == "seq-mean-token-sum-norm" else None
+
+
 def _train(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder, start_spec: dict,
            identity: dict[str, str], strategy: Strategy, *, progress: bool, stop_after: int | None,
            stop: StopSignal) -> dict:
-    """The loop of :func:`train`, run while the folder is locked and repaired."""
+    """The loop of :func:`train`, run while the folder is locked and repaired: set-up, then per step
+    rollout -> credit -> update -> metrics -> log -> checkpoint, then the final model."""
     from tqdm.auto import tqdm
 
+    loop = _setup(config, method, seed, folder, start_spec, identity, strategy, stop)
+    steps = loop.tcfg["steps"]
+    if loop.state["step"] < steps and loop.schedule.before_first_step():  # a signal while starting: nothing to save
+        return _interrupted(stop, loop.state["step"], folder, loop.tracker, strategy, checkpointed=loop.resumed)
+    bar = tqdm(total=steps, initial=loop.state["step"], desc=f"{method.name} seed{seed}",
+               disable=not (progress and strategy.is_main), dynamic_ncols=True)
+    last_metrics: dict[str, float] = {}
+    steps_this_call = 0
+    while loop.state["step"] < steps:
+        step, t_step = loop.state["step"], time.perf_counter()
+        timings = dict.fromkeys(PHASES, 0.0)
+        batch = _rollout(loop, step, timings)                      # 1-2. rollout + reward (+ dynamic sampling)
+        credit = _credit(loop, batch, step, timings)               # 3. token advantages
+        upd, nonfinite = _update(loop, batch, credit, step, timings)   # 4. policy update
+        metrics = step_metrics(batch, credit, upd, nonfinite, lr=float(loop.scheduler.get_last_lr()[0]),
+                               timings=timings, step_seconds=time.perf_counter() - t_step)   # 5. metrics
+        last_metrics = _log(loop, step, metrics, nonfinite=nonfinite, losses=upd["loss"])  # 6. log, held-out
+        bar.update(1)
+        bar.set_postfix(reward=f"{metrics['reward']:.3f}", acc=f"{metrics['accuracy']:.3f}")
+        steps_this_call += 1
+        if _checkpoint(loop):                                      # 7. checkpoint; stop on a signal
+            bar.close()
+            return _interrupted(stop, loop.state["step"], folder, loop.tracker, strategy, checkpointed=True)
+        if stop_after is not None and steps_this_call >= stop_after and loop.state["step"] < steps:
+            bar.close()
+            return {"interrupted_at": loop.state["step"]}
+    bar.close()
+    return _finish(loop, last_metrics)
+
+
+def _setup(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder, start_spec: dict,
+           identity: dict[str, str], strategy: Strategy, stop: StopSignal) -> _Loop:
+    """Model, reference and optimizer (restored from the checkpoint when resuming), then data,
+    engine, tracking, the held-out evaluation and the checkpoint schedule."""
     from oar.data.prompts import render_prompt
     from oar.heldout import HeldoutEval
     from oar.models import load_policy
-    from oar.tracking import Tracker, end_orphan_run
+    from oar.rollout import refresh_engine
 
-    recipe = method.recipe
     tcfg, rcfg = config["train"], config["rollout"]
     _seed_everything(seed)
-
-    # ---- model, reference, optimizer (restored from the checkpoint when resuming)
     saved = None
     if folder.state_file.exists():
         folder.check_checkpoint()  # every file whole (checkpoint.json's sizes, safetensors headers)
@@ -294,7 +394,7 @@ def _train(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder, s
             raise
         raise folder.unreadable_checkpoint(e) from e
     ref_model = None
-    if recipe["kl_coef"] > 0:  # the reference only exists when the KL term is used, placed like the policy
+    if method.recipe["kl_coef"] > 0:  # the reference only exists when the KL term is used, placed like the policy
         ref_model = strategy.prepare_frozen(load_policy(start_spec)[0])
     # float32 master weights (train.master_dtype), sharded or wrapped per train.strategy
     model, optimizer = strategy.prepare(model, lr=tcfg["lr"], betas=tuple(tcfg["betas"]), weight_decay=tcfg["weight_decay"])
@@ -312,192 +412,203 @@ def _train(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder, s
         state.update(saved["state"])
     if strategy.is_main:  # rows of steps after the checkpoint (or of a run killed before one) go
         folder.keep_metrics_before(state["step"])
-    policy = strategy.policy(model)  # what the rollout and the credit estimators call, in strategy.local_phase
+    policy = strategy.policy(model)
 
-    # ---- data, engine, tracking
     records = load_training_records(config)
     prompts_all = [render_prompt(config["task"]["template"], r["question"], tokenizer) for r in records]
     stream = _PromptStream(len(records), seed, _resume_cursor(state, strategy.rank, strategy.world))
     engine = make_engine(rcfg["engine"], policy, tokenizer, batch_size=rcfg["batch_size"], seed=seed, sampler=rcfg["sampler"],
-                         model_path=str(start_spec["source"]), vllm_kwargs=rcfg.get("vllm"),
-                         sleep_mode=rcfg["sleep_mode"])
-    if saved is not None and engine.needs_weights:  # the engine starts from the start model's weights
-        engine.sync_weights(strategy.full_state(model))
-    estimator = get_estimator(method.estimator)
-    est_options = method.estimator_options()
-    tracker = None
-    if strategy.is_main:
-        tr = config["tracking"]
-        uri = tr["uri"] if tr["enabled"] else None
-        tracker = Tracker(
-            folder.metrics,
-            uri=uri,
-            experiment=tr["experiment"],
-            run_name=f"{method.name}-seed{seed}",
-            tags={"method": method.name, "seed": str(seed), "config": config["name"], "output": str(folder.path)},
-            run_id=state["run_id"],
-        )
-        orphan = folder.recorded_mlflow_run()
-        if uri and orphan and orphan != tracker.run_id:  # a start killed before its first checkpoint
-            end_orphan_run(uri, orphan, replaced_by=tracker.run_id)
-        folder.record_mlflow_run(tracker.run_id)
-        state["run_id"] = tracker.run_id
-        tracker.log_params({"config": config, **method.as_params(), "seed": seed})
-
-    world, rank = strategy.world, strategy.rank
-    local_prompts = len(range(rank, tcfg["prompts_per_step"], world))  # this process's share of each step
-    # Dr. GRPO's aggregation divides by the generation budget, not the batch's padded length
-    agg_max_len = rcfg["max_new_tokens"] if recipe["loss_agg"] == "seq-mean-token-sum-norm" else None
-    phase_totals = {"rollout": 0.0, "reward": 0.0, "importance": 0.0, "update": 0.0}
-    last_metrics: dict[str, float] = {}
-    bar = tqdm(total=tcfg["steps"], initial=state["step"], desc=f"{method.name} seed{seed}",
-               disable=not (progress and strategy.is_main), dynamic_ncols=True)
-    steps_this_call = 0
+                         model_path=str(start_spec["source"]), vllm_kwargs=rcfg["vllm"], sleep_mode=rcfg["sleep_mode"])
+    if saved is not None:  # the engine starts from the start model's weights
+        refresh_engine(engine, strategy, model)
+    tracker = _tracker(config, method, seed, folder, strategy, state)
     # held-out accuracy of the start model (or of the resume point), then every train.heldout.every steps
     heldout = HeldoutEval(config, engine=engine, tokenizer=tokenizer, strategy=strategy, model=model, tracker=tracker,
                           seed=seed, metrics_path=folder.metrics, total_steps=tcfg["steps"])
     heldout.after_step(state["step"], 0.0)
     schedule = CheckpointSchedule(save_every=tcfg["save_every"], total_steps=tcfg["steps"],
                                   save_every_minutes=tcfg["save_every_minutes"], stop=stop, strategy=strategy)
-    intact = state["step"] if saved is not None else None  # the step of the checkpoint on disk
     for name in stop.reinstall():  # a library (the rollout engine) may have put its own handlers in place
         print(f"oar train: the {name} handler that stops after a step was replaced while starting; put back",
               file=sys.stderr)
-    if state["step"] < tcfg["steps"] and schedule.before_first_step():  # a signal while starting: nothing to save
-        bar.close()
-        return _interrupted(stop, state["step"], folder, tracker, strategy, checkpointed=saved is not None)
+    return _Loop(config=config, method=method, seed=seed, folder=folder, identity=identity, strategy=strategy,
+                 stop=stop, model=model, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
+                 ref_model=ref_model, policy=policy, records=records, prompts_all=prompts_all, stream=stream,
+                 engine=engine, tracker=tracker, heldout=heldout, schedule=schedule, state=state,
+                 resumed=saved is not None, intact=state["step"] if saved is not None else None)
 
-    while state["step"] < tcfg["steps"]:
-        step = state["step"]
-        t_step = time.perf_counter()
-        timings = {"rollout": 0.0, "reward": 0.0, "importance": 0.0, "update": 0.0}
 
-        # rank-local forwards of the policy module run on its gathered weights (strategy.local_phase):
-        # HF generation, and the credit passes of OAR-P/OAR-G; an engine with its own copy (vLLM) needs none
-        # ---- 1-2. rollout + reward (+ dynamic sampling: regenerate until enough mixed groups)
-        with contextlib.nullcontext() if engine.needs_weights else strategy.local_phase(model):
-            batch = _collect_batch(engine, stream, prompts_all, records, config=config, recipe=recipe, seed=seed,
-                                   step=step, rank=rank, world=world, local_prompts=local_prompts,
-                                   pad_id=tokenizer.pad_token_id, timings=timings)
-        ro = batch.rollout
+def _tracker(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder, strategy: Strategy,
+             state: dict[str, Any]) -> Any:
+    """The MLflow + metrics.jsonl tracker of the main process (None on the others): the run of the
+    checkpoint when resuming; a start killed before its first checkpoint left an orphan run, ended here."""
+    from oar.tracking import Tracker, end_orphan_run
 
-        # ---- 3. token advantages from the method's estimator
-        with strategy.local_phase(model) if estimator_needs_model(method.estimator) else contextlib.nullcontext():
-            t0 = time.perf_counter()
-            credit = estimator(
+    if not strategy.is_main:
+        return None
+    tr = config["tracking"]
+    uri = tr["uri"] if tr["enabled"] else None
+    tracker = Tracker(folder.metrics, uri=uri, experiment=tr["experiment"], run_name=f"{method.name}-seed{seed}",
+                      tags={"method": method.name, "seed": str(seed), "config": config["name"],
+                            "output": str(folder.path)},
+                      run_id=state["run_id"])
+    orphan = folder.recorded_mlflow_run()
+    if uri and orphan and orphan != tracker.run_id:
+        end_orphan_run(uri, orphan, replaced_by=tracker.run_id)
+    folder.record_mlflow_run(tracker.run_id)
+    state["run_id"] = tracker.run_id
+    tracker.log_params({"config": config, **method.as_params(), "seed": seed})
+    return tracker
+
+
+def _rollout(loop: _Loop, step: int, timings: dict[str, float]) -> "StepBatch":
+    """Steps 1-2: sample and score this process's share of the step's prompts (:func:`_collect_batch`),
+    in the engine's phase (:func:`oar.rollout.engine_phase`: the gathered policy for the HF engine)."""
+    from oar.rollout import engine_phase
+
+    with engine_phase(loop.engine, loop.strategy, loop.model):
+        return _collect_batch(loop.engine, loop.stream, loop.prompts_all, loop.records, config=loop.config,
+                              recipe=loop.recipe, seed=loop.seed, step=step, rank=loop.strategy.rank,
+                              world=loop.strategy.world, local_prompts=loop.local_prompts,
+                              pad_id=loop.tokenizer.pad_token_id, timings=timings)
+
+
+def _credit(loop: _Loop, batch: "StepBatch", step: int, timings: dict[str, float]) -> Any:
+    """Step 3: the method's estimator (OAR-P / OAR-G / mc_value call the gathered policy)."""
+    ro, name = batch.rollout, loop.method.estimator
+    with loop.strategy.local_phase(loop.model) if estimator_needs_model(name) else contextlib.nullcontext():
+        with marked_timer("importance", timings):
+            return get_estimator(name)(
                 CreditBatch(response_ids=ro.response_ids, response_mask=ro.response_mask, rewards=batch.rewards,
                             group_ids=batch.group_ids, prompt_ids=ro.prompt_ids, prompt_mask=ro.prompt_mask,
-                            model=policy, tokenizer=tokenizer,
-                            extras={"old_logprobs": ro.logprobs, "step": step, "seed": seed, "task": config["task"],
-                                    "continuations": _continuations(engine, batch, prompts_all, records, config=config,
-                                                                    recipe=recipe, seed=_step_seed(seed, step, 104729))}),
-                **est_options,
+                            model=loop.policy, tokenizer=loop.tokenizer,
+                            extras={"old_logprobs": ro.logprobs, "step": step, "seed": loop.seed,
+                                    "task": loop.config["task"],
+                                    "continuations": _continuations(loop.engine, batch, loop.prompts_all, loop.records,
+                                                                    config=loop.config, recipe=loop.recipe,
+                                                                    seed=_step_seed(loop.seed, step, 104729))}),
+                **loop.method.estimator_options(),
             )
-            timings["importance"] = time.perf_counter() - t0
-        token_adv = credit.token_advantages.float()
 
-        # ---- 4. policy update: ppo_epochs x shuffled mini-batches, micro-batched
-        t0 = time.perf_counter()
-        engine.sleep()  # rollout.sleep_mode: the engine frees its KV cache and weights meanwhile
-        upd, nonfinite = _update_policy(model, optimizer, strategy, ro, token_adv, ref_model, recipe=recipe, tcfg=tcfg,
-                                        temperature=rcfg["temperature"], agg_max_len=agg_max_len,
-                                        generator=torch.Generator().manual_seed(_step_seed(seed, step, 7919)))
-        scheduler.step()
-        engine.wake_up()
-        if engine.needs_weights:  # an engine with its own copy (vLLM): stream the new weights, layer by layer
-            engine.sync_weights(strategy.full_state(model))
-        timings["update"] = time.perf_counter() - t0
 
-        # ---- 5. metrics, non-finite guard, checkpoint
-        state["nonfinite_streak"] = state["nonfinite_streak"] + 1 if nonfinite and not upd["loss"] else 0
-        mask_f = ro.response_mask.float()
-        weights = credit.weights if credit.weights is not None else torch.ones_like(mask_f)
-        metrics = {
-            "reward": float(batch.rewards.mean()),
-            "accuracy": float(batch.correct.float().mean()),
-            "response_length": float(mask_f.sum(1).mean()),
-            "truncated": float(ro.truncated.float().mean()),
-            "entropy": _mean(upd["entropy"]),
-            "kl_ref": _mean(upd["kl_ref"]),
-            "approx_kl": _mean(upd["approx_kl"]),
-            "clipfrac": _mean(upd["clipfrac"]),
-            "loss": _mean(upd["loss"]),
-            "pg_loss": _mean(upd["pg_loss"]),
-            "grad_norm": _mean(upd["grad_norm"]),
-            # share of the update's computed token positions that are padding (train.packing)
-            "update_padding": 1.0 - sum(upd["tokens_real"]) / max(sum(upd["tokens_computed"]), 1.0),
-            "ess_ratio": float(ess_ratio(weights, ro.response_mask).mean()),
-            "top10_mass": float(top_mass(token_adv, ro.response_mask, frac=0.1).mean()),
-            "nonfinite_updates": float(nonfinite),
-            "gen_batches": float(batch.n_gen_batches),
-            "kept_groups": float(batch.kept_fraction),
-            "lr": float(scheduler.get_last_lr()[0]),
-            **{f"time_{k}": v for k, v in timings.items()},
-            "time_step": time.perf_counter() - t_step,
-            **{f"credit_{k}": float(v) for k, v in credit.stats.items()},
-        }
-        if world > 1:
-            metrics = dict(zip(metrics, strategy.mean_over_ranks(list(metrics.values()))))
-        for k in phase_totals:
-            phase_totals[k] += timings[k]
-        last_metrics = metrics
-        if tracker is not None:  # a full disk here: one line, no half row (oar.io.append_jsonl)
-            with _disk_full_named(folder.metrics, f"the metrics of step {step}", len(json.dumps(metrics)),
-                                  _intact_sentence(folder, intact)):
-                tracker.log_metrics(metrics, step)
-        if state["nonfinite_streak"] >= tcfg["max_nonfinite"]:
-            if tracker is not None:
-                tracker.finish("FAILED")
-            raise TrainingError(
-                f"{state['nonfinite_streak']} consecutive steps with non-finite loss or gradient (step {step}, "
-                f"method {method.name}, seed {seed}); stopping. The last good checkpoint in {folder.checkpoint} is intact; "
-                f"try a lower train.lr or a smaller train.grad_clip."
-            )
-        state["step"] = step + 1
-        state["cursor"] = stream.cursor
-        with _disk_full_named(folder.metrics, f"the held-out row of step {state['step']}", len(json.dumps(metrics)),
-                              _intact_sentence(folder, intact)):
-            heldout.after_step(state["step"], metrics["time_step"])  # not counted in any step's time
-        bar.update(1)
-        bar.set_postfix(reward=f"{metrics['reward']:.3f}", acc=f"{metrics['accuracy']:.3f}")
-        steps_this_call += 1
-        decision = schedule.after_step(state["step"])  # the same on every process
-        if decision.save:
-            if world > 1:  # DAPO's extra sampling rounds differ between processes: each resumes at its own place
-                state["cursors"] = strategy.max_over_ranks([stream.cursor if r == rank else 0 for r in range(world)])
-            _save_checkpoint(strategy, model, tokenizer, optimizer, scheduler, state, identity, folder, intact=intact)
-            intact = state["step"]
-            schedule.saved()
-        if decision.stop:
-            bar.close()
-            return _interrupted(stop, state["step"], folder, tracker, strategy, checkpointed=True)
-        if stop_after is not None and steps_this_call >= stop_after and state["step"] < tcfg["steps"]:
-            bar.close()
-            return {"interrupted_at": state["step"]}
-    bar.close()
+def _update(loop: _Loop, batch: "StepBatch", credit: Any, step: int,
+            timings: dict[str, float]) -> tuple[dict[str, list[float]], int]:
+    """Step 4: the policy update (:func:`_update_policy`), the scheduler, and the engine refreshed
+    with the new weights (:func:`oar.rollout.refresh_engine`; the engine sleeps meanwhile)."""
+    from oar.rollout import refresh_engine
 
-    # ---- final model + summary
+    with marked_timer("update", timings):
+        loop.engine.sleep()  # rollout.sleep_mode: the engine frees its KV cache and weights meanwhile
+        out = _update_policy(loop.model, loop.optimizer, loop.strategy, batch.rollout,
+                             credit.token_advantages.float(), loop.ref_model, recipe=loop.recipe, tcfg=loop.tcfg,
+                             temperature=loop.rcfg["temperature"], agg_max_len=loop.agg_max_len,
+                             generator=torch.Generator().manual_seed(_step_seed(loop.seed, step, 7919)))
+        loop.scheduler.step()
+        refresh_engine(loop.engine, loop.strategy, loop.model)
+    return out
+
+
+def step_metrics(batch: "StepBatch", credit: Any, upd: dict[str, list[float]], nonfinite: int, *, lr: float,
+                 timings: dict[str, float], step_seconds: float) -> dict[str, float]:
+    """Step 5: the metrics of a step (this process's): rewards and lengths of the batch, the update's
+    losses and statistics, the credit's concentration and its own stats (``credit_*``), the phases'
+    seconds (``time_*``) and the whole step's (``time_step``)."""
+    ro = batch.rollout
+    mask_f = ro.response_mask.float()
+    token_adv = credit.token_advantages.float()
+    weights = credit.weights if credit.weights is not None else torch.ones_like(mask_f)
+    return {
+        "reward": float(batch.rewards.mean()),
+        "accuracy": float(batch.correct.float().mean()),
+        "response_length": float(mask_f.sum(1).mean()),
+        "truncated": float(ro.truncated.float().mean()),
+        "entropy": _mean(upd["entropy"]),
+        "kl_ref": _mean(upd["kl_ref"]),
+        "approx_kl": _mean(upd["approx_kl"]),
+        "clipfrac": _mean(upd["clipfrac"]),
+        "loss": _mean(upd["loss"]),
+        "pg_loss": _mean(upd["pg_loss"]),
+        "grad_norm": _mean(upd["grad_norm"]),
+        # share of the update's computed token positions that are padding (train.packing)
+        "update_padding": 1.0 - sum(upd["tokens_real"]) / max(sum(upd["tokens_computed"]), 1.0),
+        "ess_ratio": float(ess_ratio(weights, ro.response_mask).mean()),
+        "top10_mass": float(top_mass(token_adv, ro.response_mask, frac=0.1).mean()),
+        "nonfinite_updates": float(nonfinite),
+        "gen_batches": float(batch.n_gen_batches),
+        "kept_groups": float(batch.kept_fraction),
+        "lr": lr,
+        **{f"time_{k}": v for k, v in timings.items()},
+        "time_step": step_seconds,
+        **{f"credit_{k}": float(v) for k, v in credit.stats.items()},
+    }
+
+
+def _log(loop: _Loop, step: int, metrics: dict[str, float], *, nonfinite: int, losses: list[float]) -> dict[str, float]:
+    """Step 6: the metrics averaged over processes and logged; the non-finite guard; the step
+    counted; the held-out evaluation when due. Returns the logged metrics."""
+    strategy, state, folder = loop.strategy, loop.state, loop.folder
+    state["nonfinite_streak"] = state["nonfinite_streak"] + 1 if nonfinite and not losses else 0
+    if strategy.world > 1:
+        metrics = dict(zip(metrics, strategy.mean_over_ranks(list(metrics.values()))))
+    intact = _intact_sentence(folder, loop.intact)
+    if loop.tracker is not None:  # a full disk here: one line, no half row (oar.io.append_jsonl)
+        with _disk_full_named(folder.metrics, f"the metrics of step {step}", len(json.dumps(metrics)), intact):
+            loop.tracker.log_metrics(metrics, step)
+    if state["nonfinite_streak"] >= loop.tcfg["max_nonfinite"]:
+        if loop.tracker is not None:
+            loop.tracker.finish("FAILED")
+        raise TrainingError(
+            f"{state['nonfinite_streak']} consecutive steps with non-finite loss or gradient (step {step}, "
+            f"method {loop.method.name}, seed {loop.seed}); stopping. The last good checkpoint in {folder.checkpoint} "
+            f"is intact; try a lower train.lr or a smaller train.grad_clip."
+        )
+    state["step"] = step + 1
+    state["cursor"] = loop.stream.cursor
+    with _disk_full_named(folder.metrics, f"the held-out row of step {state['step']}", len(json.dumps(metrics)), intact):
+        loop.heldout.after_step(state["step"], metrics["time_step"])  # not counted in any step's time
+    return metrics
+
+
+def _checkpoint(loop: _Loop) -> bool:
+    """Step 7: a checkpoint when the schedule says so (every ``save_every`` steps or minutes, the last
+    step, a signal; the same decision on every process). Returns whether to stop (a signal)."""
+    strategy, state = loop.strategy, loop.state
+    decision = loop.schedule.after_step(state["step"])
+    if decision.save:
+        if strategy.world > 1:  # DAPO's extra sampling rounds differ between processes: each resumes at its own place
+            state["cursors"] = strategy.max_over_ranks(
+                [loop.stream.cursor if r == strategy.rank else 0 for r in range(strategy.world)])
+        _save_checkpoint(strategy, loop.model, loop.tokenizer, loop.optimizer, loop.scheduler, state, loop.identity,
+                         loop.folder, intact=loop.intact)
+        loop.intact = state["step"]
+        loop.schedule.saved()
+    return decision.stop
+
+
+def _finish(loop: _Loop, last_metrics: dict[str, float]) -> dict:
+    """The final model (full, consolidated weights) and the run summary."""
+    strategy, folder = loop.strategy, loop.folder
     summary: dict[str, Any] = {}
-    with _disk_full_named(folder.final, "the final model", strategy.checkpoint_bytes(model),
-                          _intact_sentence(folder, intact)):
-        with strategy.shared_atomic_dir(folder.final) as tmp:  # full, consolidated weights
-            strategy.save_pretrained(model, tokenizer, tmp)
+    with _disk_full_named(folder.final, "the final model", strategy.checkpoint_bytes(loop.model),
+                          _intact_sentence(folder, loop.intact)):
+        with strategy.shared_atomic_dir(folder.final) as tmp:
+            strategy.save_pretrained(loop.model, loop.tokenizer, tmp)
     if strategy.is_main:
         rows = read_jsonl(folder.metrics)
         summary = {
-            "method": method.name,
-            "seed": seed,
-            "steps": tcfg["steps"],
+            "method": loop.method.name,
+            "seed": loop.seed,
+            "steps": loop.tcfg["steps"],
             "strategy": strategy.name,
             "world_size": strategy.world,
             "final": last_metrics or (rows[-1] if rows else {}),
             "mean_time": {k: _mean([r.get(f"time_{k}") or 0.0 for r in rows if "time_step" in r])  # not held-out rows
-                          for k in [*phase_totals, "step"]},
-            "mlflow_run_id": state["run_id"],
+                          for k in [*PHASES, "step"]},
+            "mlflow_run_id": loop.state["run_id"],
         }
         atomic_write_json(folder.summary, summary)
-        if tracker is not None:
-            tracker.finish()
+        if loop.tracker is not None:
+            loop.tracker.finish()
     strategy.barrier()
     return summary
 
@@ -615,8 +726,8 @@ def _update_policy(model: Any, optimizer: Any, strategy: Strategy, ro: Rollout, 
     agg = recipe["loss_agg"]
     mb = min(tcfg["mini_batch_size"], N)
     micro = min(tcfg["micro_batch_size"], tcfg["mini_batch_size"], max(N, 1))
-    layout = dict(packing=tcfg.get("packing", "shared_prompt"), micro_batch_size=micro,
-                  micro_batch_tokens=tcfg.get("micro_batch_tokens", 1024), pack_length=tcfg.get("pack_length"))
+    layout = dict(packing=tcfg["packing"], micro_batch_size=micro, micro_batch_tokens=tcfg["micro_batch_tokens"],
+                  pack_length=tcfg["pack_length"])
 
     def plan(rows: torch.Tensor) -> list[MicroBatch]:
         return plan_micro_batches(ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask, rows, **layout)

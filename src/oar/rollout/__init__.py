@@ -13,8 +13,8 @@ Two engines behind one interface (:class:`RolloutEngine`):
   every update (:meth:`VLLMEngine.sync_weights`), and may free its memory during the update
   (:meth:`VLLMEngine.sleep` / :meth:`VLLMEngine.wake_up`, ``rollout.sleep_mode``).
 
-Per training step the trainer calls: ``generate`` -> ``sleep`` -> update -> ``wake_up`` ->
-``sync_weights`` (the last only when ``engine.needs_weights``).
+Per training step the trainer calls: ``generate`` (in :func:`engine_phase`) -> ``sleep`` -> update ->
+:func:`refresh_engine` (``wake_up``, then ``sync_weights`` when ``engine.needs_weights``).
 
 Log-probs are those of the sampling distribution before top-p truncation, i.e.
 ``log_softmax(logits / temperature)``, the same quantity the trainer recomputes for the ratio.
@@ -38,10 +38,12 @@ from oar.rollout.base import (
     Rollout,
     RolloutEngine,
     WeightStream,
+    engine_phase,
     generate_per_prompt,
     pad_batch,
     pad_stack,
     prompt_add_special_tokens,
+    refresh_engine,
     response_mask_from_ids,
     token_logprobs,
 )
@@ -52,7 +54,8 @@ from oar.rollout.vllm import VLLMEngine, _vllm_sleep_mode_available  # noqa: F40
 
 __all__ = ["Rollout", "generate_per_prompt", "RolloutEngine", "HFEngine", "VLLMEngine", "make_engine", "pad_stack",
            "pad_batch", "token_logprobs", "lean_generate", "lean_unsupported", "SAMPLERS", "WeightStream",
-           "response_mask_from_ids", "prompt_add_special_tokens", "hf_generate_kwargs", "COMPACT_BELOW"]
+           "response_mask_from_ids", "prompt_add_special_tokens", "hf_generate_kwargs", "COMPACT_BELOW",
+           "engine_phase", "refresh_engine"]
 
 
 def make_engine(name: str, model: Any, tokenizer: Any, *, batch_size: int = 256, model_path: str | None = None, seed: int = 0,

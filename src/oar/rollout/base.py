@@ -11,7 +11,8 @@ from typing import Any, Iterable, Iterator, Protocol, Sequence
 import torch
 
 __all__ = ["Rollout", "RolloutEngine", "WeightStream", "pad_stack", "pad_batch", "token_logprobs",
-           "response_mask_from_ids", "prompt_add_special_tokens", "generate_per_prompt"]
+           "response_mask_from_ids", "prompt_add_special_tokens", "generate_per_prompt", "engine_phase",
+           "refresh_engine"]
 
 
 @dataclass
@@ -219,3 +220,20 @@ def generate_per_prompt(engine: RolloutEngine, prompts: Sequence[str], *, seeds:
         ro.prompt_index = torch.full_like(ro.prompt_index, i)
         parts.append(ro)
     return Rollout.concat(parts, pad_id)
+
+
+def engine_phase(engine: Any, strategy: Any, model: Any) -> Any:
+    """Where ``engine.generate`` runs: nothing to gather for an engine with its own copy of the weights
+    (vLLM), the policy's rank-local phase (:meth:`oar.strategy.Strategy.local_phase`: a sharded policy
+    gathered) for one that samples from the policy module itself (HF)."""
+    import contextlib
+
+    return contextlib.nullcontext() if engine.needs_weights else strategy.local_phase(model)
+
+
+def refresh_engine(engine: Any, strategy: Any, model: Any) -> None:
+    """After a policy update (or a resume): wake the engine and load the policy's current weights
+    into it (vLLM: streamed layer by layer); a no-op for the HF engine, which samples the policy itself."""
+    engine.wake_up()
+    if engine.needs_weights:
+        engine.sync_weights(strategy.full_state(model))
