@@ -473,3 +473,22 @@ def test_heldout_rows_stay_out_of_the_training_metrics(tree):
     df = load_metrics(root / "grpo" / "seed0" / "metrics.jsonl")
     assert df.index.tolist() == [0, 1] and "heldout_acc" not in df.columns
     assert efficiency_table(cfg, root, skip_steps=0).set_index("method").loc["grpo", "steps"] == 2
+
+
+def test_also_against_another_method(tree3x10):
+    """report.also_against: the differences from a second reference, paired by seed, in main.md and a csv:
+    GRPO - oar_g is the negative of oar_g - GRPO, seed by seed."""
+    cfg, root = tree3x10
+    cfg["report"]["also_against"] = ["oar_g"]
+    out = build_report(cfg, root)
+    md = out["main_md"].read_text()
+    assert "### Difference from oar_g (avg@k, points), 95% interval over training seeds" in md
+    vs = pd.read_csv(out["versus_oar_g_csv"])
+    main = pd.read_csv(out["main_csv"])
+    back = vs[(vs["row"] == "grpo") & (vs["benchmark"] == "synthetic-test")].iloc[0]
+    fwd = main[(main["row"] == "oar_g") & (main["benchmark"] == "synthetic-test") & (main["metric"] == "avg@k")].iloc[0]
+    assert back["diff"] == pytest.approx(-fwd["diff"]) and back["ci_low"] == pytest.approx(-fwd["ci_high"])
+    assert f"| GRPO | {-fwd['diff']:+.1f} [" in md
+    cfg["report"]["also_against"] = ["nope"]
+    with pytest.raises(ReportError, match="also_against: 'nope'"):
+        build_report(cfg, root)

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from oar.io import atomic_write_text
-from oar.report.base import BASE_ROW, _report_option, _results_root, _rows_of
+from oar.report.base import BASE_ROW, ReportError, _report_option, _results_root, _rows_of
 from oar.report.efficiency import _all_metrics, efficiency_table
 from oar.report.figures import plot_credit_concentration, plot_training_curves
 from oar.report.tables import main_table, start_model_table
@@ -71,7 +71,7 @@ def build_report(
         steps_to_threshold,
         threshold_markdown,
     )
-    from oar.report.render import main_latex, main_markdown
+    from oar.report.render import main_latex, main_markdown, versus_markdown
 
     root = _results_root(config, results)
     labels = dict(_rows_of(config))
@@ -117,11 +117,20 @@ def build_report(
     rollout_t = (config.get("rollout") or {}).get("temperature")
     atomic_write_text(out["main_csv"], pd.concat(list(tables.values()), ignore_index=True)
                       .to_csv(index=False, float_format="%.6g"))
+    versus = ""  # report.also_against: the same paired, seed-level differences against other methods
+    for other in _report_option(config, "also_against", None):
+        if other not in labels:
+            raise ReportError(f"report.also_against: {other!r} is not a method of this config")
+        vs = main_table(config, root, reference=other, n_boot=n_boot, seed=seed, confidence=confidence,
+                        metric=metrics_shown[0], power=power)
+        out[f"versus_{other}_csv"] = root / "tables" / f"versus_{other}.csv"
+        atomic_write_text(out[f"versus_{other}_csv"], vs.to_csv(index=False, float_format="%.6g"))
+        versus += "\n" + versus_markdown(vs, reference_label=labels.get(other, other), confidence=confidence)
     atomic_write_text(out["main_md"], main_markdown(
         tables, start=start, reference=reference, reference_label=ref_label, confidence=confidence, power=power,
         n_boot=n_boot, seed=seed, k=k, temperature=temperature, rollout_temperature=rollout_t,
         seeds=list(config.get("seeds") or [0]),
-        extra=threshold_markdown(steps, threshold=threshold, how=how) + "\n" + learning_speed_markdown(
+        extra=versus + threshold_markdown(steps, threshold=threshold, how=how) + "\n" + learning_speed_markdown(
             speed, threshold=threshold, reference_label=ref_label, confidence=confidence)))
     atomic_write_text(out["main_tex"], main_latex(tables, reference=reference, reference_label=ref_label,
                                                   confidence=confidence, k=k, temperature=temperature))
