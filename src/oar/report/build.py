@@ -19,7 +19,7 @@ def report_metrics(config: Mapping[str, Any]) -> list[str]:
     """The metrics the main tables show: ``avg@k`` when ``eval.samples`` > 0, ``pass@1`` when
     ``eval.greedy`` (at least one of them)."""
     ev = config["eval"]
-    out = (["avg@k"] if ev.get("samples") else []) + (["pass@1"] if ev.get("greedy", True) else [])
+    out = (["avg@k"] if ev.get("samples") else []) + (["pass@1"] if ev["greedy"] else [])
     return out or ["pass@1"]
 
 
@@ -78,7 +78,7 @@ def build_report(
     reference = _report_option(config, "reference", reference)
     confidence = float(_report_option(config, "confidence", confidence))
     power = float(_report_option(config, "power", None))
-    n_boot = int(config["eval"].get("bootstrap", 1000)) if n_boot is None else int(n_boot)
+    n_boot = int(config["eval"]["bootstrap"]) if n_boot is None else int(n_boot)
     metrics_shown = [metric] if metric else report_metrics(config)
     tables = {m: main_table(config, root, reference=reference, n_boot=n_boot, seed=seed, confidence=confidence,
                             metric=m, power=power) for m in metrics_shown}
@@ -113,7 +113,7 @@ def build_report(
     }
     ev = config["eval"]
     k = int(ev.get("samples") or 0) or None
-    temperature = float(ev.get("temperature", 0.6))
+    temperature = float(ev["temperature"])
     rollout_t = (config.get("rollout") or {}).get("temperature")
     atomic_write_text(out["main_csv"], pd.concat(list(tables.values()), ignore_index=True)
                       .to_csv(index=False, float_format="%.6g"))

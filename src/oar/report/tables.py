@@ -76,7 +76,7 @@ def main_table(
     benches = [b["name"] for b in config["eval"]["benchmarks"]]
     if not benches:
         raise ValueError("config: eval.benchmarks is empty; nothing to report")
-    n_boot = int(config["eval"].get("bootstrap", 1000)) if n_boot is None else int(n_boot)
+    n_boot = int(config["eval"]["bootstrap"]) if n_boot is None else int(n_boot)
     rows = _rows_of(config)
     files = []
     for row, _ in rows:
