@@ -59,6 +59,10 @@ __all__ = [
     "train_launcher",
     "oar_env",
     "fingerprint",
+    "config_sections",
+    "method_fingerprint",
+    "eval_fingerprint",
+    "plan_fingerprint",
 ]
 
 #: Resources per rule; ``config["resources"][<rule>]`` overrides any key (gpu, mem_mb, runtime in
@@ -185,3 +189,37 @@ def fingerprint(*parts: Any) -> str:
     """Short hash of config sections; a rule's params carry it, so changing them reruns the rule."""
     blob = json.dumps(parts, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def config_sections(config: Mapping[str, Any], *keys: str) -> dict[str, Any]:
+    """The named top-level sections of ``config`` (None for an absent one)."""
+    return {k: config.get(k) for k in keys}
+
+
+#: train keys a run may change without starting over (oar.runs.RESUMABLE_TRAIN_KEYS): leaving them out
+#: of the method fingerprint keeps the fingerprints of runs started before they existed.
+_RESUMABLE_NEW_TRAIN_KEYS = ("save_every_minutes", "preemption")
+
+
+def method_fingerprint(config: Mapping[str, Any], method: Any, *, sft: bool) -> str:
+    """The fingerprint of a training run's settings (``method``: a :class:`oar.config.ResolvedMethod`):
+    a run folder whose fingerprint changed starts over."""
+    sections = config_sections(config, "model", "task", "sft", "rollout", "train", "reward")
+    sections["train"] = {k: v for k, v in sections["train"].items() if k not in _RESUMABLE_NEW_TRAIN_KEYS}
+    return fingerprint(sections, {"recipe": method.recipe, "credit": method.credit, "options": method.credit_options,
+                                  "sft": sft})
+
+
+def eval_fingerprint(config: Mapping[str, Any]) -> str:
+    """The fingerprint of the evaluation settings (``eval`` but its bootstrap, the reward, the task's
+    template, seed and synthetic options)."""
+    ev = {k: v for k, v in config["eval"].items() if k != "bootstrap"}
+    task = config["task"]
+    return fingerprint(ev, config_sections(config, "reward"), task.get("template"), task.get("seed"),
+                       task.get("synthetic"))
+
+
+def plan_fingerprint(config: Mapping[str, Any]) -> str:
+    """What ``oar plan`` reads; the plan rule reruns when it changes."""
+    return fingerprint(config_sections(config, "device", "model", "train", "rollout", "plan", "methods", "recipes"),
+                       (config.get("resources") or {}).get("train"))

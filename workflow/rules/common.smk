@@ -17,6 +17,8 @@ if SRC_DIR not in sys.path:
 from oar.config import ConfigError, resolve_methods, validate_config, workflow_config, write_resolved
 from oar.launch import LaunchError, conda_env_choice, fingerprint, oar_env, resource, train_signal_seconds
 from oar.launch import train_launcher as _train_launcher, train_resources as _train_resources
+from oar.launch import config_sections, eval_fingerprint as _eval_fingerprint
+from oar.launch import method_fingerprint as _method_fingerprint, plan_fingerprint as _plan_fingerprint
 
 
 # ---------------------------------------------------------------------------------------- config
@@ -120,28 +122,16 @@ def train_launcher(wildcards, resources, threads):
 
 # ---------------------------------------------------------------------------------- fingerprints
 def section(*keys):
-    return {k: config.get(k) for k in keys}
-
-
-# train keys a run may change without starting over (oar.runs.RESUMABLE_TRAIN_KEYS): leaving them
-# out keeps the fingerprints of runs started before they existed
-_RESUMABLE_NEW_TRAIN_KEYS = ("save_every_minutes", "preemption")
+    return config_sections(config, *keys)
 
 
 def method_fingerprint(method):
-    m = METHODS[method]
-    sections = section("model", "task", "sft", "rollout", "train", "reward")
-    sections["train"] = {k: v for k, v in sections["train"].items() if k not in _RESUMABLE_NEW_TRAIN_KEYS}
-    return fingerprint(
-        sections,
-        {"recipe": m.recipe, "credit": m.credit, "options": m.credit_options, "sft": SFT},
-    )
+    """A training run's settings (oar.launch.method_fingerprint): a changed one starts the run over."""
+    return _method_fingerprint(config, METHODS[method], sft=SFT)
 
 
 def eval_fingerprint():
-    ev = {k: v for k, v in config["eval"].items() if k != "bootstrap"}
-    return fingerprint(ev, section("reward"), config["task"].get("template"), config["task"].get("seed"),
-                       config["task"].get("synthetic"))
+    return _eval_fingerprint(config)
 
 
 # drops a run folder's partial state when its fingerprint changed (see the script)
@@ -197,9 +187,7 @@ def plan_inputs():
 
 
 def plan_fingerprint():
-    """What `oar plan` reads; the plan rule reruns when it changes."""
-    return fingerprint(section("device", "model", "train", "rollout", "plan", "methods", "recipes"),
-                       (config.get("resources") or {}).get("train"))
+    return _plan_fingerprint(config)
 
 
 REPORT_OUTPUTS = {
