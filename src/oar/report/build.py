@@ -125,7 +125,7 @@ def build_report(
                         metric=metrics_shown[0], power=power)
         out[f"versus_{other}_csv"] = root / "tables" / f"versus_{other}.csv"
         atomic_write_text(out[f"versus_{other}_csv"], vs.to_csv(index=False, float_format="%.6g"))
-        versus += "\n" + versus_markdown(vs, reference_label=labels.get(other, other), confidence=confidence)
+        versus += "\n" + versus_markdown(vs, reference_label=labels.get(other, other), confidence=confidence) + "\n"
     atomic_write_text(out["main_md"], main_markdown(
         tables, start=start, reference=reference, reference_label=ref_label, confidence=confidence, power=power,
         n_boot=n_boot, seed=seed, k=k, temperature=temperature, rollout_temperature=rollout_t,
