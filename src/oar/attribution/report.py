@@ -214,10 +214,12 @@ def _write_csv(df: Any, path: Path) -> None:
         df.to_csv(tmp, index=False)
 
 
-def plot_cost_curve(result: Any, path: str | os.PathLike, *, title: str | None = None) -> bool:
+def plot_cost_curve(result: Any, path: str | os.PathLike, *, title: str | None = None,
+                    min_seconds: float = 1e-4) -> bool:
     """Localisation against cost: the top-3 hit of each signal (one panel per kind, one marker style
     per mistake position: last step / earlier step) against its seconds per response (log scale),
-    each point labelled with the signal's name, so the K curve of ``mc_value`` reads left to right.
+    each point labelled with the signal's name; signals named ``<x>_k<K>`` are joined into a curve
+    (the K curve of ``mc_value``); signals under ``min_seconds`` per response (the baselines) are left out.
     Written atomically (PNG); returns False (and writes nothing) when the position split is missing."""
     import matplotlib
 
@@ -233,14 +235,22 @@ def plot_cost_curve(result: Any, path: str | os.PathLike, *, title: str | None =
     cols = [c for c in by_pos.columns if c != "signal"]
     kinds = list(dict.fromkeys(c.split(" ")[0] for c in cols))
     fig, axes = plt.subplots(1, len(kinds), figsize=(6.5 * len(kinds), 4.5), squeeze=False, sharey=True)
+    # signals without a cost of their own (uniform, random, one KTAE pass over the batch) are left out
+    keep = [i for i, name in enumerate(by_pos["signal"]) if secs.get(name, 0.0) >= min_seconds]
+    names = [by_pos["signal"].iloc[i] for i in keep]
     for ax, kind in zip(axes[0], kinds):
         for col, marker in zip([c for c in cols if c.startswith(kind + " ")], ("o", "s")):
-            xs = [secs.get(s, np.nan) for s in by_pos["signal"]]
-            ys = by_pos[col].to_numpy(dtype=float)
-            ax.scatter(xs, ys, marker=marker, label=col.split(" ", 1)[1])
-            for x_, y_, name in zip(xs, ys, by_pos["signal"]):
-                if np.isfinite(x_) and x_ > 0 and np.isfinite(y_):
+            xs = np.array([secs[n] for n in names], dtype=float)
+            ys = by_pos[col].to_numpy(dtype=float)[keep]
+            line = ax.scatter(xs, ys, marker=marker, label=col.split(" ", 1)[1])
+            for x_, y_, name in zip(xs, ys, names):
+                if np.isfinite(y_):
                     ax.annotate(name, (x_, y_), fontsize=6, xytext=(3, 2), textcoords="offset points")
+            for prefix in sorted({n.rsplit("_", 1)[0] for n in names if n.rsplit("_", 1)[-1][:1] == "k"}):
+                fam = sorted((x_, y_) for x_, y_, n in zip(xs, ys, names)
+                             if n.rsplit("_", 1)[0] == prefix and n.rsplit("_", 1)[-1][1:].isdigit())
+                if len(fam) > 1:  # a K curve (name_k1, name_k2, ...): joined in order of cost
+                    ax.plot(*zip(*fam), color=line.get_facecolor()[0], lw=0.8, alpha=0.6)
         ax.set_xscale("log")
         ax.set_xlabel("seconds per response (one process)")
         ax.set_title(kind)
