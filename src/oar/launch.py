@@ -1,7 +1,16 @@
 """How the workflow launches and sizes its jobs: per-rule resources, the training job's node and GPU
 resources on SLURM, the command that starts one training job (one process, torchrun, srun +
-torchrun), and the conda env of the rules. ``workflow/rules/common.smk`` calls these with the
-validated config; the layout itself is :func:`oar.plan.train_layout` (``oar plan`` sizes by it).
+torchrun), the early SIGTERM of training jobs, the conda env of the rules and the fingerprints that
+rerun a rule. ``workflow/rules/common.smk`` calls these with the validated config; the layout itself
+is :func:`oar.plan.train_layout` (``oar plan`` sizes by it).
+
+Why every rule's shell ignores SIGTERM (:data:`SHELL_PREFIX`): SLURM ends a job (time limit,
+preemption, scancel) with SIGTERM to every process of its job steps, then SIGKILL after KillWait.
+The trainer (:mod:`oar.preemption`) then finishes its step, writes a checkpoint and exits 75;
+Snakemake's own process in the step waits for its job on SIGTERM; but bash dies of it, and once
+bash is gone Snakemake reports the job failed and exits, and SLURM kills what is left of the step,
+the trainer in the middle of its checkpoint. A rule's subshell inherits the ignored SIGTERM; the
+trainer and torchrun install their own handlers.
 """
 
 from __future__ import annotations
@@ -14,6 +23,10 @@ from typing import Any, Mapping
 
 from oar.plan import PlanError, preemption_signal_seconds, train_layout
 from oar.preemption import STOP_SIGNALS
+
+
+#: The prefix of every rule's shell command (see the module docstring).
+SHELL_PREFIX = "set -euo pipefail; trap '' TERM; "
 
 
 class LaunchError(ValueError):
@@ -46,6 +59,7 @@ def train_signal_seconds(config: Mapping[str, Any], *, runtime_minutes: int) -> 
     return seconds
 
 __all__ = [
+    "SHELL_PREFIX",
     "LaunchError",
     "TORCHRUN_SIGNALS",
     "train_signal_seconds",

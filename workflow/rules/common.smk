@@ -15,17 +15,14 @@ if SRC_DIR not in sys.path:
     sys.path.insert(0, SRC_DIR)
 
 from oar.config import ConfigError, resolve_methods, validate_config, workflow_config, write_resolved
-from oar.launch import LaunchError, conda_env_choice, fingerprint, oar_env, resource, train_signal_seconds
+from oar.launch import SHELL_PREFIX, LaunchError, conda_env_choice, fingerprint, oar_env, resource, train_signal_seconds
 from oar.launch import train_launcher as _train_launcher, train_resources as _train_resources
-from oar.launch import config_sections, eval_fingerprint as _eval_fingerprint
-from oar.launch import method_fingerprint as _method_fingerprint, plan_fingerprint as _plan_fingerprint
+from oar.launch import config_sections, eval_fingerprint, method_fingerprint, plan_fingerprint
 
 
 # ---------------------------------------------------------------------------------------- config
-# config/config.yaml is the embedded default; a --configfile replaces it (`extends:` makes it a set of
-# changes to another file); --config KEY=VALUE overrides apply on top, typed (oar.config.workflow_config).
-# oar's validation first: it names the file and the key path of the first problem, fills nested
-# defaults and resolves every method; snakemake's validate then checks the same schema again.
+# the config (oar.config.workflow_config: the default, a --configfile, `extends:`, typed --config), then
+# oar's validation (names the file and key, fills defaults, resolves methods), then snakemake's
 try:
     _resolved, CONFIG_SOURCE = workflow_config(
         dict(config), configfiles=list(workflow.overwrite_configfiles), default_configfile="config/config.yaml",
@@ -64,10 +61,8 @@ wildcard_constraints:
 
 
 # -------------------------------------------------------------------------------------- software
-# The rules run the library as OAR, `python -m oar.cli` with this repository's src/ first on
-# PYTHONPATH (oar.launch.oar_env), in the active environment or in the conda env of --use-conda,
-# whose files (workflow/envs/) hold dependencies only: Snakemake builds an env from a copy of its
-# file in .snakemake/conda/, where a path relative to the repository (pip's `-e .`) means nothing.
+# the rules run this repository's library, in the active environment or in --use-conda's env, whose
+# files hold dependencies only (a copy in .snakemake/conda/ cannot name the repository): oar.launch.oar_env
 OAR_ENV = oar_env(SRC_DIR)
 OAR = f"{OAR_ENV} python -m oar.cli"
 
@@ -93,14 +88,9 @@ def res(rule, key):
 
 
 # ------------------------------------------------------------------------------------ preemption
-# SLURM ends a job (time limit, preemption, scancel) with SIGTERM to every process of its job
-# steps, then SIGKILL after KillWait. The trainer (oar.preemption) then finishes its step, writes a
-# checkpoint and exits 75; Snakemake's own process in the step waits for its job on SIGTERM; but
-# bash dies of it, and once bash is gone Snakemake reports the job failed and exits, and SLURM
-# kills what is left of the step, the trainer in the middle of its checkpoint. So every rule's
-# shell ignores SIGTERM (a rule's subshell inherits that; the trainer and torchrun install their
-# own handlers). The prefix is not part of a rule's recorded code: setting it reruns nothing.
-shell.prefix("set -euo pipefail; trap '' TERM; ")
+# every rule's shell ignores SIGTERM, so Snakemake's job outlives SLURM's early SIGTERM while the trainer
+# checkpoints (why: oar.launch's module docstring); the prefix is not recorded code: it reruns nothing
+shell.prefix(SHELL_PREFIX)
 
 # seconds before the time limit at which SLURM sends a training job SIGTERM, and the time torchrun
 # gives its workers to stop (oar.launch.train_signal_seconds)
@@ -121,19 +111,7 @@ def train_launcher(wildcards, resources, threads):
 
 
 # ---------------------------------------------------------------------------------- fingerprints
-def section(*keys):
-    return config_sections(config, *keys)
-
-
-def method_fingerprint(method):
-    """A training run's settings (oar.launch.method_fingerprint): a changed one starts the run over."""
-    return _method_fingerprint(config, METHODS[method], sft=SFT)
-
-
-def eval_fingerprint():
-    return _eval_fingerprint(config)
-
-
+# oar.launch: fingerprint, config_sections, method_fingerprint, eval_fingerprint, plan_fingerprint
 # drops a run folder's partial state when its fingerprint changed (see the script)
 # (a path relative to the working directory: params are compared between runs, so they must be stable)
 RESET_SCRIPT = os.path.relpath(os.path.join(workflow.basedir, "scripts", "reset_if_changed.sh"))
@@ -184,10 +162,6 @@ def plan_inputs():
     """The train rule's input on the plan (none when training has no GPU). ancient(): rerunning the
     plan (its config sections changed) does not by itself rerun finished training."""
     return {"plan": ancient(PLAN_FILE)} if PLAN else {}
-
-
-def plan_fingerprint():
-    return _plan_fingerprint(config)
 
 
 REPORT_OUTPUTS = {

@@ -14,7 +14,7 @@ rule evaluate_base:
         config=CONFIG_FILE,
         model=start_model_param,
         out_dir=lambda wc, output: os.path.dirname(output.summary),
-        fingerprint=fingerprint(eval_fingerprint(), start_model()),
+        fingerprint=fingerprint(eval_fingerprint(config), start_model()),
         reset=RESET_SCRIPT,
     log:
         f"{R}/logs/evaluate/base.log",
@@ -44,7 +44,7 @@ rule evaluate:
         config=CONFIG_FILE,
         model=lambda wc, input: os.path.join(os.path.dirname(input.train), "model"),
         out_dir=lambda wc, output: os.path.dirname(output.summary),
-        fingerprint=eval_fingerprint(),
+        fingerprint=eval_fingerprint(config),
         reset=RESET_SCRIPT,
     log:
         f"{R}/logs/evaluate/{{method}}/seed{{seed}}.log",

@@ -11,7 +11,7 @@ rule plan:
     params:
         oar=oar_command,
         config=CONFIG_FILE,
-        fingerprint=plan_fingerprint(),
+        fingerprint=plan_fingerprint(config),
     log:
         f"{R}/logs/plan.log",
     localrule: True

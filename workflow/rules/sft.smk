@@ -11,7 +11,7 @@ rule sft:
         oar=oar_command,
         config=CONFIG_FILE,
         model_dir=lambda wc, output: os.path.dirname(output.summary),
-        fingerprint=fingerprint(section("model", "task", "sft")),
+        fingerprint=fingerprint(config_sections(config, "model", "task", "sft")),
     log:
         f"{R}/logs/sft.log",
     benchmark:

@@ -25,7 +25,7 @@ rule train:
         run_dir=lambda wc, output: os.path.dirname(output.summary),
         # inserted unquoted (it is empty without SFT), so the path is quoted here
         init=lambda wc, input: f"--init {shlex.quote(os.path.dirname(input.start))}" if SFT else "",
-        fingerprint=lambda wc: method_fingerprint(wc.method),
+        fingerprint=lambda wc: method_fingerprint(config, METHODS[wc.method], sft=SFT),
         reset=RESET_SCRIPT,
         launcher=train_launcher,
     log:
