@@ -34,7 +34,7 @@ from oar.config import deep_merge
 from oar.preemption import EXIT_INTERRUPTED, CheckpointSchedule, StopSignal
 from oar.runs import CheckpointError, check_checkpoint_files, is_disk_full, write_manifest
 
-from conftest import ROOT, small_overrides
+from helpers import ROOT, small_overrides
 
 #: DAPO's overlong shaping gives a random tiny model's responses different rewards, so advantages
 #: are not zero and the weights move: "bit-identical" then means something.
@@ -577,6 +577,7 @@ def fsdp_reference(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("phase, who, rank", [("boundary", "self", 1), ("rollout", "self", 0),
                                               ("update", "group", 0)])
+@pytest.mark.distributed
 def test_fsdp_two_processes_stop_after_the_same_step_and_resume_bit_identically(fsdp_reference, tmp_path, phase,
                                                                                 who, rank):
     """self: only one worker is signalled, the other stops after the same step (the decision is a
@@ -604,6 +605,7 @@ def test_fsdp_two_processes_stop_after_the_same_step_and_resume_bit_identically(
           f"{ended - fired:.1f} s after the signal ({ended - t0:.1f} s in all)")
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_fsdp_kill_9_during_a_sharded_save_resumes_the_previous_checkpoint(fsdp_reference, tmp_path):
     tmp, _, ref = fsdp_reference

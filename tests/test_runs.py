@@ -23,7 +23,7 @@ from oar.io import FolderLockedError, atomic_path, exclusive_lock, recover_atomi
 from oar.runs import RunMismatchError, identity_diff, load_trainer_state, restore_rng, save_trainer_state
 from oar.train import train
 
-from conftest import ROOT, small_overrides
+from helpers import ROOT, small_overrides
 
 
 def _config_file(tmp_path: Path, name: str = "cfg.yaml", **extra) -> Path:

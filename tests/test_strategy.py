@@ -17,7 +17,7 @@ import yaml
 
 from oar.config import deep_merge, load_config
 
-from conftest import ROOT
+from helpers import ROOT
 
 TINY = {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64, "max_position_embeddings": 128}
 
@@ -111,6 +111,7 @@ def _weights(folder: Path) -> dict:
     return load_file(str(folder / "model.safetensors"))
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["grpo", "oar_g"])
 def test_fsdp_on_two_processes_equals_ddp_on_two_processes(start, method):
@@ -137,6 +138,7 @@ def test_fsdp_on_two_processes_equals_ddp_on_two_processes(start, method):
     assert cfg["architectures"] == ["LlamaForCausalLM"]  # not the FSDP wrapper's class
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["grpo", "oar_g"])
 def test_fsdp_on_two_processes_equals_one_process_with_batch_invariant_sampling(start, method):
@@ -178,6 +180,7 @@ def test_every_credit_method_runs_through_the_sharded_model(start, method):
     assert any(not torch.equal(w1[k], w0[k]) for k in w0)
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_fsdp_sharded_checkpoint_resume_is_bit_identical(start):
     tmp, raw = start
@@ -191,6 +194,7 @@ def test_fsdp_sharded_checkpoint_resume_is_bit_identical(start):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_fsdp_final_model_is_consolidated_and_evaluates(start):
     from oar.evaluate import evaluate_from_config

@@ -10,7 +10,7 @@ import torch
 from oar.config import load_config
 from oar.train import dynamic_sampling_keep, make_scheduler, policy_forward, train
 
-from conftest import ROOT, small_overrides
+from helpers import ROOT, small_overrides
 
 
 def _weights(folder):
@@ -171,6 +171,7 @@ def test_nonfinite_losses_stop_with_checkpoint_intact(tmp_path, monkeypatch):
     assert rows[-1]["nonfinite_updates"] > 0
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_ddp_on_two_cpu_processes(tmp_path):
     """The same command under torchrun with two CPU processes (DDP over gloo): each process samples
