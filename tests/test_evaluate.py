@@ -65,7 +65,7 @@ class _FakeEngine:
             i = self.golds[prompt][1]
             for j in range(1 if greedy else n):
                 ok = (i % 2 == 0) if greedy else ((i + j) % 3 == 0)
-                texts.append(f"so \\boxed{{{self.golds[prompt][0] if ok else 'x'}}}")
+                texts.append(f"so \\boxed{{{self.golds[prompt][0] if ok else 'x'}}}" if ok or i % 4 != 1 else "no box")
                 index.append(p)
         N = len(texts)
         return Rollout(prompt_ids=torch.zeros(N, 1, dtype=torch.long), prompt_mask=torch.ones(N, 1, dtype=torch.long),
@@ -95,6 +95,10 @@ def test_evaluate_records_in_chunks_with_per_problem_counts():
     assert summary["pass@k"] == 1.0 and summary["k"] == 8
     assert summary["pass@1"] == pytest.approx(0.5)  # the even problems
     assert {"question", "response", "extracted"} <= set(rows[0])
+    # the format check: problems 1, 5, 9 answer "no box" when wrong (greedy: always; sampled: 5 of 8 / 6 of 8)
+    unboxed = [r for r in rows if r["extracted"] is None]
+    assert {r["id"] for r in unboxed} == {"p1", "p5", "p9"} and not any(r["correct"] for r in unboxed)
+    assert summary["answered"] == pytest.approx(1 - len(unboxed) / 90) and summary["answered"] < 0.9
     _, lean = evaluate_records(engine, tok, records, template="tiny", greedy=False, samples=2, chunk_size=1, workers=1,
                                keep_text=False)
     assert set(lean[0]) == {"id", "gold", "correct", "sample"}

@@ -372,6 +372,11 @@ def test_build_report_main_md_has_the_new_columns(tree3x10):
     assert md.index("## avg@2 (sampled, T = 0.6)") < md.index("## pass@1 (greedy)")
     assert "| pass@1 greedy | 30.0 |" in md and "| pass@1 at T = 0.6 (avg@2) | 70.0 |" in md
     assert "| pass@2 at T = 0.6 | 70.0 |" in md
+    assert "answers with a final answer" not in md  # evaluations without the format share: no row
+    # the format share of the start model's answers, from its <bench>.json
+    (root / "base" / "eval" / "synthetic-test.json").write_text(json.dumps({"answered": 0.825}))
+    md = build_report(cfg, root)["main_md"].read_text()
+    assert "| answers with a final answer the reward reads | 82.5 |" in md
     assert "| oar_g | +10.0 [" in md  # difference from GRPO with its interval
     assert "| oar_g | +20.0 / -10.0 / +20.0 |" in md  # per-seed differences, seeds 0 / 1 / 2
     assert "(points; seeds 0 / 1 / 2)" in md

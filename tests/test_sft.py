@@ -11,7 +11,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from oar.models import build_tiny, build_tiny_tokenizer, load_policy
-from oar.sft import IGNORE_INDEX, build_sft_batch, greedy_accuracy, lr_lambda, run_sft, sft_from_config
+from helpers import SHARED_DATA
+from oar.answer import extract_boxed
+from oar.sft import IGNORE_INDEX, build_sft_batch, greedy_accuracy, lr_lambda, run_sft, sft_data, sft_from_config, sft_step
 
 SMALL = dict(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_position_embeddings=128)
 OPT = dict(weight_decay=0.0, betas=(0.9, 0.98), grad_clip=1.0)
@@ -75,6 +77,29 @@ def test_build_sft_batch_loss_counts_response_tokens_only(tok):
         expected = (nll * keep).sum() / keep.sum()
     assert keep.sum() == len("\\boxed{3}") + 1 + len("5-3=2, 2+1=3. \\boxed{3}") + 1
     torch.testing.assert_close(out.loss, expected)
+
+
+def test_sft_step_micro_batches_give_the_whole_batch_gradient(tok):
+    """Length-sorted micro-batches of 1 or 2 accumulate the same loss and gradient as one padded batch
+    (HF's labels= loss), with less padding."""
+    model, _ = build_tiny(**SMALL, seed=0)
+    prompts = ["Compute 1+2.\n", "Compute 5-3+1.\n", "Compute 2+2.\n"]
+    responses = ["\\boxed{3}", "5-3=2, 2+1=3. so the result is \\boxed{3}", "2+2=4. \\boxed{4}"]
+    b = build_sft_batch(tok, prompts, responses)
+    model.zero_grad()
+    whole = model(**b).loss
+    whole.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for micro in (1, 2, 3):
+        model.zero_grad()
+        loss, n_tokens = sft_step(model, tok, prompts, responses, micro_batch_size=micro, device="cpu")
+        assert n_tokens == int((b["labels"] != IGNORE_INDEX).sum())
+        torch.testing.assert_close(loss, whole.detach())
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, want[n], rtol=1e-4, atol=1e-6)
+    assert any(g.abs().sum() > 0 for g in want.values())
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        sft_step(model, tok, prompts, responses, micro_batch_size=0, device="cpu")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,7 +270,9 @@ def test_sft_from_config_writes_reloadable_checkpoint(tmp_path):
     assert sum(curve[-5:]) / 5 < 0.8 * sum(curve[:5]) / 5  # the loss goes down
     assert set(summary["accuracy"]) == {"test", "ood"}
     assert all(0.0 <= a <= 1.0 for a in summary["accuracy"].values())
-    assert (30, {"sft/accuracy_test": summary["accuracy"]["test"]}) in logs
+    assert set(summary["extracted"]) == {"test", "ood"}
+    assert (30, {"sft/accuracy_test": summary["accuracy"]["test"],
+                 "sft/extracted_test": summary["extracted"]["test"]}) in logs
     assert len(summary["examples"]) == 5 and summary["model"]["parameters"] > 0
     # the folder is complete and nothing temporary is left beside it
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sft"]
@@ -270,7 +297,7 @@ def test_sft_from_config_writes_reloadable_checkpoint(tmp_path):
 
 def test_sft_from_config_rejects_bad_config(tmp_path):
     cfg = _small_config()
-    cfg["task"]["kind"] = "benchmark"
+    cfg["task"]["kind"] = "other"
     with pytest.raises(ValueError, match="task.kind"):
         sft_from_config(cfg, tmp_path / "x", progress=False)
     cfg = _small_config()
@@ -278,3 +305,48 @@ def test_sft_from_config_rejects_bad_config(tmp_path):
     with pytest.raises(ValueError, match="sft.seed"):
         sft_from_config(cfg, tmp_path / "x", progress=False)
     assert not (tmp_path / "x").exists()
+
+
+def _benchmark_config(tmp_path, name: str, lines: list[str], eval_size: int = 2) -> dict:
+    src = tmp_path / f"{name}.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    cfg = _small_config()
+    cfg["task"] = {"kind": "benchmark", "template": "plain", "train_size": 100, "seed": 0,
+                   "benchmark": {"name": name, "source": str(src)}}
+    cfg["sft"]["eval_size"] = eval_size
+    return cfg
+
+
+def test_sft_data_benchmark_holds_out_the_last_records(tmp_path):
+    lines = [json.dumps({"question": f"q{i}?", "answer": f"{i} + 1 = <<{i}+1={i + 1}>>{i + 1}\n#### {i + 1}"})
+             for i in range(7)]
+    train, evals = sft_data(_benchmark_config(tmp_path, "gsm8k", lines))
+    assert [r["question"] for r in train] == ["q0?", "q1?", "q2?", "q3?", "q4?"]
+    assert list(evals) == ["heldout"] and [r["answer"] for r in evals["heldout"]] == ["6", "7"]
+    # the SFT target: the calculator annotation gone, the answer boxed as the reward reads it
+    assert train[2]["solution"] == "2 + 1 = 3\nThe final answer is $\\boxed{3}$."
+    assert extract_boxed(train[2]["solution"]) == train[2]["answer"] == "3"
+    cfg = _benchmark_config(tmp_path, "gsm8k", lines)
+    cfg["task"]["train_size"] = 3
+    assert len(sft_data(cfg)[0]) == 3
+
+
+def test_sft_data_benchmark_errors(tmp_path):
+    # a benchmark without reference solutions cannot be fine-tuned on; the message names it
+    cfg = _benchmark_config(tmp_path, "aime24", [json.dumps({"problem": "p", "answer": "1"})] * 4)
+    with pytest.raises(ValueError, match=r"'aime24'.*aime24.jsonl.*solution.*sft.enabled"):
+        sft_data(cfg)
+    cfg = _benchmark_config(tmp_path, "gsm8k", [json.dumps({"question": "q", "answer": "#### 1"})] * 2)
+    with pytest.raises(ValueError, match=r"sft.eval_size=2.*only 2 gsm8k records"):
+        sft_data(cfg)
+
+
+@pytest.mark.skipif(not (SHARED_DATA / "gsm8k" / "train.jsonl").exists(),
+                    reason="../shared/data not present")
+def test_gsm8k_train_solutions_all_box_their_gold():
+    from oar.data.benchmarks import load_benchmark
+
+    recs = load_benchmark("gsm8k", SHARED_DATA / "gsm8k" / "train.jsonl")
+    assert len(recs) == 7473
+    assert all(extract_boxed(r["solution"]) == r["answer"] for r in recs)
+    assert not any("<<" in r["solution"] or "####" in r["solution"] for r in recs)

@@ -47,7 +47,7 @@ def snakemake(*args: str, cwd: Path = ROOT, check: bool = True) -> subprocess.Co
 
 
 def dry_run(*args: str, results: Path, cwd: Path = ROOT) -> tuple[Counter, list[dict]]:
-    """``snakemake -n`` with results under ``results``: (jobs per rule, [{rule, resources, output}])."""
+    """``snakemake -n`` with results under ``results``: (jobs per rule, [{rule, resources, output, input}])."""
     proc = snakemake("-n", *args, "--config", f"results_dir={results}", cwd=cwd)  # --config takes all that follows
     text = proc.stdout + proc.stderr
     jobs = []
@@ -57,10 +57,12 @@ def dry_run(*args: str, results: Path, cwd: Path = ROOT) -> tuple[Counter, list[
             continue
         res = re.search(r"^\s+resources: (.*)$", block, re.M)
         out = re.search(r"^\s+output: (.*)$", block, re.M)
+        inp = re.search(r"^\s+input: (.*)$", block, re.M)
         jobs.append({
             "rule": m.group(1),
             "resources": dict(kv.split("=", 1) for kv in res.group(1).split(", ")) if res else {},
             "output": out.group(1).split(", ") if out else [],
+            "input": inp.group(1).split(", ") if inp else [],
         })
     return Counter(j["rule"] for j in jobs), jobs
 
@@ -120,6 +122,22 @@ def test_dry_run_paper_config(tmp_path):
     for j in jobs:
         if j["rule"] in ("train", "evaluate", "evaluate_base"):
             assert int(j["resources"]["gpu"]) == cfg["resources"][j["rule"]]["gpu"] >= 1
+
+
+@pytest.mark.slow  # one snakemake process: a few seconds
+def test_dry_run_smollm2_config_warms_up_on_gsm8k(tmp_path):
+    from oar.config import load_config
+
+    cfg = load_config(ROOT / "config" / "smollm2.yaml")  # passes validation
+    assert cfg["model"]["source"] == "smollm2" and cfg["task"]["benchmark"]["name"] == "gsm8k"
+    assert cfg["sft"]["enabled"] and not cfg["attribution"]["enabled"]
+    counts, jobs = dry_run("--configfile", "config/smollm2.yaml", results=tmp_path)
+    n = len(cfg["methods"]) * len(cfg["seeds"])
+    # the format warm-up SFT runs once, and every training starts from its model
+    assert counts == Counter({"data": 1, "sft": 1, "train": n, "evaluate": n, "evaluate_base": 1, "report": 1, "all": 1})
+    for j in jobs:
+        if j["rule"] == "train":
+            assert f"{tmp_path}/{cfg['name']}/sft/model/sft_summary.json" in j["input"]
 
 
 @pytest.mark.slow  # one snakemake process: a few seconds

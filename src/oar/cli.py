@@ -159,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="oar", description="Fine-grained credit assignment for RL of LLMs on math reasoning.")
     sub = p.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("sft", help="warm-start SFT of the (tiny) model on reference solutions")
+    s = sub.add_parser("sft", help="warm-start SFT on reference solutions (the synthetic task, or a benchmark with solutions such as gsm8k)")
     s.add_argument("--config", required=True)
     s.add_argument("--output", required=True, help="folder for the SFT model (save_pretrained) and sft_summary.json")
     s.set_defaults(fn=_cmd_sft)

@@ -77,7 +77,9 @@ def evaluate_records(
 
     Returns:
         ``(summary, rows)``: summary has ``n``, ``pass@1`` (greedy, or None), ``avg@k``, ``pass@k``
-        (share of problems with at least one correct sample) and ``k`` (None when ``samples`` is 0),
+        (share of problems with at least one correct sample), ``k`` (None when ``samples`` is 0),
+        ``answered`` (share of all answers with a final answer the reward can read, correct or not:
+        a format check, e.g. a model that never writes ``\\boxed{}`` scores 0 everywhere),
         ``mean_response_tokens`` and ``seconds``; rows are per answer (``sample = -1``: greedy).
     """
     from tqdm.auto import tqdm
@@ -93,6 +95,7 @@ def evaluate_records(
     golds = [r["answer"] for r in records]
     rows: list[dict] = []
     summary: dict[str, Any] = {"n": len(records), "pass@1": None, "avg@k": None, "pass@k": None, "k": samples or None}
+    n_answered = 0
     lengths: list[float] = []
     passes = []
     if greedy:
@@ -116,13 +119,15 @@ def evaluate_records(
                                      workers=workers)
                 counter: dict[int, int] = {}
                 for i, text, s in zip(idx, ro.texts, scores):
+                    found = extracted_answer(text)
+                    n_answered += found is not None
                     k = counter.get(i, 0)
                     counter[i] = k + 1
                     ok = bool(s > 0.5)
                     n_correct[i] += ok
                     row = {"id": records[i]["id"], "gold": golds[i], "correct": ok, "sample": -1 if kind == "greedy" else k}
                     if keep_text:
-                        row.update(question=records[i]["question"], response=text, extracted=extracted_answer(text))
+                        row.update(question=records[i]["question"], response=text, extracted=found)
                     rows.append(row)
                 lengths.extend(ro.response_mask.sum(1).float().tolist())
                 total += float(sum(scores))
@@ -136,6 +141,7 @@ def evaluate_records(
                 summary["pass@k"] = pass_at_k(n_correct, per) if records else None
     finally:
         bar.close()
+    summary["answered"] = n_answered / len(rows) if rows else None
     summary["mean_response_tokens"] = float(sum(lengths) / max(1, len(lengths)))
     summary["seconds"] = time.perf_counter() - t0
     return summary, rows

@@ -1,14 +1,20 @@
 """Warm-start supervised fine-tuning (SFT) on reference solutions, and greedy accuracy.
 
 The RL stage needs a policy that already solves some problems (a policy with zero reward gets no
-learning signal from GRPO-style estimators). For the tiny model this SFT is that warm start.
+learning signal from GRPO-style estimators). For the tiny model this SFT is that warm start; for a
+real model (config/smollm2.yaml) it is a format warm-up on GSM8K's reference solutions rewritten to
+end in ``\\boxed{}``, so that the start model writes answers the reward can read.
 
-- :func:`build_sft_batch` -- tokenize prompt + response (+ eos), labels only on response tokens.
+- :func:`build_sft_batch` -- tokenize prompt + response (+ eos), labels only on response tokens
+  (:func:`sft_rows` then :func:`pad_sft_rows`).
+- :func:`sft_step` -- one batch's gradient, accumulated over length-sorted micro-batches.
 - :func:`run_sft` -- AdamW, linear warmup then cosine decay, gradient clipping, fixed step budget.
 - :func:`greedy_accuracy` -- greedy pass@1 through :func:`oar.evaluate.evaluate_records` with an
   :class:`oar.rollout.HFEngine` on the model.
-- :func:`sft_from_config` -- the config-level entry (``oar sft``): build the model, generate the
-  synthetic data, train, evaluate on ``test`` and ``ood``, save atomically.
+- :func:`sft_data` -- training records and held-out sets from the config's task (synthetic, or a
+  benchmark with reference solutions).
+- :func:`sft_from_config` -- the config-level entry (``oar sft``): build the model, read the data,
+  train, evaluate on the held-out sets, save atomically.
 
 Loss: the mean token cross-entropy over all response tokens of the batch (prompt and padding
 tokens carry label -100), i.e. Hugging Face's ``labels=`` loss. The response is
@@ -64,11 +70,22 @@ def build_sft_batch(
         ValueError: different numbers of prompts and responses, an empty response, or a sequence
             longer than ``max_length`` (the message gives its index and length).
     """
+    return pad_sft_rows(tokenizer, sft_rows(tokenizer, prompts, responses, add_eos=add_eos, max_length=max_length))
+
+
+def sft_rows(
+    tokenizer,
+    prompts: Sequence[str],
+    responses: Sequence[str],
+    *,
+    add_eos: bool = True,
+    max_length: int | None = None,
+) -> list[tuple[list[int], int]]:
+    """Token ids of each ``prompt + response (+ eos)`` and its prompt length (see :func:`build_sft_batch`)."""
     if len(prompts) != len(responses):
         raise ValueError(f"got {len(prompts)} prompts but {len(responses)} responses")
     if add_eos and tokenizer.eos_token_id is None:
         raise ValueError("add_eos=True but the tokenizer has no eos token")
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     rows: list[tuple[list[int], int]] = []
     for i, (p, r) in enumerate(zip(prompts, responses)):
         p_ids = tokenizer(p, add_special_tokens=True)["input_ids"]
@@ -81,6 +98,12 @@ def build_sft_batch(
         if max_length is not None and len(ids) > max_length:
             raise ValueError(f"record {i}: {len(ids)} tokens exceed max_length={max_length} (prompt {p!r})")
         rows.append((ids, len(p_ids)))
+    return rows
+
+
+def pad_sft_rows(tokenizer, rows: Sequence[tuple[list[int], int]]) -> dict[str, torch.Tensor]:
+    """Right-pad :func:`sft_rows` into the (B, T) tensors of :func:`build_sft_batch`."""
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     T = max(len(ids) for ids, _ in rows)
     B = len(rows)
     input_ids = torch.full((B, T), pad_id, dtype=torch.long)
@@ -122,6 +145,35 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def sft_step(model, tokenizer, prompts: Sequence[str], responses: Sequence[str], *, micro_batch_size: int,
+             device: torch.device | str) -> tuple[torch.Tensor, int]:
+    """Accumulate the gradient of one SFT batch, ``micro_batch_size`` sequences at a time.
+
+    The pairs are sorted by token length and cut into micro-batches (:func:`build_sft_batch` each), so a
+    micro-batch pads to lengths close to its own. Each micro-batch adds ``sum of its response-token
+    cross-entropies / the batch's response tokens`` to the gradient, so the result equals one
+    backward pass over the whole batch of Hugging Face's mean token loss, whatever the split.
+
+    Returns:
+        ``(loss, n_tokens)``: the batch's mean token loss (detached) and its response-token count.
+    """
+    if micro_batch_size < 1:
+        raise ValueError(f"sft.micro_batch_size: must be >= 1, got {micro_batch_size}")
+    rows = sorted(sft_rows(tokenizer, prompts, responses), key=lambda row: len(row[0]))
+    batches = [pad_sft_rows(tokenizer, rows[j : j + micro_batch_size]) for j in range(0, len(rows), micro_batch_size)]
+    n_tokens = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in batches)
+    total = torch.zeros((), device=device)
+    for b in batches:
+        b = {k: v.to(device) for k, v in b.items()}
+        labels = b.pop("labels")
+        logits = model(**b).logits[:, :-1].float()
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1),
+                                                 ignore_index=IGNORE_INDEX, reduction="sum") / n_tokens
+        loss.backward()
+        total += loss.detach()
+    return total, n_tokens
+
+
 def run_sft(
     model,
     tokenizer,
@@ -142,11 +194,15 @@ def run_sft(
     progress: bool = True,
     log_fn: LogFn | None = None,
     min_lr_ratio: float = 0.0,
+    micro_batch_size: int | None = None,
 ) -> dict:
     """Supervised fine-tuning on ``prompt + solution + eos`` with the loss on response tokens only.
 
     Each step draws ``batch_size`` records without replacement from a seeded shuffle of
-    ``train_records`` (reshuffled each pass). AdamW (``lr``, ``betas``, ``weight_decay`` on
+    ``train_records`` (reshuffled each pass). With ``micro_batch_size`` the step's records are sorted
+    by length and run in micro-batches of that size, gradients accumulated (:func:`sft_step`): the
+    same loss and gradient as one batch, with less padding and memory (real records differ in length
+    by 2x and more; padded as one batch, half the compute can go to padding). AdamW (``lr``, ``betas``, ``weight_decay`` on
     matrices only), learning rate :func:`lr_lambda` (linear warmup over ``warmup_steps``, cosine
     decay to ``min_lr_ratio * lr`` at the last step), gradients clipped to norm ``grad_clip``.
     The model is trained in place and left in eval mode.
@@ -211,15 +267,12 @@ def run_sft(
                 take = order[cursor : cursor + batch_size - len(idx)]
                 idx.extend(take)
                 cursor += len(take)
-            batch = build_sft_batch(tokenizer, [prompts[i] for i in idx], [solutions[i] for i in idx])
-            batch = {k: v.to(device) for k, v in batch.items()}
-            n_tokens += int((batch["labels"] != IGNORE_INDEX).sum())
-            out = model(**batch)
-            loss = out.loss
+            optimizer.zero_grad(set_to_none=True)
+            loss, n_step_tokens = sft_step(model, tokenizer, [prompts[i] for i in idx], [solutions[i] for i in idx],
+                                           micro_batch_size=micro_batch_size or batch_size, device=device)
+            n_tokens += n_step_tokens
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"sft: loss is {loss.item()} at step {step}")
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
             grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
             cur_lr = optimizer.param_groups[0]["lr"]
             optimizer.step()
@@ -339,6 +392,52 @@ def _key(sec: Mapping[str, Any], section: str, key: str) -> Any:
     return sec[key]
 
 
+def sft_data(config: Mapping[str, Any]) -> tuple[list[dict], dict[str, list[dict]]]:
+    """The warm-start SFT's training records and its held-out evaluation sets, from ``config["task"]``.
+
+    - ``task.kind: synthetic``: ``task.train_size`` generated training records (seed ``task.seed``,
+      options ``task.synthetic``); evaluation sets ``test`` and ``ood`` of ``sft.eval_size`` records.
+    - ``task.kind: benchmark``: the records of ``task.benchmark`` (:func:`oar.data.benchmarks.load_benchmark`),
+      which must carry a reference ``solution`` (gsm8k's, rewritten to end in ``\\boxed{}``); the
+      file's last ``sft.eval_size`` records are held out as the evaluation set ``heldout``, and the
+      first ``task.train_size`` of the rest are trained on. A format warm-up on real data, so that the
+      start of RL answers in the form the reward reads.
+
+    Returns:
+        ``(train_records, {split: eval_records})``; training records have ``question`` and ``solution``.
+
+    Raises:
+        ValueError: an unknown ``task.kind``; benchmark records without a ``solution`` (names the
+            benchmark and its source); fewer records than ``sft.eval_size`` + 1.
+    """
+    from oar.data.benchmarks import load_benchmark
+    from oar.data.synthetic import generate
+
+    task = _section(config, "task")
+    sft = _section(config, "sft")
+    kind = _key(task, "task", "kind")
+    eval_size = int(_key(sft, "sft", "eval_size"))
+    train_size = int(_key(task, "task", "train_size"))
+    if kind == "synthetic":
+        options = dict(_key(task, "task", "synthetic"))
+        seed = int(_key(task, "task", "seed"))
+        evals = {split: generate(split, eval_size, seed=seed, **options) for split in ("test", "ood")}
+        return generate("train", train_size, seed=seed, **options), evals
+    if kind != "benchmark":
+        raise ValueError(f"config: task.kind={kind!r}: SFT supports 'synthetic' and 'benchmark'")
+    bench = dict(_key(task, "task", "benchmark"))
+    name, source = bench.get("name"), bench.get("source")
+    options = {"levels": bench["levels"]} if bench.get("levels") is not None else {}
+    records = load_benchmark(name, source, **options)
+    if not records or "solution" not in records[0]:
+        raise ValueError(f"config: task.benchmark: the {name!r} records of {source} carry no reference 'solution' "
+                         f"to fine-tune on (gsm8k's do); set sft.enabled: false")
+    if len(records) <= eval_size:
+        raise ValueError(f"config: sft.eval_size={eval_size}: {source} has only {len(records)} {name} records, "
+                         f"none left to train on")
+    return records[:-eval_size][:train_size], {"heldout": records[-eval_size:]}
+
+
 def sft_from_config(
     config: Mapping[str, Any],
     output_dir: str | os.PathLike,
@@ -350,36 +449,32 @@ def sft_from_config(
     """Warm-start SFT as the config says; save the model to ``output_dir`` atomically.
 
     Steps: build the policy from ``config["model"]`` (for ``source: tiny`` the initialisation
-    seed is ``sft.seed``); generate ``task.train_size`` synthetic training records (seed
-    ``task.seed``, options ``task.synthetic``); :func:`run_sft` with ``config["sft"]``; greedy
-    accuracy on ``sft.eval_size`` records of the ``test`` and ``ood`` splits (``sft.max_new_tokens``
-    new tokens, reward settings from ``config["reward"]`` when present); then write model,
-    tokenizer and ``sft_summary.json`` into a temporary folder beside ``output_dir`` and rename it
-    onto ``output_dir`` (:func:`oar.io.atomic_path`), so ``output_dir`` is either complete or absent.
+    seed is ``sft.seed``); the training records and held-out sets of :func:`sft_data`; :func:`run_sft`
+    with ``config["sft"]``; greedy accuracy and the share of answers with an extractable final answer
+    on each held-out set (``sft.max_new_tokens`` new tokens, reward settings from ``config["reward"]``);
+    then write model, tokenizer and ``sft_summary.json`` into a temporary folder beside ``output_dir``
+    and rename it onto ``output_dir`` (:func:`oar.io.atomic_path`), so ``output_dir`` is either
+    complete or absent.
 
     Returns:
-        The summary written to ``sft_summary.json``: ``accuracy`` (``{"test", "ood"}``),
-        ``seconds`` (whole call), ``sft`` (the :func:`run_sft` result incl. ``loss_curve``),
-        ``examples`` (first ``n_examples`` test questions with response and gold), the ``sft``
-        config section used, and model facts (parameters, attention implementation, threads).
+        The summary written to ``sft_summary.json``: ``accuracy`` and ``extracted`` (per held-out set:
+        ``test``/``ood`` for the synthetic task, ``heldout`` for a benchmark), ``seconds`` (whole
+        call), ``sft`` (the :func:`run_sft` result incl. ``loss_curve``), ``examples`` (first
+        ``n_examples`` questions of the first set with response and gold), the ``sft`` config section
+        used, and model facts (parameters, attention implementation, threads).
     """
-    from oar.data.synthetic import generate
     from oar.models import load_policy
+    from oar.reward import extracted_answer
 
     t0 = time.perf_counter()
     model_spec = dict(_section(config, "model"))
     task = _section(config, "task")
     sft = _section(config, "sft")
     reward = _section(config, "reward")
-    kind = _key(task, "task", "kind")
-    if kind != "synthetic":
-        raise ValueError(f"config: task.kind={kind!r}: sft_from_config supports only 'synthetic'")
     template = _key(task, "task", "template")
-    options = dict(_key(task, "task", "synthetic"))
-    task_seed = int(_key(task, "task", "seed"))
     sft_seed = int(_key(sft, "sft", "seed"))
-    eval_size = int(_key(sft, "sft", "eval_size"))
     max_new_tokens = int(_key(sft, "sft", "max_new_tokens"))
+    train_records, eval_sets = sft_data(config)
 
     if model_spec.get("source") == "tiny":
         model_spec["tiny"] = {"seed": sft_seed, **dict(model_spec.get("tiny") or {})}
@@ -387,7 +482,6 @@ def sft_from_config(
     device = config["device"]
     model.to(device)
 
-    train_records = generate("train", int(_key(task, "task", "train_size")), seed=task_seed, **options)
     result = run_sft(
         model,
         tokenizer,
@@ -400,6 +494,7 @@ def sft_from_config(
         warmup_steps=int(_key(sft, "sft", "warmup_steps")),
         grad_clip=float(_key(sft, "sft", "grad_clip")),
         seed=sft_seed,
+        micro_batch_size=sft.get("micro_batch_size"),
         template=template,
         progress=progress,
         log_fn=log_fn,
@@ -409,22 +504,24 @@ def sft_from_config(
         "workers": _key(reward, "reward", "workers"),
     }
     accuracy: dict[str, float] = {}
+    extracted: dict[str, float] = {}
     examples: list[dict] = []
-    for split in ("test", "ood"):
-        recs = generate(split, eval_size, seed=task_seed, **options)
+    for split, recs in eval_sets.items():
         acc, responses = greedy_accuracy(model, tokenizer, recs, template=template,
                                          max_new_tokens=max_new_tokens, **reward_kw)
         accuracy[split] = acc
+        extracted[split] = sum(extracted_answer(r) is not None for r in responses) / len(responses)
         if log_fn is not None:
-            log_fn(result["steps"], {f"sft/accuracy_{split}": acc})
-        if split == "test":
+            log_fn(result["steps"], {f"sft/accuracy_{split}": acc, f"sft/extracted_{split}": extracted[split]})
+        if not examples:
             examples = [
                 {"question": r["question"], "response": resp, "answer": r["answer"]}
                 for r, resp in zip(recs[:n_examples], responses[:n_examples])
             ]
     summary = {
         "accuracy": accuracy,
-        "eval_size": eval_size,
+        "extracted": extracted,
+        "eval_size": int(_key(sft, "sft", "eval_size")),
         "seconds": None,  # filled below
         "sft": result,
         "examples": examples,

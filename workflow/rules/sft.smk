@@ -1,4 +1,4 @@
-# Warm-start SFT of the (tiny) model on reference solutions; only when sft.enabled.
+# Warm-start SFT on reference solutions (synthetic task, or a format warm-up on GSM8K); only when sft.enabled.
 # Writes the model (save_pretrained) and sft_summary.json into results/<name>/sft/model/.
 
 

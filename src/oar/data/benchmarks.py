@@ -15,7 +15,10 @@ minerva_math    ``problem``          the last ``\\boxed{}`` of ``solution`` (:fu
 olympiadbench   ``question``         ``final_answer`` (a list): its items joined with ", "; the list is
                                      kept in the extra key ``answers``. Items are kept as written
                                      (often ``$...$``-wrapped LaTeX).
-gsm8k           ``question``         the number after the last ``####`` of ``answer``, commas removed
+gsm8k           ``question``         the number after the last ``####`` of ``answer``, commas removed;
+                                     the reference solution, rewritten to end in ``\\boxed{answer}``
+                                     (:func:`gsm8k_solution`), in the extra key ``solution`` (the target
+                                     of a format warm-up SFT)
 math_train      ``problem``          ``answer`` (str). Filter ``levels`` (e.g. ``[3, 4, 5]``) keeps records
                                      whose float ``difficulty`` is one of them (extra key ``level``,
                                      an int). Records with an empty or null answer are DROPPED (4 in
@@ -135,6 +138,24 @@ def _olympiad_answer(rec: dict, where: str) -> tuple[str | None, dict]:
 _GSM8K_MARK = "####"
 
 
+#: GSM8K's calculator annotations, ``<<48/2=24>>``, removed from its solutions.
+_GSM8K_CALC = re.compile(r"<<[^<>]*>>")
+
+
+def gsm8k_solution(text: str, answer: str) -> str:
+    """GSM8K's reference ``answer`` field as a solution that ends the way the reward reads it.
+
+    The calculator annotations (``<<48/2=24>>``) are removed and the final ``#### N`` line is replaced
+    by ``The final answer is $\\boxed{N}$.``, so a model fine-tuned on it boxes its answer.
+
+    >>> gsm8k_solution("She sold 48/2 = <<48/2=24>>24 clips.\\n#### 24", "24")
+    'She sold 48/2 = 24 clips.\\nThe final answer is $\\\\boxed{24}$.'
+    """
+    body = _GSM8K_CALC.sub("", text.rsplit(_GSM8K_MARK, 1)[0]).strip()
+    final = f"The final answer is $\\boxed{{{answer}}}$."
+    return f"{body}\n{final}" if body else final
+
+
 def _gsm8k_answer(rec: dict, where: str) -> tuple[str | None, dict]:
     text = _require(rec, "answer", where)
     if not isinstance(text, str) or _GSM8K_MARK not in text:
@@ -142,7 +163,7 @@ def _gsm8k_answer(rec: dict, where: str) -> tuple[str | None, dict]:
     ans = text.rsplit(_GSM8K_MARK, 1)[1].strip().replace(",", "")
     if not ans:
         raise ValueError(f"{where}: field 'answer' is empty after {_GSM8K_MARK!r}")
-    return ans, {}
+    return ans, {"solution": gsm8k_solution(text, ans)}
 
 
 def _math_train_answer(rec: dict, where: str) -> tuple[str | None, dict]:

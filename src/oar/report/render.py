@@ -128,6 +128,7 @@ def main_markdown(tables: Mapping[str, Any], *, start: Any | None, reference: st
         if k:
             heads += [("avg@k", f"pass@1 at T = {temperature:g} (avg@{k})"), ("pass@k", f"pass@{k} at T = {temperature:g}")]
         lines = ["| | " + " | ".join(start["benchmark"]) + " |", "|---|" + "---:|" * len(start)]
+        heads += [("answered", "answers with a final answer the reward reads")]
         for key, name in heads:
             if key in start and start[key].notna().any():
                 lines.append(f"| {name} | " + " | ".join("—" if math.isnan(v) else f"{v:.1f}" for v in start[key]) + " |")

@@ -4,6 +4,7 @@ and from the start model with their intervals), :func:`column_mde` and :func:`st
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any, Mapping
@@ -176,7 +177,9 @@ def column_mde(df: "pd.DataFrame", *, reference: str, alpha: float = 0.05,  # no
 def start_model_table(config: Mapping[str, Any], results: str | Path | None = None) -> "pd.DataFrame":  # noqa: F821
     """The start model's (base row's) accuracy per benchmark, in percent: ``pass@1`` (greedy),
     ``avg@k`` (pass@1 of a sample at ``eval.temperature``) and ``pass@k`` (share of problems with at
-    least one correct answer among its k samples); NaN for what the evaluation did not produce."""
+    least one correct answer among its k samples) and ``answered`` (share of all its answers with a
+    final answer the reward can read, from ``<bench>.json``; NaN in evaluations older than it); NaN
+    for what the evaluation did not produce."""
     import pandas as pd
 
     root = _results_root(config, results)
@@ -184,6 +187,11 @@ def start_model_table(config: Mapping[str, Any], results: str | Path | None = No
     recs = []
     for b in [b["name"] for b in config["eval"]["benchmarks"]]:
         rec: dict[str, Any] = {"benchmark": b}
+        try:
+            answered = json.loads((d[None] / f"{b}.json").read_text(encoding="utf-8")).get("answered")
+        except (OSError, ValueError, AttributeError):
+            answered = None
+        rec["answered"] = math.nan if answered is None else float(answered) * 100.0
         for metric in METRICS:
             try:
                 rs = load_scores(d, b, metric=metric)
