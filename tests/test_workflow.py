@@ -403,9 +403,9 @@ def test_slurm_sbatch_line_of_one_and_several_node_training(tmp_path):
 
 @pytest.mark.slow  # one snakemake dry run: a few seconds
 def test_dry_run_smollm2_config(tmp_path):
-    """config/smollm2.yaml: a format warm-up SFT on GSM8K's training solutions, then the baselines,
-    KTAE and both OAR signals on SmolLM2-135M (model.source `smollm2`, no site-packages path), every
-    paper benchmark (GSM8K on enough problems that a few percent is not zero), GSM8K training prompts
+    """config/smollm2.yaml: a format warm-up SFT on GSM8K's training solutions, then GRPO and both OAR
+    signals on SmolLM2-135M (model.source `smollm2`, no site-packages path), every
+    paper benchmark (GSM8K with enough answers that a rate near 1% is not zero), GSM8K training prompts
     in the chat template, FSDP over 2 CPU processes; no attribution (synthetic task only). CI only
     dry-runs it (the real run: README, "A real model end to end")."""
     from oar.config import load_config
@@ -416,8 +416,8 @@ def test_dry_run_smollm2_config(tmp_path):
     assert cfg["task"]["kind"] == "benchmark" and cfg["task"]["template"] == "qwen_boxed"
     assert cfg["task"]["benchmark"] == {"name": "gsm8k", "source": "../shared/data/gsm8k/train.jsonl"}
     assert [b["name"] for b in cfg["eval"]["benchmarks"]] == [b["name"] for b in paper["eval"]["benchmarks"]]
-    assert cfg["eval"]["benchmarks"][-1]["n"] >= 100
-    assert {"grpo", "dapo", "grpo_ktae", "oar_p", "oar_g"} <= set(cfg["methods"]) <= set(paper["methods"])
+    assert cfg["eval"]["benchmarks"][-1]["n"] * cfg["eval"]["samples"] >= 256
+    assert {"grpo", "oar_p", "oar_g"} <= set(cfg["methods"]) <= set(paper["methods"])
     assert cfg["seeds"] == [0] and cfg["sft"]["enabled"] and not cfg["attribution"]["enabled"]
     assert cfg["train"]["strategy"] == "fsdp" and cfg["resources"]["train"]["processes"] == 2
     counts, jobs = dry_run("--configfile", "config/smollm2.yaml", results=tmp_path)
