@@ -39,7 +39,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from oar.credit import CreditBatch, CreditResult, register_estimator
-from oar.credit.advantages import SEQ_OPTIONS, check_options, group_index, sequence_advantages
+from oar.credit.advantages import SEQ_OPTIONS, check_options, group_moments, sequence_advantages
 
 __all__ = [
     "STEP_SPLITS",
@@ -152,16 +152,10 @@ def segment_ids(boundaries: Sequence[Sequence[int]], response_mask: torch.Tensor
 
 
 def group_stats(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(mean, std)`` of each response's group reward, both ``(B,)`` float64; std unbiased, 0 for a
-    group of one or of equal rewards."""
-    idx, ng = group_index(group_ids)
-    r = rewards.detach().to(torch.float64).cpu()
-    idx = idx.cpu()
-    count = torch.zeros(ng, dtype=torch.float64).index_add_(0, idx, torch.ones_like(r))
-    mean = torch.zeros(ng, dtype=torch.float64).index_add_(0, idx, r) / count
-    c = r - mean[idx]
-    var = torch.zeros(ng, dtype=torch.float64).index_add_(0, idx, c * c) / (count - 1).clamp(min=1)
-    std = torch.where(count[idx] > 1, var.sqrt()[idx], torch.zeros_like(r))
+    """``(mean, std)`` of each response's group reward, both ``(B,)`` float64 on the CPU; std unbiased
+    (:func:`oar.credit.advantages.group_moments`), 0 for a group of one or of equal rewards."""
+    idx, _, mean, std = group_moments(rewards.detach().cpu(), group_ids.cpu())
+    std = std[idx]
     std = torch.where(std < 1e-12, torch.zeros_like(std), std)
     return mean[idx], std
 
