@@ -265,7 +265,7 @@ def mc_step_credit(ctx: ContinuationContext, tokenizer: Any, response_ids: torch
     return delta.float(), values, stats
 
 
-@register_estimator("mc_value", needs_model=True)
+@register_estimator("mc_value", needs_model=True, needs_continuations=True)
 def mc_value_estimator(batch: CreditBatch, **options: Any) -> CreditResult:
     """``mc_value``: Monte-Carlo step credit (module docstring), ``seq_weight * A_i + alpha * delta``.
 
