@@ -127,7 +127,8 @@ def step_boundaries(tokenizer: Any, response_ids: torch.Tensor, response_mask: t
         bounds: list[int] = []
         for m in rx.finditer(text, 0, limit):
             # the first token starting at or after the match's end
-            k = int((starts >= m.end()).argmax()) if (starts >= m.end()).any() else len(ids)
+            after = starts >= m.end()
+            k = int(after.argmax()) if after.any() else len(ids)
             if 0 < k < len(ids) and (not bounds or k > bounds[-1]) and int(starts[k]) <= limit:
                 bounds.append(k)
         bounds = bounds[:max_steps]
