@@ -108,6 +108,15 @@ def test_step_deltas_telescope_to_the_grpo_advantage():
     assert per_segment == pytest.approx(grpo_advantages(rewards, groups).tolist(), abs=1e-5)
 
 
+def test_only_mc_value_is_registered_as_needing_continuations():
+    """The trainer builds CreditBatch.extras["continuations"] only for estimators registered with
+    needs_continuations (test_copy_aware_methods_train checks a run of another one builds none)."""
+    from oar.credit import estimator_needs_continuations, list_estimators
+
+    assert estimator_needs_continuations("mc_value")
+    assert [n for n in list_estimators() if estimator_needs_continuations(n)] == ["mc_value"]
+
+
 def test_mc_value_errors_name_what_is_missing():
     batch = _batch(RESPONSES, REWARDS)
     with pytest.raises(ValueError, match="continuations"):
@@ -145,13 +154,17 @@ def test_value_ties_and_tied_perturbation():
 
 @pytest.mark.parametrize("method", [{"recipe": "grpo", "credit": "mc_value", "k": 2},
                                     {"recipe": "grpo", "credit": "oar_p", "tie": "values", "mode": "answer_joint"}])
-def test_copy_aware_methods_train(small_config, tmp_path, method):
-    """Both run in the training loop (mc_value: continuations sampled and scored every step); the
-    credit itself is checked on hand-built responses above."""
+def test_copy_aware_methods_train(small_config, tmp_path, monkeypatch, method):
+    """Both run in the training loop (mc_value: continuations sampled and scored every step; OAR-P
+    builds none); the credit itself is checked on hand-built responses above."""
     import json
 
+    import oar.train
     from oar.models import build_tiny
     from oar.train import train
+
+    if method["credit"] != "mc_value":  # not registered with needs_continuations: the trainer builds none
+        monkeypatch.setattr(oar.train, "_continuations", lambda *a, **k: pytest.fail("continuations built"))
 
     small_config["methods"]["copy_aware"] = method
     init = tmp_path / "init"

@@ -11,6 +11,11 @@ The training rule's SLURM signal, the rules' shell that outlives it, and torchru
 
 Each test prints what the interruption cost (steps trained again, seconds) as ``LOSS ...`` lines
 (``pytest -s`` shows them).
+
+Cost: every run of the module is on one thread and records to one MLflow database (a new one costs
+seconds), the runs a test compares against are module fixtures, the rerun of a subprocess run is
+in-process where that proves the same, and the FSDP interruptions are one chain of launches (each
+resumes the previous one).
 """
 
 from __future__ import annotations
@@ -44,13 +49,43 @@ STEPS = 4
 STOP_AT = 2
 
 
+#: One MLflow database for every run of the module (set by the ``tracking_uri`` fixture): creating
+#: one costs seconds, and a run is found by its id (run.json), so runs need no database of their own.
+_TRACKING: dict[str, str] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def tracking_uri(tmp_path_factory):
+    """The module's MLflow database (autouse: every ``_config_file`` of the module records to it)."""
+    _TRACKING["uri"] = f"sqlite:///{tmp_path_factory.mktemp('mlflow')}/mlflow.db"
+    yield _TRACKING["uri"]
+    _TRACKING.clear()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The module's in-process runs on one thread, as its subprocesses (OMP_NUM_THREADS=1): the
+    same float reductions, so weights compare bit for bit, and a tiny model's steps are faster (more
+    threads only synchronize, and spin when other work holds the cores)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _config_file(tmp: Path, name: str, **train) -> Path:
     raw = deep_merge(yaml.safe_load((ROOT / "config" / "config.yaml").read_text()),
                      small_overrides(tmp, train={"steps": STEPS, "save_every": 100, **train},
-                                     tracking={"enabled": True}))
+                                     tracking={"enabled": True, "uri": _TRACKING["uri"]}))
     path = tmp / name
     path.write_text(yaml.safe_dump(raw))
     return path
+
+
+def _subprocess_env(**extra: str) -> dict:
+    """The environment of an ``oar train`` subprocess: this process's thread count (1, ``one_thread``),
+    so its float reductions (and so its weights) are those of an in-process run (the references)."""
+    return dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()), **extra)
 
 
 def _weights(folder: Path) -> dict:
@@ -94,7 +129,7 @@ def _mlflow_run(cfg: Path, run: Path):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(tmp_path_factory, tracking_uri):
     """An uninterrupted run of every test's config: (folder, config)."""
     from oar.cli import main
 
@@ -358,8 +393,8 @@ def _launch(tmp: Path, cfg: Path, run: Path, *, procs: int, hook: str | None = N
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs),
                  "--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "--shutdown-timeout", "300"]
                 if procs > 1 else [sys.executable])
-    env = dict(os.environ, OMP_NUM_THREADS="1", OAR_TEST_HOOK=hook or "none:-1:self:SIGTERM",
-               OAR_TEST_RANK=str(rank), OAR_TEST_STAMP=str(stamp))
+    env = _subprocess_env(OAR_TEST_HOOK=hook or "none:-1:self:SIGTERM", OAR_TEST_RANK=str(rank),
+                          OAR_TEST_STAMP=str(stamp))
     proc = subprocess.run([*launcher, str(driver), *train], capture_output=True, text=True, timeout=timeout, env=env,
                           start_new_session=True)
     fired = float(stamp.read_text()) if stamp.exists() else None
@@ -367,7 +402,7 @@ def _launch(tmp: Path, cfg: Path, run: Path, *, procs: int, hook: str | None = N
 
 
 @pytest.mark.slow
-def test_a_second_signal_exits_at_once_and_the_previous_checkpoint_resumes(reference, tmp_path):
+def test_a_second_signal_exits_at_once_and_the_previous_checkpoint_resumes(reference, tmp_path, capsys):
     ref, _ = reference
     cfg = _config_file(tmp_path, "cfg.yaml", save_every=1, preemption={"repeat_seconds": 0.5})
     run = tmp_path / "run"
@@ -376,21 +411,20 @@ def test_a_second_signal_exits_at_once_and_the_previous_checkpoint_resumes(refer
     assert proc.returncode == -signal.SIGTERM, proc.stderr[-3000:]
     assert died - fired < 3.0  # at once (the process ends, then the test's wait returns)
     assert _checkpoint_step(run) == STOP_AT - 1  # the step in progress was not saved; its predecessor is
-    proc, _ = _launch(tmp_path, cfg, run, procs=1)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    rc, err = _oar(capsys, "train", "--config", str(cfg), "--method", METHOD, "--output", str(run), "--no-progress")
+    assert rc == 0, err[-3000:]
     assert _same_weights(ref, run) and _rows(run) == _rows(ref)
     print(f"LOSS second signal: 1 step (the one in progress) trained again; exit {died - fired:.2f} s after it")
 
 
 @pytest.mark.slow
-def test_sigterm_from_outside_stops_after_the_step_in_progress(tmp_path):
+def test_sigterm_from_outside_stops_after_the_step_in_progress(tmp_path, capsys):
     """The issue's reproduction: `oar train` with save_every 100 and SIGTERM after 5 steps."""
     cfg = _config_file(tmp_path, "cfg.yaml", steps=200, save_every=100)
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "oar.cli", "train", "--config", str(cfg), "--method", METHOD, "--output", str(run),
            "--no-progress"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_subprocess_env())
     try:
         deadline = time.monotonic() + 300
         while not ((run / "metrics.jsonl").exists() and len(_rows(run)) >= 5):
@@ -406,9 +440,8 @@ def test_sigterm_from_outside_stops_after_the_step_in_progress(tmp_path):
     assert proc.returncode == EXIT_INTERRUPTED, err[-3000:]
     done = len(_rows(run))
     assert done >= 5 and _checkpoint_step(run) == done  # the step in progress finished and was saved
-    more = subprocess.run([*cmd, "--steps", str(done + 2)], capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert more.returncode == 0, more.stderr[-3000:]
+    rc, more = _oar(capsys, *cmd[3:], "--steps", str(done + 2))  # the same command, in this process
+    assert rc == 0, more[-3000:]
     assert [r["step"] for r in _rows(run)] == list(range(done + 2))  # resumed at `done`, nothing twice
     print(f"LOSS external SIGTERM after {done} steps: 0 steps trained again; exit 75 {seconds:.2f} s after the "
           f"signal (the step in progress and a checkpoint)")
@@ -418,7 +451,7 @@ def test_sigterm_from_outside_stops_after_the_step_in_progress(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def checkpointed(tmp_path_factory):
+def checkpointed(tmp_path_factory, tracking_uri):
     """A run stopped after 2 steps with its checkpoint (save_every 1), to damage copies of."""
     from oar.config import load_config
     from oar.train import train
@@ -563,10 +596,21 @@ def test_a_real_full_disk_tmpfs(reference, tmp_path, small_tmpfs, capsys):
 # -------------------------------------------------------------------------- FSDP, 2 processes
 
 
+#: The FSDP chain: each launch resumes the previous one and is signalled in its second step (as the
+#: one-process tests: in the first, the reward workers may still be starting), so it stops after
+#: two more steps: (phase, who, rank) of its SIGTERM. self: only one worker is signalled, the other
+#: stops after the same step (the decision is a maximum over them); group: torchrun and both
+#: workers get SIGTERM, as SLURM sends it to every process of a job step, and torchrun forwards it
+#: once more.
+FSDP_SIGNALS = [("boundary", "self", 1), ("rollout", "self", 0), ("update", "group", 0)]
+#: two steps per stopped launch, one for the launch killed during the final save
+FSDP_STEPS = 2 * len(FSDP_SIGNALS) + 1
+
+
 @pytest.fixture(scope="module")
-def fsdp_reference(tmp_path_factory):
+def fsdp_reference(tmp_path_factory, tracking_uri):
     tmp = tmp_path_factory.mktemp("fsdp")
-    cfg = _config_file(tmp, "cfg.yaml", strategy="fsdp")
+    cfg = _config_file(tmp, "cfg.yaml", strategy="fsdp", steps=FSDP_STEPS)
     run = tmp / "reference"
     proc, _ = _launch(tmp, cfg, run, procs=2)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -575,57 +619,54 @@ def fsdp_reference(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("phase, who, rank", [("boundary", "self", 1), ("rollout", "self", 0),
-                                              ("update", "group", 0)])
 @pytest.mark.distributed
-def test_fsdp_two_processes_stop_after_the_same_step_and_resume_bit_identically(fsdp_reference, tmp_path, phase,
-                                                                                who, rank):
-    """self: only one worker is signalled, the other stops after the same step (the decision is a
-    maximum over them); group: torchrun and both workers get SIGTERM, as SLURM sends it to every
-    process of a job step, and torchrun forwards it once more."""
+def test_fsdp_two_processes_stop_after_the_same_step_resume_bit_identically_and_survive_a_kill_9(fsdp_reference,
+                                                                                               tmp_path):
+    """One run of FSDP_SIGNALS' launches (the stopped launch's rerun is the next one; each stop marks
+    the MLflow run KILLED with its step), a kill -9 during the final sharded save, the rerun that
+    resumes the previous checkpoint and ends with the uninterrupted run's weights, and a truncated
+    shard of the final checkpoint, named."""
     tmp, cfg, ref = fsdp_reference
     run = tmp_path / "run"
-    t0 = time.time()
-    proc, fired = _launch(tmp_path, cfg, run, procs=2, hook=f"{phase}:{STOP_AT - 1}:{who}:SIGTERM", rank=rank)
-    ended = time.time()
-    assert proc.returncode != 0 and fired is not None, proc.stderr[-4000:]
-    assert proc.returncode != -signal.SIGKILL
-    assert "stopped by " in proc.stderr and f"after step {STOP_AT}" in proc.stderr, proc.stderr[-4000:]
-    assert _checkpoint_step(run) == STOP_AT and [r["step"] for r in _rows(run)] == list(range(STOP_AT))
-    assert len(list((run / "checkpoint" / "shards").glob("*.distcp"))) == 2 and not _leftovers(run)
-    if who == "self":
-        assert "exitcode  : 75" in proc.stderr, proc.stderr[-4000:]  # torchrun's report of the workers
-    else:  # torchrun got it too and forwarded it: each worker had it twice, and stopped after its step
-        assert "death signal, shutting down workers" in proc.stderr, proc.stderr[-4000:]
-        assert "closing signal SIGTERM" in proc.stderr, proc.stderr[-4000:]
-    proc, _ = _launch(tmp_path, cfg, run, procs=2)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert _same_weights(ref, run) and _rows(run) == _rows(ref)
-    print(f"LOSS FSDP signal ({who}, rank {rank}) at {phase}: 0 steps trained again; launch ended "
-          f"{ended - fired:.1f} s after the signal ({ended - t0:.1f} s in all)")
+    for i, (phase, who, rank) in enumerate(FSDP_SIGNALS):
+        at = 2 * i + 1  # the launch resumes at step 2 * i and is signalled in the next one
+        t0 = time.time()
+        proc, fired = _launch(tmp_path, cfg, run, procs=2, hook=f"{phase}:{at}:{who}:SIGTERM", rank=rank)
+        ended = time.time()
+        assert proc.returncode != 0 and fired is not None, (phase, proc.stderr[-4000:])
+        assert proc.returncode != -signal.SIGKILL
+        assert "stopped by " in proc.stderr and f"after step {at + 1}" in proc.stderr, proc.stderr[-4000:]
+        assert _checkpoint_step(run) == at + 1 and [r["step"] for r in _rows(run)] == list(range(at + 1))
+        assert len(list((run / "checkpoint" / "shards").glob("*.distcp"))) == 2 and not _leftovers(run)
+        if who == "self":
+            assert "exitcode  : 75" in proc.stderr, proc.stderr[-4000:]  # torchrun's report of the workers
+        else:  # torchrun got it too and forwarded it: each worker had it twice, and stopped after its step
+            assert "death signal, shutting down workers" in proc.stderr, proc.stderr[-4000:]
+            assert "closing signal SIGTERM" in proc.stderr, proc.stderr[-4000:]
+        mlrun = _mlflow_run(cfg, run)  # recorded by rank 0, signalled or not
+        assert mlrun.info.status == "KILLED" and mlrun.data.tags["oar.interrupted_at_step"] == str(at + 1)
+        assert mlrun.data.tags["oar.interrupted_by"] == ("SIGTERM" if rank == 0 else "a signal to another process")
+        print(f"LOSS FSDP signal ({who}, rank {rank}) at {phase}: 0 steps trained again; launch ended "
+              f"{ended - fired:.1f} s after the signal ({ended - t0:.1f} s in all)")
 
-
-@pytest.mark.distributed
-@pytest.mark.slow
-def test_fsdp_kill_9_during_a_sharded_save_resumes_the_previous_checkpoint(fsdp_reference, tmp_path):
-    tmp, _, ref = fsdp_reference
-    cfg = _config_file(tmp_path, "cfg.yaml", strategy="fsdp", save_every=1)
-    run = tmp_path / "run"
-    # after this process wrote its shards of the step-2 checkpoint, before the rename: every process dies
-    proc, fired = _launch(tmp_path, cfg, run, procs=2, hook=f"save:{STOP_AT}:group:SIGKILL")
+    # the rerun of the last stop writes the final checkpoint: after this process wrote its shards,
+    # before the rename, every process dies
+    proc, fired = _launch(tmp_path, cfg, run, procs=2, hook="save:1:group:SIGKILL")
     assert proc.returncode == -signal.SIGKILL and fired is not None, proc.stderr[-4000:]
-    assert _checkpoint_step(run) == STOP_AT - 1
+    assert _checkpoint_step(run) == FSDP_STEPS - 1
     assert [p.name for p in run.iterdir() if p.name.endswith(".tmp")]  # the partial copy is there
     proc, _ = _launch(tmp_path, cfg, run, procs=2)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "removed the incomplete" in proc.stderr
+    # every stop resumed its step, the kill -9 its checkpoint: the weights of the uninterrupted run
     assert _same_weights(ref, run) and _rows(run) == _rows(ref) and not _leftovers(run)
+    assert _mlflow_run(cfg, run).info.status == "FINISHED"
     print("LOSS kill -9 during a sharded save: 1 step (the one being saved) trained again")
 
     # a truncated shard of the final checkpoint: named, nothing loaded
     shard = sorted((run / "checkpoint" / "shards").glob("*.distcp"))[0]
     _truncate(shard, shard.stat().st_size // 2)
-    proc, _ = _launch(tmp_path, cfg, run, procs=2, steps=STEPS + 1)
+    proc, _ = _launch(tmp_path, cfg, run, procs=2, steps=FSDP_STEPS + 1)
     assert proc.returncode != 0
     assert f"{shard}: unreadable (" in proc.stderr and "--restart" in proc.stderr, proc.stderr[-4000:]
 
@@ -690,7 +731,11 @@ def test_slurm_training_jobs_ask_for_the_sized_early_sigterm(tmp_path):
     assert prof["retries"] >= 1 and prof["slurm-requeue"] is True
 
 
-@pytest.mark.slow  # data + one training job through snakemake, twice: ~1 minute
+#: steps of the workflow job: the SIGTERM after 3, margin for the step in progress, a few for the rerun
+STEPS_WORKFLOW = 10
+
+
+@pytest.mark.slow  # data + one training job through snakemake, twice: ~half a minute
 @snakemake_missing
 def test_a_sigterm_to_every_process_of_a_workflow_job_checkpoints_and_the_rerun_resumes(tmp_path):
     """What SLURM does at the time limit, on preemption or at the early --signal: SIGTERM to every
@@ -703,7 +748,7 @@ def test_a_sigterm_to_every_process_of_a_workflow_job_checkpoints_and_the_rerun_
     cfg["results_dir"] = "results"
     cfg["tracking"]["uri"] = f"sqlite:///{tmp_path}/mlflow.db"
     cfg["sft"]["enabled"] = False
-    cfg["train"].update({"steps": 40, "save_every": 100, "heldout": {"every": 0}})
+    cfg["train"].update({"steps": STEPS_WORKFLOW, "save_every": 100, "heldout": {"every": 0}})
     path = tmp_path / "smoke.yaml"
     path.write_text(yaml.safe_dump(cfg))
     run = tmp_path / "results" / "smoke" / "dapo" / "seed0"
@@ -733,6 +778,6 @@ def test_a_sigterm_to_every_process_of_a_workflow_job_checkpoints_and_the_rerun_
     assert _checkpoint_step(run) == done and not (run / "train_summary.json").exists()
     rerun = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
     assert rerun.returncode == 0, (rerun.stdout + rerun.stderr)[-4000:]
-    assert [r["step"] for r in _rows(run)] == list(range(40))  # resumed at `done`: nothing trained twice
+    assert [r["step"] for r in _rows(run)] == list(range(STEPS_WORKFLOW))  # resumed at `done`: nothing twice
     print(f"LOSS SIGTERM to a workflow job after {done} steps: 0 steps trained again; Snakemake ended "
           f"{seconds:.1f} s after the signal")

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from oar.config import ResolvedMethod, resolve_method
-from oar.credit import CreditBatch, estimator_needs_model, get_estimator
+from oar.credit import CreditBatch, estimator_needs_continuations, estimator_needs_model, get_estimator
 from oar.credit.metrics import ess_ratio, top_mass
 from oar.io import atomic_write_json, read_jsonl
 from oar.loss import aggregate, k3_kl, policy_loss
@@ -476,17 +476,17 @@ def _rollout(loop: _Loop, step: int, timings: dict[str, float]) -> "StepBatch":
 def _credit(loop: _Loop, batch: "StepBatch", step: int, timings: dict[str, float]) -> Any:
     """Step 3: the method's estimator (OAR-P / OAR-G / mc_value call the gathered policy)."""
     ro, name = batch.rollout, loop.method.estimator
+    extras = {"old_logprobs": ro.logprobs, "step": step, "seed": loop.seed, "task": loop.config["task"]}
+    if estimator_needs_continuations(name):  # registered with needs_continuations (mc_value)
+        extras["continuations"] = _continuations(loop.engine, batch, loop.prompts_all, loop.records,
+                                                 config=loop.config, recipe=loop.recipe,
+                                                 seed=_step_seed(loop.seed, step, 104729))
     with loop.strategy.local_phase(loop.model) if estimator_needs_model(name) else contextlib.nullcontext():
         with marked_timer("importance", timings):
             return get_estimator(name)(
                 CreditBatch(response_ids=ro.response_ids, response_mask=ro.response_mask, rewards=batch.rewards,
                             group_ids=batch.group_ids, prompt_ids=ro.prompt_ids, prompt_mask=ro.prompt_mask,
-                            model=loop.policy, tokenizer=loop.tokenizer,
-                            extras={"old_logprobs": ro.logprobs, "step": step, "seed": loop.seed,
-                                    "task": loop.config["task"],
-                                    "continuations": _continuations(loop.engine, batch, loop.prompts_all, loop.records,
-                                                                    config=loop.config, recipe=loop.recipe,
-                                                                    seed=_step_seed(loop.seed, step, 104729))}),
+                            model=loop.policy, tokenizer=loop.tokenizer, extras=extras),
                 **loop.method.estimator_options(),
             )
 
@@ -680,7 +680,8 @@ def _collect_batch(engine: Any, stream: _PromptStream, prompts_all: list[str], r
 def _continuations(engine: Any, batch: StepBatch, prompts_all: list[str], records: list[dict], *, config: dict,
                    recipe: dict, seed: int) -> Any:
     """What an estimator that samples continuations of the responses needs (``mc_value``): the
-    engine, each row's prompt and gold answer, the rollout's reward and sampling settings."""
+    engine, each row's prompt and gold answer, the rollout's reward and sampling settings. Built
+    by :func:`_credit` only for estimators registered with ``needs_continuations``."""
     from functools import partial
 
     from oar.credit.mc_value import ContinuationContext

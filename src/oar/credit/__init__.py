@@ -24,6 +24,7 @@ __all__ = [
     "get_estimator",
     "list_estimators",
     "estimator_needs_model",
+    "estimator_needs_continuations",
 ]
 
 
@@ -78,10 +79,11 @@ class Estimator(Protocol):
 
 _REGISTRY: dict[str, Callable[..., CreditResult]] = {}
 _NEEDS_MODEL: dict[str, bool] = {}
+_NEEDS_CONTINUATIONS: dict[str, bool] = {}
 
 
 def register_estimator(
-    name: str, *, needs_model: bool = False
+    name: str, *, needs_model: bool = False, needs_continuations: bool = False
 ) -> Callable[[Callable[..., CreditResult]], Callable[..., CreditResult]]:
     """Decorator: register ``fn`` as the estimator called ``name``.
 
@@ -89,6 +91,8 @@ def register_estimator(
         name: the name configs use (``credit: <name>``).
         needs_model: the estimator calls ``CreditBatch.model`` (OAR-P, OAR-G and the nulls built on
             them); the trainer gathers a sharded policy for it.
+        needs_continuations: the estimator samples continuations of the responses (``mc_value``) and
+            reads ``CreditBatch.extras["continuations"]``, which the trainer builds only for it.
 
     Raises:
         ValueError: if ``name`` is already registered to a different function.
@@ -100,6 +104,7 @@ def register_estimator(
             raise ValueError(f"estimator {name!r} is already registered to {old.__module__}.{old.__qualname__}")
         _REGISTRY[name] = fn
         _NEEDS_MODEL[name] = needs_model
+        _NEEDS_CONTINUATIONS[name] = needs_continuations
         return fn
 
     return deco
@@ -139,3 +144,10 @@ def estimator_needs_model(name: str) -> bool:
     get_estimator(name)
     return _NEEDS_MODEL[name]
 
+
+
+def estimator_needs_continuations(name: str) -> bool:
+    """Whether the estimator ``name`` reads ``CreditBatch.extras["continuations"]`` (see
+    :func:`register_estimator`)."""
+    get_estimator(name)
+    return _NEEDS_CONTINUATIONS[name]

@@ -11,13 +11,15 @@ Shapes follow verl's ``core_algos.py``: ``B`` responses, ``T`` response tokens (
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from oar.credit import CreditBatch, CreditResult, register_estimator
 
 __all__ = [
+    "GroupMoments",
+    "group_moments",
     "grpo_advantages",
     "broadcast_seq",
     "group_index",
@@ -46,6 +48,57 @@ def group_index(group_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     return idx, int(uniq.numel())
 
 
+class GroupMoments(NamedTuple):
+    """Per-group reward moments (:func:`group_moments`); ``NG`` groups, ``B`` responses.
+
+    Attributes:
+        index: ``(B,)`` long, the contiguous group index of each response (:func:`group_index`).
+        count: ``(NG,)`` float64, responses per group.
+        mean: ``(NG,)`` float64, mean reward of each group.
+        std: ``(NG,)`` float64, unbiased standard deviation of each group's rewards.
+    """
+
+    index: torch.Tensor
+    count: torch.Tensor
+    mean: torch.Tensor
+    std: torch.Tensor
+
+
+def group_moments(rewards: torch.Tensor, group_ids: torch.Tensor, *, unit_singletons: bool = False) -> GroupMoments:
+    """Mean and unbiased std of the rewards of each group, in float64 on ``rewards``' device.
+
+    ``mean_g = sum_g(r) / n_g`` and ``std_g = sqrt(sum_g((r - mean_g)^2) / max(n_g - 1, 1))``, with
+    index_add over groups (no Python loop). Gather ``mean[index]`` for a per-response ``(B,)`` view.
+
+    A group of one response (``n_g == 1``) has, by default, the moments of one sample: its own
+    reward as mean and std 0 (``mc_value``). With ``unit_singletons`` it has mean 0 and std 1 instead
+    (GRPO, as verl's ``compute_grpo_outcome_advantage``: its advantage is ``r / (1 + eps)``).
+
+    Args:
+        rewards: ``(B,)`` scalar reward of each response (any real dtype; detached).
+        group_ids: ``(B,)`` integer, responses with equal ids form a group.
+        unit_singletons: a group of one gets mean 0 and std 1 (else its reward and 0).
+
+    Returns:
+        :class:`GroupMoments` ``(index (B,), count (NG,), mean (NG,), std (NG,))``.
+    """
+    idx, ng = group_index(group_ids)
+    r = rewards.detach().to(torch.float64)
+    idx = idx.to(r.device)
+    count = torch.zeros(ng, dtype=torch.float64, device=r.device).index_add_(0, idx, torch.ones_like(r))
+    mean = torch.zeros(ng, dtype=torch.float64, device=r.device).index_add_(0, idx, r) / count
+    centered = r - mean[idx]
+    sq = torch.zeros(ng, dtype=torch.float64, device=r.device).index_add_(0, idx, centered * centered)
+    std = (sq / (count - 1).clamp(min=1)).sqrt()
+    single = count == 1
+    if unit_singletons:
+        mean = torch.where(single, torch.zeros_like(mean), mean)
+        std = torch.where(single, torch.ones_like(std), std)
+    else:
+        std = torch.where(single, torch.zeros_like(std), std)
+    return GroupMoments(idx, count, mean, std)
+
+
 def grpo_advantages(
     rewards: torch.Tensor,
     group_ids: torch.Tensor,
@@ -56,8 +109,8 @@ def grpo_advantages(
     """GRPO (``norm_by_std=True``) or Dr. GRPO (``norm_by_std=False``) sequence advantages.
 
     ``A_i = (r_i - mean_g(r)) / (std_g(r) + eps)`` where ``g`` is the group of response ``i`` and
-    ``std`` is the unbiased standard deviation (as ``torch.std``). A group of one response has mean 0
-    and std 1 (so ``A = r / (1 + eps)``, or ``A = r`` for Dr. GRPO), as verl's
+    ``std`` is the unbiased standard deviation (as ``torch.std``; :func:`group_moments`). A group of
+    one response has mean 0 and std 1 (so ``A = r / (1 + eps)``, or ``A = r`` for Dr. GRPO), as verl's
     ``compute_grpo_outcome_advantage``. A group whose rewards are all equal gets exactly 0 (this is
     enforced, so float rounding of the mean cannot leak ``1e-9 / eps``-sized advantages).
 
@@ -81,18 +134,10 @@ def grpo_advantages(
     out_dtype = rewards.dtype if rewards.dtype.is_floating_point else torch.float32
     if rewards.numel() == 0:
         return torch.zeros(0, dtype=out_dtype, device=rewards.device)
-    idx, ng = group_index(group_ids)
+    idx, count, mean, std = group_moments(rewards, group_ids, unit_singletons=True)
+    ng = count.numel()
     r = rewards.detach().to(torch.float64)
-    count = torch.zeros(ng, dtype=torch.float64, device=r.device).index_add_(0, idx, torch.ones_like(r))
-    total = torch.zeros(ng, dtype=torch.float64, device=r.device).index_add_(0, idx, r)
-    mean = total / count
-    centered = r - mean[idx]
-    sq = torch.zeros(ng, dtype=torch.float64, device=r.device).index_add_(0, idx, centered * centered)
-    var = sq / (count - 1).clamp(min=1)
-    std = var.sqrt()
     single = count == 1
-    mean = torch.where(single, torch.zeros_like(mean), mean)
-    std = torch.where(single, torch.ones_like(std), std)
     rmax = torch.full((ng,), -torch.inf, dtype=torch.float64, device=r.device).scatter_reduce(
         0, idx, r, reduce="amax", include_self=True
     )

@@ -39,7 +39,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from oar.credit import CreditBatch, CreditResult, register_estimator
-from oar.credit.advantages import SEQ_OPTIONS, check_options, group_index, sequence_advantages
+from oar.credit.advantages import SEQ_OPTIONS, check_options, group_moments, sequence_advantages
 
 __all__ = [
     "STEP_SPLITS",
@@ -127,7 +127,8 @@ def step_boundaries(tokenizer: Any, response_ids: torch.Tensor, response_mask: t
         bounds: list[int] = []
         for m in rx.finditer(text, 0, limit):
             # the first token starting at or after the match's end
-            k = int((starts >= m.end()).argmax()) if (starts >= m.end()).any() else len(ids)
+            after = starts >= m.end()
+            k = int(after.argmax()) if after.any() else len(ids)
             if 0 < k < len(ids) and (not bounds or k > bounds[-1]) and int(starts[k]) <= limit:
                 bounds.append(k)
         bounds = bounds[:max_steps]
@@ -152,16 +153,10 @@ def segment_ids(boundaries: Sequence[Sequence[int]], response_mask: torch.Tensor
 
 
 def group_stats(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(mean, std)`` of each response's group reward, both ``(B,)`` float64; std unbiased, 0 for a
-    group of one or of equal rewards."""
-    idx, ng = group_index(group_ids)
-    r = rewards.detach().to(torch.float64).cpu()
-    idx = idx.cpu()
-    count = torch.zeros(ng, dtype=torch.float64).index_add_(0, idx, torch.ones_like(r))
-    mean = torch.zeros(ng, dtype=torch.float64).index_add_(0, idx, r) / count
-    c = r - mean[idx]
-    var = torch.zeros(ng, dtype=torch.float64).index_add_(0, idx, c * c) / (count - 1).clamp(min=1)
-    std = torch.where(count[idx] > 1, var.sqrt()[idx], torch.zeros_like(r))
+    """``(mean, std)`` of each response's group reward, both ``(B,)`` float64 on the CPU; std unbiased
+    (:func:`oar.credit.advantages.group_moments`), 0 for a group of one or of equal rewards."""
+    idx, _, mean, std = group_moments(rewards.detach().cpu(), group_ids.cpu())
+    std = std[idx]
     std = torch.where(std < 1e-12, torch.zeros_like(std), std)
     return mean[idx], std
 
@@ -271,7 +266,7 @@ def mc_step_credit(ctx: ContinuationContext, tokenizer: Any, response_ids: torch
     return delta.float(), values, stats
 
 
-@register_estimator("mc_value", needs_model=True)
+@register_estimator("mc_value", needs_model=True, needs_continuations=True)
 def mc_value_estimator(batch: CreditBatch, **options: Any) -> CreditResult:
     """``mc_value``: Monte-Carlo step credit (module docstring), ``seq_weight * A_i + alpha * delta``.
 

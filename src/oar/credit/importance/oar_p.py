@@ -92,19 +92,19 @@ def perturbation_importance(
         for g0 in range(0, rows_all.numel(), chunk_size):
             rows = rows_all[g0 : g0 + chunk_size]
             sub = probe.select(rows).to(dev)
-            ties = None if tie_ids is None else _select_ties(probe, tie_ids, rows).to(dev)
+            ties = None if tie_ids is None else _select_ties(probe, tie_ids, rows, sub.input_ids.shape[1]).to(dev)
             sc = _oar_p_group(model, sub, mode=mode, mask_id=mask_id, chunk_size=chunk_size, naive=naive, ties=ties)
             # the group's probe may have dropped leading pad columns: align on the right
             scores[rows, scores.shape[1] - sc.shape[1] :] = sc.to(scores.device)
     return scores * probe.reasoning_mask
 
 
-def _select_ties(probe: Probe, tie_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """``tie_ids`` of ``rows`` with the leading columns :meth:`Probe.select` drops dropped too."""
+def _select_ties(probe: Probe, tie_ids: torch.Tensor, rows: torch.Tensor, width: int) -> torch.Tensor:
+    """``(len(rows), width)``: ``tie_ids`` of ``rows`` with the leading columns :meth:`Probe.select`
+    drops dropped too (``width``: the columns of ``probe.select(rows)``, which the caller has)."""
     if tie_ids.shape != probe.input_ids.shape:
         raise ValueError(f"perturbation_importance: tie_ids shape {tuple(tie_ids.shape)} != probe shape "
                          f"{tuple(probe.input_ids.shape)}")
-    width = probe.select(rows).input_ids.shape[1]
     return tie_ids.to(probe.input_ids.device)[rows][:, tie_ids.shape[1] - width :]
 
 
