@@ -12,3 +12,17 @@ def small_config(tmp_path):
     from oar.config import load_config
 
     return load_config(ROOT / "config" / "config.yaml", small_overrides(tmp_path))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """Every in-process test runs torch on one thread, whatever ran before it (a test that sets the
+    thread count no longer leaks it into the tests after it, so results do not depend on order).
+    The models here are tiny: more threads only synchronize, and they spin when a subprocess of the
+    same test (a torchrun worker, a Snakemake job) holds the other core."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
