@@ -149,8 +149,8 @@ def sft_step(model, tokenizer, prompts: Sequence[str], responses: Sequence[str],
              device: torch.device | str) -> tuple[torch.Tensor, int]:
     """Accumulate the gradient of one SFT batch, ``micro_batch_size`` sequences at a time.
 
-    The pairs are sorted by token length and cut into micro-batches (:func:`build_sft_batch` each), so a
-    micro-batch pads to lengths close to its own. Each micro-batch adds ``sum of its response-token
+    The pairs are tokenized once (:func:`sft_rows`), sorted by length and cut into micro-batches
+    (:func:`pad_sft_rows` each), so a micro-batch pads to lengths close to its own. Each micro-batch adds ``sum of its response-token
     cross-entropies / the batch's response tokens`` to the gradient, so the result equals one
     backward pass over the whole batch of Hugging Face's mean token loss, whatever the split.
 
@@ -202,8 +202,8 @@ def run_sft(
     ``train_records`` (reshuffled each pass). With ``micro_batch_size`` the step's records are sorted
     by length and run in micro-batches of that size, gradients accumulated (:func:`sft_step`): the
     same loss and gradient as one batch, with less padding and memory (real records differ in length
-    by 2x and more; padded as one batch, half the compute can go to padding). AdamW (``lr``, ``betas``, ``weight_decay`` on
-    matrices only), learning rate :func:`lr_lambda` (linear warmup over ``warmup_steps``, cosine
+    by 2x and more; padded as one batch, half the compute can go to padding). AdamW (``lr``,
+    ``betas``, ``weight_decay`` on matrices only), learning rate :func:`lr_lambda` (linear warmup over ``warmup_steps``, cosine
     decay to ``min_lr_ratio * lr`` at the last step), gradients clipped to norm ``grad_clip``.
     The model is trained in place and left in eval mode.
 
