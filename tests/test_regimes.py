@@ -41,12 +41,19 @@ def test_cell_configs_extend_the_regime_config(tmp_path):
     assert c["name"] == "regimes_len140_n4" and c["rollout"]["n"] == 4 and c["train"]["prompts_per_step"] == 64
     assert c["task"]["synthetic"]["filler_words"] == 16 and c["rollout"]["max_new_tokens"] == 224
     assert c["seeds"] == config["seeds"] and c["only_methods"] == config["only_methods"]
+    # the highlighted cells carry the seeds for a seed-level MDE of ~2; the harder task's cell, more operands
+    for cell in config["regimes"]["cells"]:
+        n_seeds = len(cells[f"regimes_{cell['name']}"]["seeds"])
+        assert n_seeds == (6 if cell["highlight"] else 3), cell["name"]
+    h = cells["regimes_hard_n8"]
+    assert h["task"]["synthetic"]["operands"] == [4, 5] and h["rollout"]["max_new_tokens"] == 96
+    assert h["task"]["synthetic"]["filler_prob"] == config["task"]["synthetic"]["filler_prob"]
     # every cell trains 256 responses per step: only the group size changes between n=4 and n=8
     for cell in cells.values():
         assert cell["rollout"]["n"] * cell["train"]["prompts_per_step"] == 256
     # the default cell is the regime config itself
     d = cells["regimes_len28_n8"]
-    assert d["task"] == config["task"] and d["rollout"] == config["rollout"]
+    assert d["task"] == config["task"] and d["rollout"] == config["rollout"] and d["train"] == config["train"]
 
 
 def _main_csv(path: Path, rows: dict[str, tuple[float, float, float]], mde: float = 2.0) -> None:
@@ -77,11 +84,14 @@ def test_regime_table_efficiency_and_report(tmp_path):
     assert math.isnan(first.loc["oracle_first_mistake", "efficiency"])
     third = df[(df["cell"] == "len60_n8")].set_index("method")
     assert not bool(third.loc["oar_g", "separates"]) and math.isnan(third.loc["oar_g", "efficiency"])
-    assert int((~df["done"]).sum()) == 4  # cells not run yet are listed as such
+    assert int((~df["done"]).sum()) == len(names) - 2  # cells not run yet are listed as such
+    assert bool(first["highlight"].all()) and not bool(third["highlight"].any())
+    assert set(df["series"]) == {"length", "harder task"}
     md = out["md"].read_text()
     # the base row (-10 from GRPO) is GRPO's room: +10.0 over the start model
-    assert "| ~28 tokens, n=8 (default) | 28 | 8 | +10.0 | oracle_first_mistake | 4 | **+4.0 [+1.0, +7.0]** | 2.0 | — |" in md
-    assert "| ~28 tokens, n=8 (default) | 28 | 8 | +10.0 | oar_g | 4 | +1.0 [-1.0, +3.0] | 2.0 | 0.25 |" in md
+    assert "| ~28 tokens, n=8 (default) ★ | 28 | 8 | +10.0 | oracle_first_mistake | 4 | **+4.0 [+1.0, +7.0]** | 2.0 | — |" in md
+    assert "| ~28 tokens, n=8 (default) ★ | 28 | 8 | +10.0 | oar_g | 4 | +1.0 [-1.0, +3.0] | 2.0 | 0.25 |" in md
+    assert "| ~60 tokens, n=8 | 60 | 8 | +10.0 | oar_g |" in md and "★ highlighted" in md
     assert first.loc["oar_g", "headroom"] == pytest.approx(10.0)
     assert "(not run)" in md
     assert out["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -66,7 +66,9 @@ def regime_table(config: Mapping[str, Any], results: str | Path | None = None, *
     ``mde`` (the cell's seed-level MDE), ``separates`` (the oracle's interval excludes 0 in this cell),
     ``efficiency`` ((method - reference) / (oracle - reference) where the oracle separates, else NaN),
     ``headroom`` (the reference's own gain over the start model, points: a cell where RL does not move
-    the reference cannot show credit paying), ``done`` (False for a cell whose main.csv does not exist yet: its other columns are NaN).
+    the reference cannot show credit paying), ``highlight`` (the cell's ``highlight``), ``series`` (its
+    ``series``: "length" for the length x group-size grid), ``done`` (False for a cell whose main.csv
+    does not exist yet: its other columns are NaN).
     """
     import pandas as pd
 
@@ -77,7 +79,8 @@ def regime_table(config: Mapping[str, Any], results: str | Path | None = None, *
     recs = []
     for name, cell in zip(cell_names(config), reg["cells"]):
         base = {"cell": cell["name"], "label": cell.get("label", cell["name"]), "length": cell.get("length", math.nan),
-                "group_size": cell.get("group_size", math.nan)}
+                "group_size": cell.get("group_size", math.nan), "highlight": bool(cell.get("highlight", False)),
+                "series": cell.get("series", "length")}
         path = root / name / "tables" / "main.csv"
         if not path.exists():
             recs.append({**base, "method": None, "done": False})
@@ -98,27 +101,31 @@ def regime_table(config: Mapping[str, Any], results: str | Path | None = None, *
 
 def regime_markdown(df: "pd.DataFrame", *, reference_label: str = "GRPO") -> str:  # noqa: F821
     """The regime table as markdown: one row per (cell, method), with the reference's gain over the
-    start model (the cell's room for RL)."""
+    start model (the cell's room for RL). A highlighted cell's label is marked with a star."""
     from oar.report.render import _fmt_diff
 
     lines = [f"| cell | length | group | {reference_label} - start | method | seeds | difference from "
              f"{reference_label} [95% CI over seeds] | seed-level MDE | credit efficiency |",
              "|---|---:|---:|---:|---|---:|---:|---:|---:|"]
     for r in df.itertuples(index=False):
+        label = f"{r.label} ★" if r.highlight else r.label
         if not r.done:
-            lines.append(f"| {r.label} | {r.length:g} | {r.group_size:g} | | (not run) | | | | |")
+            lines.append(f"| {label} | {r.length:g} | {r.group_size:g} | | (not run) | | | | |")
             continue
         eff = "—" if math.isnan(r.efficiency) else f"{r.efficiency:.2f}"
         gain = "" if math.isnan(r.headroom) else f"{r.headroom:+.1f}"
-        lines.append(f"| {r.label} | {r.length:g} | {r.group_size:g} | {gain} | {r.method} | {int(r.n_seeds)} | "
+        lines.append(f"| {label} | {r.length:g} | {r.group_size:g} | {gain} | {r.method} | {int(r.n_seeds)} | "
                      f"{_fmt_diff(r.diff, r.ci_low, r.ci_high)} | {r.mde:.1f} | {eff} |")
+    if df["highlight"].any():
+        lines.append("\n★ highlighted in the map: seeds enough for a seed-level MDE of about 2 points")
     return "\n".join(lines) + "\n"
 
 
 def plot_regime_map(path: str | Path, df: "pd.DataFrame", methods: list[str], *,  # noqa: F821
                     reference_label: str = "GRPO") -> None:
     """Difference from the reference against response length, one panel per group size, one line per
-    method, error bars = the seed-level intervals."""
+    method over the "length" series, error bars = the seed-level intervals. Cells of another series (a
+    harder task) are separate open markers; a highlighted cell gets a shaded band."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -131,13 +138,17 @@ def plot_regime_map(path: str | Path, df: "pd.DataFrame", methods: list[str], *,
     fig, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 3.8), squeeze=False, sharey=True)
     for ax, g in zip(axes[0], sizes):
         sub = done[done["group_size"] == g] if not math.isnan(g) else done
+        for length in sorted(sub[sub["highlight"]]["length"].unique()):
+            ax.axvspan(length / 1.12, length * 1.12, color="gold", alpha=0.25, lw=0)
         for i, m in enumerate(methods):
-            rows = sub[sub["method"] == m].sort_values("length")
-            if not len(rows):
-                continue
-            err = [rows["diff"] - rows["ci_low"], rows["ci_high"] - rows["diff"]]
-            x = rows["length"] * 1.04 ** (i - (len(methods) - 1) / 2)  # side by side at each length
-            ax.errorbar(x, rows["diff"], yerr=err, marker="o", capsize=3, label=m, color=colors[m])
+            for series, rows in sub[sub["method"] == m].groupby("series", sort=False):
+                rows = rows.sort_values("length")
+                err = [rows["diff"] - rows["ci_low"], rows["ci_high"] - rows["diff"]]
+                x = rows["length"] * 1.04 ** (i - (len(methods) - 1) / 2)  # side by side at each length
+                grid = series == "length"
+                ax.errorbar(x, rows["diff"], yerr=err, marker="o" if grid else "s", capsize=3, color=colors[m],
+                            ls="-" if grid else "none", mfc=None if grid else "white",
+                            label=m if grid else f"{m} ({series})")
         ax.axhline(0.0, color="grey", lw=0.8)
         ax.set_xscale("log")
         if lengths:
