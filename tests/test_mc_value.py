@@ -179,3 +179,51 @@ def test_copy_aware_methods_train(small_config, tmp_path, monkeypatch, method):
         assert all(r["credit_mc_continuations"] > 0 and r["credit_mc_tokens"] > 0 for r in steps)
     else:  # the tied perturbation ran (scores computed for the responses with an answer)
         assert all("credit_importance_s" in r for r in steps)
+
+
+def test_refine_keeps_the_step_order_and_orders_tokens_inside_a_step():
+    """The refined blame (mc_value ties broken by OAR-G) ranks steps as the blame does and, inside a
+    step, tokens as OAR-G does, whatever the scales (step values 1 / (k * group size) apart)."""
+    from oar.attribution.signals import refine_within_steps
+
+    gen = torch.Generator().manual_seed(0)
+    seg = torch.randint(0, 5, (64, 30), generator=gen).sort(dim=1).values
+    blame = torch.randint(-8, 9, (64, 5), generator=gen).float().gather(1, seg) / 64  # k 8, group of 8
+    g = torch.rand(64, 30, generator=gen) * 10 ** torch.randint(-6, 3, (64, 1), generator=gen).float()
+    out = refine_within_steps(blame, g)
+    i, j = torch.triu_indices(30, 30, 1)
+    bi, bj, oi, oj, gi, gj = blame[:, i], blame[:, j], out[:, i], out[:, j], g[:, i], g[:, j]
+    differ = bi != bj
+    assert differ.any() and (~differ).any()
+    assert torch.equal((oi > oj)[differ], (bi > bj)[differ])
+    same = ~differ & (gi != gj)
+    assert torch.equal((oi > oj)[same], (gi > gj)[same])
+    assert ((out - blame).abs() <= 1e-3 + 1e-6).all()
+    with pytest.raises(ValueError, match="refine_weight"):
+        refine_within_steps(blame, g, 0.0)
+
+
+def test_refined_mc_value_signal_breaks_a_steps_ties_by_oar_g():
+    """In the attribution benchmark, ``mc_value`` with ``refine`` scores the blamed step's tokens in
+    OAR-G's order (one extra OAR-G pass), and a refine that is not OAR-G's options is refused."""
+    from oar.attribution.signals import compute_signals, signal_specs
+    from oar.models import build_tiny
+
+    model, _ = build_tiny(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=1)
+    b = _batch(RESPONSES, REWARDS)
+    signals = [{"name": "plain", "kind": "mc_value", "greedy": True},
+               {"name": "refined", "kind": "mc_value", "greedy": True, "refine": {"mode": "answer_joint"}},
+               {"name": "g", "kind": "oar_g", "mode": "answer_joint"}]
+    scores, seconds, info = compute_signals(
+        model, b.tokenizer, prompt_ids=b.prompt_ids, prompt_mask=b.prompt_mask, response_ids=b.response_ids,
+        response_mask=b.response_mask, rewards=torch.tensor(REWARDS), group_ids=torch.zeros(2, dtype=torch.long),
+        rows=torch.tensor([1]), signals=signals, continuations=_context(PrefixEngine(), 2), warmup=False)
+    plain, refined, g = scores["plain"][0], scores["refined"][0], scores["g"][0]
+    # "4+3=|8, |..." : the segment that wrote the 8 (tokens 4-6) carries the blame, all tied in plain
+    assert plain[4] == plain[5] == plain[6] == plain.max() > 0
+    blamed = refined[4:7]
+    assert torch.equal(blamed.argsort(), g[4:7].argsort()) and len(set(blamed.tolist())) == 3
+    assert refined.argmax() in (4, 5, 6) and ((refined - plain).abs() <= 1e-3 + 1e-6).all()
+    assert seconds["refined"] > 0 and "refined by OAR-G" in info["notes"]["refined"]
+    with pytest.raises(ValueError, match="refine must be a mapping of oar_g options"):
+        signal_specs([{"name": "x", "kind": "mc_value", "refine": {"k": 2}}])

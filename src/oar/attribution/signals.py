@@ -12,8 +12,13 @@ and their options (scores are response-aligned ``(n, T)``, larger = more importa
 - ``mc_value``: the drop in Monte-Carlo value over each step, ``V(before) - V(after)``
   (:func:`oar.credit.mc_value.mc_step_credit`, the ``mc_value`` estimator's step credit with its
   sign flipped, so blame ranks first: every token of a step gets its step's score); options ``k``
-  (1), ``step_split`` (``synthetic``), ``max_steps`` (8). Needs ``continuations`` (the engine, each
-  row's prompt and gold answer, the reward); the continuations are seeded with the benchmark's seed.
+  (1), ``step_split`` (``synthetic``), ``max_steps`` (8), ``refine`` (None: every token of a step
+  ties; a mapping of ``oar_g`` options, ``{}`` for its defaults: ties inside a step broken by OAR-G,
+  ``blame + refine_weight * g / max g`` per response, so the step ranking stays the value's and the
+  result tokens of a blamed step rank above its fillers and separators), ``refine_weight`` (1e-3:
+  below any gap between two step values, ``1 / (k * group size)``). Needs ``continuations`` (the
+  engine, each row's prompt and gold answer, the reward); the continuations are seeded with the
+  benchmark's seed.
 - ``oar_g``: OAR-G (:func:`oar.credit.importance.gradient_importance`, which returns
   ``|grad . x|``); options ``mode`` (``answer_mean``), ``noise_std`` (1e-3), ``draws`` (1: rows
   per response, one noise draw or path point each, in one batched pass), ``baseline`` (None;
@@ -48,6 +53,7 @@ __all__ = [
     "SignalSpec",
     "signal_specs",
     "compute_signals",
+    "refine_within_steps",
 ]
 
 #: Signal kinds and the options each accepts.
@@ -55,7 +61,7 @@ SIGNAL_OPTIONS: dict[str, tuple[str, ...]] = {
     "oar_p": ("mode", "chunk_size", "conclude", "tie"),
     "oar_g": ("mode", "noise_std", "draws", "baseline", "chunk_size", "conclude"),
     "ktae": ("signed",),
-    "mc_value": ("k", "greedy", "step_split", "max_steps"),
+    "mc_value": ("k", "greedy", "step_split", "max_steps", "refine", "refine_weight"),
     "random": (),
     "uniform": (),
 }
@@ -73,7 +79,9 @@ class SignalSpec:
     @property
     def stochastic(self) -> bool:
         """True when the scores depend on a seed (OAR-G's noise, the random baseline)."""
-        return self.kind in ("oar_g", "random") or (self.kind == "mc_value" and not self.options.get("greedy", False))
+        if self.kind == "mc_value":
+            return not self.options.get("greedy", False) or self.options.get("refine") is not None
+        return self.kind in ("oar_g", "random")
 
 
 #: Signals known by name (the benchmark's historical set plus ``uniform``).
@@ -122,6 +130,10 @@ def signal_specs(signals: Sequence[str | Mapping[str, Any] | SignalSpec]) -> lis
         if bad:
             raise ValueError(f"oar.attribution: signal {spec.name!r} ({spec.kind}): unknown options {bad}; "
                              f"valid: {list(SIGNAL_OPTIONS[spec.kind])}")
+        refine = spec.options.get("refine")
+        if refine is not None and (not isinstance(refine, Mapping) or set(refine) - set(SIGNAL_OPTIONS["oar_g"])):
+            raise ValueError(f"oar.attribution: signal {spec.name!r}: refine must be a mapping of oar_g options "
+                             f"{list(SIGNAL_OPTIONS['oar_g'])} ({{}} for their defaults), got {refine!r}")
         draws = spec.options.get("draws", 1)
         if isinstance(draws, bool) or not isinstance(draws, int) or draws < 1:
             raise ValueError(f"oar.attribution: signal {spec.name!r}: draws must be an int >= 1, got {draws!r}")
@@ -400,7 +412,33 @@ def _score_ktae(run: _SignalRun, spec: SignalSpec) -> tuple[torch.Tensor, float,
 def _score_mc_value(run: _SignalRun, spec: SignalSpec) -> tuple[torch.Tensor, float, int, str]:
     s, dt = run.timed(lambda: _mc_value_blame(run.continuations, run.tokenizer, run.response_ids, run.response_mask,
                                               run.rewards, run.group_ids, run.rows, spec, run.seed))
-    return s, dt, run.n, ""
+    refine = spec.options.get("refine")
+    if refine is None:
+        return s, dt, run.n, ""
+    (g_spec,) = signal_specs([{"name": f"{spec.name}.refine", "kind": "oar_g", **refine}])
+    g, dt_g, _, _ = _score_oar_g(run, g_spec)
+    return refine_within_steps(s, g, float(spec.options.get("refine_weight", 1e-3))), dt + dt_g, run.n, "refined by OAR-G"
+
+
+def refine_within_steps(blame: torch.Tensor, g: torch.Tensor, weight: float = 1e-3) -> torch.Tensor:
+    """Break the ties of a step-level score with a token-level one: ``blame + weight * g / max_t g``.
+
+    Args:
+        blame: ``(n, T)`` step-level scores (every token of a step equal, e.g. ``mc_value``'s blame).
+        g: ``(n, T)`` non-negative token scores (OAR-G's ``|grad . x|``), 0 outside the response.
+        weight: the largest a token can move; below the smallest gap between two step scores the
+            order of steps is the blame's and only the order inside a step is ``g``'s.
+
+    Returns:
+        ``(n, T)`` float32.
+
+    >>> [round(v, 4) for v in refine_within_steps(torch.tensor([[1.0, 1.0, 0.0]]), torch.tensor([[0.2, 0.4, 4.0]]), 0.01)[0].tolist()]
+    [1.0005, 1.001, 0.01]
+    """
+    if not weight > 0:
+        raise ValueError(f"oar.attribution: refine_weight must be > 0, got {weight!r}")
+    top = g.float().amax(dim=1, keepdim=True).clamp_min(1e-30)
+    return blame.float() + float(weight) * g.float() / top
 
 
 def _score_random(run: _SignalRun, spec: SignalSpec) -> tuple[torch.Tensor, float, int, str]:
