@@ -462,6 +462,27 @@ def test_reset_script_keeps_a_resumable_run_and_clears_a_changed_one(tmp_path):
     assert (d / "keep.json").exists() and (d / ".fingerprint").read_text().strip() == "B"
 
 
+def test_an_option_added_at_its_default_keeps_the_fingerprints_of_finished_jobs():
+    """sft.micro_batch_size (null: one batch) came after results existed: at its default it leaves the
+    SFT and training fingerprints as they were, set it changes them (the job reruns)."""
+    import copy
+
+    from oar.config import load_config, resolve_methods
+    from oar.launch import config_sections, fingerprint, method_fingerprint
+
+    cfg = load_config(ROOT / "config" / "config.yaml")
+    assert cfg["sft"]["micro_batch_size"] is None
+    old = copy.deepcopy(cfg)
+    del old["sft"]["micro_batch_size"]  # a config from before the option
+    grpo = resolve_methods(cfg)["grpo"]
+    same = [(fingerprint(config_sections(c, "model", "task", "sft")), method_fingerprint(c, grpo, sft=True))
+            for c in (cfg, old)]
+    assert same[0] == same[1]
+    cfg["sft"]["micro_batch_size"] = 2
+    assert fingerprint(config_sections(cfg, "model", "task", "sft")) != same[0][0]
+    assert method_fingerprint(cfg, grpo, sft=True) != same[0][1]
+
+
 # a results_dir (or model path) that breaks an unquoted shell command twice: a space and a command
 WEIRD = "my results/$(touch PWNED)"
 

@@ -205,9 +205,25 @@ def fingerprint(*parts: Any) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+#: Options added after results existed whose default reproduces the old behaviour exactly, per section:
+#: :func:`config_sections` leaves such a key out while it holds that default, so upgrading oar does not
+#: rerun every finished job (set to anything else, it joins the fingerprint and the job reruns).
+NEW_KEYS_AT_DEFAULT: dict[str, dict[str, Any]] = {
+    "sft": {"micro_batch_size": None},
+}
+
+
 def config_sections(config: Mapping[str, Any], *keys: str) -> dict[str, Any]:
-    """The named top-level sections of ``config`` (None for an absent one)."""
-    return {k: config.get(k) for k in keys}
+    """The named top-level sections of ``config`` (None for an absent one), without the options of
+    :data:`NEW_KEYS_AT_DEFAULT` that hold their default."""
+    out = {}
+    for k in keys:
+        section = config.get(k)
+        inert = NEW_KEYS_AT_DEFAULT.get(k)
+        if inert and isinstance(section, Mapping):
+            section = {o: v for o, v in section.items() if not (o in inert and v == inert[o])}
+        out[k] = section
+    return out
 
 
 #: train keys a run may change without starting over (oar.runs.RESUMABLE_TRAIN_KEYS): leaving them out
