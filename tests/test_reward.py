@@ -141,6 +141,23 @@ def test_crashed_worker_scores_wrong_and_pool_recovers():
         assert p.score(["\\boxed{2}"], ["2"]) == [1.0]
 
 
+def test_a_worker_stopped_from_outside_is_replaced_and_its_items_scored_again(tmp_path):
+    """SLURM's --signal reaches every process of a job, the reward workers too: a worker stopped by
+    SIGTERM while starting or while scoring is replaced, and the items it had not answered are scored
+    by the new worker (not scored wrong, as an item that crashed its worker is)."""
+    import os
+    import signal
+
+    with RewardPool(workers=1, timeout_s=10.0, work_fn=R._hang_for_test, chunk_size=8) as p:
+        os.kill(p._workers[0].proc.popen.pid, signal.SIGTERM)  # still importing math-verify
+        marker = f"{R._TEST_TERM_MARKER}{tmp_path / 'stopped'}>> "
+        responses = ["\\boxed{1}", marker + "\\boxed{1}", "\\boxed{1}", "\\boxed{2}"]
+        assert p.score(responses, ["1"] * 4) == [1.0, 1.0, 1.0, 0.0]
+        assert (tmp_path / "stopped").exists()  # the second item's first worker was stopped while scoring it
+        assert p.stats.stopped == 2 and p.stats.restarts == 2
+        assert p.stats.crashes == 0 and p.stats.timeouts == 0
+
+
 def test_pathological_inputs_score_wrong(pool):
     responses = [
         "\\boxed{" + "{" * 5000,

@@ -37,7 +37,10 @@ PROCESSES. Each worker scores its items in its own main thread, so math-verify's
 ``signal.alarm`` timeouts work (``inner_timeout_s`` per parse/verify call). On top, the parent
 enforces a wall-clock limit of ``timeout_s`` per item: a worker that has not answered an item in
 time is killed (SIGKILL) and replaced, that item scores ``wrong``, and the rest of its chunk goes
-back to the queue. A worker that crashes is handled the same way.
+back to the queue. A worker that crashes is handled the same way. A worker stopped by a signal from
+outside (SIGTERM, SIGINT or SIGHUP: SLURM's ``--signal`` and ``scancel`` reach every process of a
+job, the workers too) is replaced as well, but its unanswered items are scored again by the new
+worker: the item did not fail, and a preempted training step must not record it as wrong.
 
 How workers start (``start_method``). ``fork`` is never used: the parent has torch (threads)
 loaded. The default ``"subprocess"`` runs ``python -c "...oar.reward._subprocess_main..."`` with
@@ -151,6 +154,8 @@ def score_one(response: str | None, gold: str, *, parsing_timeout: int = 2, requ
 #: Responses containing these strings make :func:`_hang_for_test` hang / crash (test hook only).
 _TEST_HANG_MARKER = "<<oar-test-hang>>"
 _TEST_CRASH_MARKER = "<<oar-test-crash>>"
+#: ``<<oar-test-term:PATH>>``: the worker sends itself SIGTERM the first time (while PATH does not exist).
+_TEST_TERM_MARKER = "<<oar-test-term:"
 
 
 def _hang_for_test(response: str, gold: str, *, seconds: float = 3600.0) -> bool:
@@ -159,6 +164,12 @@ def _hang_for_test(response: str, gold: str, *, seconds: float = 3600.0) -> bool
     exits the process at once when it contains ``_TEST_CRASH_MARKER``."""
     if _TEST_CRASH_MARKER in response:
         os._exit(3)
+    if _TEST_TERM_MARKER in response:  # stopped from outside (preemption) while scoring this item
+        flag = response.split(_TEST_TERM_MARKER, 1)[1].split(">>", 1)[0]
+        if not os.path.exists(flag):
+            open(flag, "w").close()
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(60)
     if _TEST_HANG_MARKER in response:
         end = time.monotonic() + seconds
         while time.monotonic() < end:
@@ -260,6 +271,7 @@ class PoolStats:
     scored: int = 0  #: items sent to a worker (unique, non-empty)
     timeouts: int = 0  #: items that ran past ``timeout_s`` (scored wrong, worker killed)
     crashes: int = 0  #: items whose worker died while scoring them (scored wrong)
+    stopped: int = 0  #: workers stopped by a signal from outside (SIGTERM, SIGINT, SIGHUP): their items rescored
     restarts: int = 0  #: workers started to replace a killed or dead one
 
     def as_dict(self) -> dict[str, int]:
@@ -268,6 +280,11 @@ class PoolStats:
 
 
 _START_METHODS = ("subprocess", "forkserver", "spawn")
+#: Exit codes of a worker stopped from outside (SLURM's --signal and scancel reach every process of a
+#: job): no verdict on its item, which is scored again by a new worker.
+_STOP_EXIT_CODES = frozenset(-int(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP))
+#: Workers stopped from outside in a row (none got ready or answered in between) before the pool gives up.
+_MAX_STOPS_IN_A_ROW = 10
 
 
 def _default_workers() -> int:
@@ -346,6 +363,7 @@ class RewardPool:
         self._ctx: Any = None
         self._workers: list[_Worker] = []
         self._closed = False
+        self._stops_in_a_row = 0
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -492,12 +510,25 @@ class RewardPool:
             raise
         return verdict
 
+    def _stopped_from_outside(self, w: _Worker) -> bool:
+        """Whether dead worker ``w`` was stopped by a signal from outside (not by its item); raises
+        after :data:`_MAX_STOPS_IN_A_ROW` such stops with no progress in between."""
+        w.proc.join(timeout=1.0)  # EOF on the socket can come before the exit status
+        if w.proc.exitcode not in _STOP_EXIT_CODES:
+            return False
+        self._stops_in_a_row += 1
+        if self._stops_in_a_row > _MAX_STOPS_IN_A_ROW:
+            raise RuntimeError(f"oar.reward: {self._stops_in_a_row} workers in a row were stopped by signals from "
+                               "outside (SIGTERM / SIGINT / SIGHUP) before answering; giving up")
+        return True
+
     def _service(self, w: _Worker, verdict: list[bool], queue: deque[list[int]]) -> _Worker:
         """Read what worker ``w`` sent; replace it if it died or ran past its deadline."""
         dead = False
         try:
             while w.conn.poll():
                 msg = w.conn.recv()
+                self._stops_in_a_row = 0
                 if msg[0] == "ready":
                     w.ready, w.deadline = True, math.inf
                     continue
@@ -516,6 +547,16 @@ class RewardPool:
         late = time.monotonic() > w.deadline
         if not (dead or late):
             return w
+        if dead and not late and self._stopped_from_outside(w):
+            # preempted, not broken: what it had not answered goes back to the queue, unscored
+            if w.chunk is not None and w.pos < len(w.chunk):
+                queue.appendleft(w.chunk[w.pos:])
+            self.stats.stopped += 1
+            logger.warning("oar.reward: a worker was stopped by signal %d from outside; its items are scored again",
+                           -w.proc.exitcode)
+            self._kill(w)
+            self.stats.restarts += 1
+            return self._spawn()
         if not w.ready:
             self._kill(w)
             why = f"exit code {w.proc.exitcode}" if dead else f"not ready after {self.start_timeout_s:g} s"
