@@ -87,6 +87,38 @@ def test_mc_value_blames_the_first_mistake_not_its_copy():
     assert torch.allclose(both.token_advantages - res.token_advantages, grpo * m, atol=1e-5)
 
 
+class WrongEngine(PrefixEngine):
+    """A policy that ends at the wrong answer 6 from every prefix, the bare prompt included."""
+
+    def generate(self, prompts, **kw):
+        ro = super().generate(prompts, **kw)
+        ro.texts = [" \\boxed{6}"] * len(ro.texts)
+        return ro
+
+
+def test_root_continuation_values_the_bare_prompt_too():
+    """``root: continuation``: V_0 from the policy's continuation of the bare prompt (one state per
+    prompt), so a response's deltas sum to r - V_0, and a mistake the policy makes from the start
+    is blamed on no step; ``root: group`` (the default) blames the first segment for it."""
+    from oar.credit.mc_value import mc_step_credit
+
+    b = _batch(RESPONSES, REWARDS)
+    args = (b.tokenizer, b.response_ids, b.response_mask, torch.tensor(REWARDS), torch.zeros(2, dtype=torch.long))
+    engine = PrefixEngine()
+    delta, values, stats = mc_step_credit(_context(engine, 2), *args, greedy=True, norm_by_std=False, root="continuation")
+    assert len(engine.calls) == 1 and len(engine.calls[0][0]) == 8  # the 7 states of the batch and the bare prompt
+    assert values[:, 0].tolist() == [1.0, 1.0] and stats["mc_states"] == 8
+    assert delta[1, 4:7].tolist() == [-1.0] * 3 and delta[1].sum().item() == pytest.approx(-1.0 * 3)
+    assert delta[0].abs().max().item() == 0.0  # the right response moves no value: 1 all along
+    wrong = WrongEngine()
+    d_root, v_root, _ = mc_step_credit(_context(wrong, 2), *args, greedy=True, norm_by_std=False, root="continuation")
+    assert v_root[1, :4].tolist() == [0.0] * 4 and d_root[1].abs().max().item() == 0.0
+    d_group, _, _ = mc_step_credit(_context(wrong, 2), *args, greedy=True, norm_by_std=False)
+    assert d_group[1, :4].tolist() == [-0.5] * 4  # group mean 0.5 -> 0 on the first segment
+    with pytest.raises(ValueError, match="root must be one of"):
+        mc_step_credit(_context(wrong, 2), *args, root="prompt")
+
+
 def test_step_deltas_telescope_to_the_grpo_advantage():
     """Per segment, the deltas of a response sum to (r - mean) / std: VinePPO redistributes GRPO's credit."""
     from oar.credit.advantages import grpo_advantages

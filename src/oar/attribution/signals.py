@@ -12,7 +12,9 @@ and their options (scores are response-aligned ``(n, T)``, larger = more importa
 - ``mc_value``: the drop in Monte-Carlo value over each step, ``V(before) - V(after)``
   (:func:`oar.credit.mc_value.mc_step_credit`, the ``mc_value`` estimator's step credit with its
   sign flipped, so blame ranks first: every token of a step gets its step's score); options ``k``
-  (1), ``step_split`` (``synthetic``), ``max_steps`` (8), ``refine`` (None: every token of a step
+  (1), ``step_split`` (``synthetic``), ``max_steps`` (8), ``root`` (``group``: the start value is
+  the group's mean reward; ``continuation``: continuations of the bare prompt, as every other
+  value), ``refine`` (None: every token of a step
   ties; a mapping of ``oar_g`` options, ``{}`` for its defaults: ties inside a step broken by OAR-G,
   ``blame + refine_weight * g / max g`` per response, so the step ranking stays the value's and the
   result tokens of a blamed step rank above its fillers and separators), ``refine_weight`` (1e-3:
@@ -61,7 +63,7 @@ SIGNAL_OPTIONS: dict[str, tuple[str, ...]] = {
     "oar_p": ("mode", "chunk_size", "conclude", "tie"),
     "oar_g": ("mode", "noise_std", "draws", "baseline", "chunk_size", "conclude"),
     "ktae": ("signed",),
-    "mc_value": ("k", "greedy", "step_split", "max_steps", "refine", "refine_weight"),
+    "mc_value": ("k", "greedy", "step_split", "max_steps", "root", "refine", "refine_weight"),
     "random": (),
     "uniform": (),
 }
@@ -201,7 +203,7 @@ def _mc_value_blame(ctx: Any, tokenizer: Any, response_ids: torch.Tensor, respon
     delta, _, _ = mc_step_credit(sub, tokenizer, response_ids[rows], response_mask[rows], rewards[rows],
                                  group_ids[rows], k=int(o.get("k", 1)), step_split=str(o.get("step_split", "synthetic")),
                                  max_steps=int(o.get("max_steps", 8)), norm_by_std=False,
-                                 greedy=bool(o.get("greedy", False)),
+                                 greedy=bool(o.get("greedy", False)), root=str(o.get("root", "group")),
                                  group_moments=(mean[rows], std[rows]))
     return -delta.float().cpu()
 

@@ -10,7 +10,10 @@ For response ``i`` split at step boundaries ``0 < b_1 < ... < b_m < L_i`` (token
 :func:`step_boundaries`), with ``b_0 = 0`` and ``b_{m+1} = L_i``:
 
 - ``V_0`` = mean reward of the response's group (the group is ``n`` Monte-Carlo samples from the
-  prompt, so the start value costs nothing), ``V_{m+1} = r_i`` (the response's own reward),
+  prompt, so the start value costs nothing; ``root: continuation`` estimates it like the other
+  values, from the policy's own continuations of the bare prompt: with ``greedy`` the value of the
+  policy's mode throughout, so a mistake the policy would make anyway is blamed on no step),
+  ``V_{m+1} = r_i`` (the response's own reward),
 - ``V_k`` (``1 <= k <= m``) = mean reward of ``K`` continuations sampled from prompt + tokens
   ``[0, b_k)``, scored like the rollout (all prefixes of the batch in one call of the engine),
 - the tokens of segment ``k`` (``[b_k, b_{k+1})``) get ``delta_k = V_{k+1} - V_k``; with
@@ -44,6 +47,7 @@ from oar.credit.advantages import SEQ_OPTIONS, check_options, group_moments, seq
 __all__ = [
     "STEP_SPLITS",
     "MC_VALUE_OPTIONS",
+    "ROOTS",
     "ContinuationContext",
     "step_boundaries",
     "segment_ids",
@@ -63,7 +67,9 @@ STEP_SPLITS: dict[str, str] = {
 
 #: Options of the ``mc_value`` estimator.
 MC_VALUE_OPTIONS: tuple[str, ...] = SEQ_OPTIONS + ("k", "step_split", "max_steps", "seq_weight", "alpha",
-                                                   "reasoning_only", "greedy")
+                                                   "reasoning_only", "greedy", "root")
+#: Where ``V_0`` comes from: the group's mean reward, or continuations of the bare prompt.
+ROOTS: tuple[str, ...] = ("group", "continuation")
 
 
 @dataclass
@@ -234,26 +240,33 @@ def mc_step_credit(ctx: ContinuationContext, tokenizer: Any, response_ids: torch
                    rewards: torch.Tensor, group_ids: torch.Tensor, *, k: int = 1, step_split: str = "synthetic",
                    max_steps: int = 8, reasoning_only: bool = True, norm_by_std: bool = True,
                    greedy: bool = False, group_moments: tuple[torch.Tensor, torch.Tensor] | None = None,
-                   ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+                   root: str = "group") -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """Step deltas of a batch: ``(delta (B, T) float32, values (B, S + 1) float64, cost stats)``.
 
     ``delta`` sums over a response's tokens' segments (one value per segment) to
     ``(r_i - mean_g) / std_g`` with ``norm_by_std`` (``r_i - mean_g`` without, or when the group's
-    rewards are equal); see the module docstring. ``group_moments``: each row's group ``(mean,
-    std)`` ``(B,)`` when the batch holds only some members of its groups (default:
-    :func:`group_stats` of ``rewards`` and ``group_ids``).
+    rewards are equal; ``r_i - V_0`` with ``root: continuation``); see the module docstring.
+    ``group_moments``: each row's group ``(mean, std)`` ``(B,)`` when the batch holds only some
+    members of its groups (default: :func:`group_stats` of ``rewards`` and ``group_ids``).
     """
     if k < 1:
         raise ValueError(f"mc_value: k must be >= 1, got {k}")
+    if root not in ROOTS:
+        raise ValueError(f"mc_value: root must be one of {list(ROOTS)}, got {root!r}")
     bounds, texts, chars = step_boundaries(tokenizer, response_ids, response_mask, step_split=step_split,
                                            max_steps=max_steps, reasoning_only=reasoning_only)
-    mids, stats = continuation_values(ctx, texts, chars, bounds, k=k, greedy=greedy)
+    if root == "continuation":  # the bare prompt is one more prefix to continue (once per prompt)
+        vals, stats = continuation_values(ctx, texts, [[0, *c] for c in chars], [[0, *b] for b in bounds],
+                                          k=k, greedy=greedy)
+        roots, mids = [v[0] for v in vals], [v[1:] for v in vals]
+    else:
+        mids, stats = continuation_values(ctx, texts, chars, bounds, k=k, greedy=greedy)
     mean, std = group_moments if group_moments is not None else group_stats(rewards, group_ids)
     S = max((len(b) for b in bounds), default=0) + 1
     values = torch.zeros((len(bounds), S + 1), dtype=torch.float64)
     r = rewards.detach().to(torch.float64).cpu()
     for i, v in enumerate(mids):
-        row = [float(mean[i]), *v, float(r[i])]
+        row = [roots[i] if root == "continuation" else float(mean[i]), *v, float(r[i])]
         values[i, : len(row)] = torch.tensor(row, dtype=torch.float64)
         values[i, len(row):] = float(r[i])
     seg = segment_ids(bounds, response_mask)
@@ -272,7 +285,9 @@ def mc_value_estimator(batch: CreditBatch, **options: Any) -> CreditResult:
 
     Options: ``k`` (1, continuations per boundary), ``greedy`` (False: sampled at the rollout's
     temperature; True: one greedy continuation), ``step_split`` (``synthetic``), ``max_steps`` (8),
-    ``reasoning_only`` (True), ``seq_weight`` (0.0), ``alpha`` (1.0), ``norm_by_std`` (True), ``eps``.
+    ``reasoning_only`` (True), ``root`` (``group``: ``V_0`` is the group's mean reward;
+    ``continuation``: from continuations of the bare prompt), ``seq_weight`` (0.0), ``alpha`` (1.0),
+    ``norm_by_std`` (True), ``eps``.
     Needs ``batch.tokenizer`` and ``batch.extras["continuations"]`` (a :class:`ContinuationContext`,
     set by the trainer). Stats: the continuation cost (``mc_prefixes``, ``mc_states``,
     ``mc_continuations``, ``mc_tokens``, ``mc_seconds``) and ``mc_steps_per_response``.
@@ -287,7 +302,8 @@ def mc_value_estimator(batch: CreditBatch, **options: Any) -> CreditResult:
         ctx, batch.tokenizer, batch.response_ids, batch.response_mask, batch.rewards, batch.group_ids,
         k=int(options.get("k", 1)), step_split=str(options.get("step_split", "synthetic")),
         max_steps=int(options.get("max_steps", 8)), reasoning_only=bool(options.get("reasoning_only", True)),
-        norm_by_std=bool(options.get("norm_by_std", True)), greedy=bool(options.get("greedy", False)))
+        norm_by_std=bool(options.get("norm_by_std", True)), greedy=bool(options.get("greedy", False)),
+        root=str(options.get("root", "group")))
     m = batch.response_mask.to(torch.float32)
     token_adv = (float(options.get("seq_weight", 0.0)) * A.float()[:, None] * m
                  + float(options.get("alpha", 1.0)) * delta.to(m.device) * m)
