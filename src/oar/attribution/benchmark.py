@@ -504,7 +504,7 @@ def _stability(run: _Run, c: _Collected, sc: _Scored) -> tuple[Any, Any, float]:
                                           seed=s.seed + 1, warmup=False, continuations=sc.continuations,
                                           **_signal_kwargs(run))
             for sp in stoch:
-                pairs[sp.name] = (sc.scores[sp.name], again[sp.name], _SEED_KIND.get(sp.kind, "random seed"))
+                pairs[sp.name] = (sc.scores[sp.name], again[sp.name], _seed_kind(sp))
         ktae = [sp for sp in run.specs if sp.kind == "ktae"]
         if ktae and s.n_samples > 1:
             plist = sorted({r.prompt for r in c.scored})
@@ -530,6 +530,13 @@ def _stability(run: _Run, c: _Collected, sc: _Scored) -> tuple[Any, Any, float]:
 
 #: What the second computation of a stochastic signal changes (the stability table's comparison).
 _SEED_KIND = {"oar_g": "noise seed", "mc_value": "continuation seed"}
+
+
+def _seed_kind(spec: Any) -> str:
+    """The stability comparison of ``spec``: greedy ``mc_value`` refined by OAR-G varies by OAR-G's noise only."""
+    if spec.kind == "mc_value" and spec.options.get("greedy", False):
+        return _SEED_KIND["oar_g"]
+    return _SEED_KIND.get(spec.kind, "random seed")
 
 
 def _per_response(run: _Run, c: _Collected, loc_per: Any, fid_per: Any, stab_per: Any) -> Any:
