@@ -184,7 +184,8 @@ def test_value_ties_and_tied_perturbation():
     assert t_r[0] == pytest.approx(p_r[0].item())  # the 4 at 0 is never restated
 
 
-@pytest.mark.parametrize("method", [{"recipe": "grpo", "credit": "mc_value", "k": 2},
+@pytest.mark.parametrize("method", [{"recipe": "grpo", "credit": "mc_value", "k": 2, "root": "continuation",
+                                     "refine": {"mode": "answer_joint"}},
                                     {"recipe": "grpo", "credit": "oar_p", "tie": "values", "mode": "answer_joint"}])
 def test_copy_aware_methods_train(small_config, tmp_path, monkeypatch, method):
     """Both run in the training loop (mc_value: continuations sampled and scored every step; OAR-P
@@ -209,6 +210,7 @@ def test_copy_aware_methods_train(small_config, tmp_path, monkeypatch, method):
     assert len(steps) == small_config["train"]["steps"]
     if method["credit"] == "mc_value":
         assert all(r["credit_mc_continuations"] > 0 and r["credit_mc_tokens"] > 0 for r in steps)
+        assert all(r["credit_refine_s"] > 0 for r in steps)  # OAR-G's pass ran every step
     else:  # the tied perturbation ran (scores computed for the responses with an answer)
         assert all("credit_importance_s" in r for r in steps)
 
@@ -259,3 +261,36 @@ def test_refined_mc_value_signal_breaks_a_steps_ties_by_oar_g():
     assert seconds["refined"] > 0 and "refined by OAR-G" in info["notes"]["refined"]
     with pytest.raises(ValueError, match="refine must be a mapping of oar_g options"):
         signal_specs([{"name": "x", "kind": "mc_value", "refine": {"k": 2}}])
+
+
+def test_refine_spreads_each_steps_credit_by_oar_g_and_keeps_its_sum():
+    """``refine`` (training): a step's delta goes to its tokens in proportion to OAR-G's scores
+    (floor + (1 - floor) * g / mean g over the step), so every step keeps its total credit."""
+    from oar.credit.mc_value import segment_ids, segment_weights, step_boundaries
+    from oar.models import build_tiny
+
+    gen = torch.Generator().manual_seed(0)
+    seg = torch.tensor([[0, 0, 0, 1, 1, 2, -1]])
+    s = torch.rand(1, 7, generator=gen)
+    w = segment_weights(s, seg, 0.2)
+    for k in range(3):
+        assert w[seg == k].mean().item() == pytest.approx(1.0)
+        assert torch.equal(w[seg == k].argsort(), s[seg == k].argsort())
+    assert w[0, 6] == 0.0 and segment_weights(torch.zeros(1, 7), seg)[0, :6].tolist() == [1.0] * 6
+    with pytest.raises(ValueError, match="refine_floor"):
+        segment_weights(s, seg, 1.5)
+
+    model, _ = build_tiny(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=1)
+    batch = _batch(RESPONSES, REWARDS, model=model)
+    batch.extras["continuations"] = _context(PrefixEngine(), 2)
+    plain = get_estimator("mc_value")(batch, greedy=True)
+    refined = get_estimator("mc_value")(batch, greedy=True, refine={"mode": "answer_joint"}, refine_floor=0.1)
+    bounds, _, _ = step_boundaries(batch.tokenizer, batch.response_ids, batch.response_mask)
+    sid = segment_ids(bounds, batch.response_mask)
+    for k in range(int(sid[1].max()) + 1):  # the wrong response: every step's sum is kept
+        on = sid[1] == k
+        assert refined.token_advantages[1][on].sum().item() == pytest.approx(plain.token_advantages[1][on].sum().item(), abs=1e-5)
+    blamed = refined.token_advantages[1, 4:7]  # "8, ": not spread evenly any more
+    assert (blamed < 0).all() and blamed.max() - blamed.min() > 1e-3 and refined.stats["refine_s"] > 0
+    with pytest.raises(ValueError, match="refine must be a mapping of OAR-G options"):
+        get_estimator("mc_value")(batch, greedy=True, refine={"beta": 2.0})

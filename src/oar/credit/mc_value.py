@@ -19,8 +19,12 @@ For response ``i`` split at step boundaries ``0 < b_1 < ... < b_m < L_i`` (token
 - the tokens of segment ``k`` (``[b_k, b_{k+1})``) get ``delta_k = V_{k+1} - V_k``; with
   ``norm_by_std`` divided by the group's reward std (as GRPO; groups with equal rewards are not
   divided), so the deltas of a response sum to its GRPO advantage ``A_i`` (telescoping),
-- token advantage = ``seq_weight * A_i + alpha * delta_k``. ``seq_weight: 0, alpha: 1`` is VinePPO's
-  credit; ``seq_weight: 1`` adds it to GRPO's.
+- token advantage = ``seq_weight * A_i + alpha * delta_k * w_t``. ``seq_weight: 0, alpha: 1`` is VinePPO's
+  credit; ``seq_weight: 1`` adds it to GRPO's. ``w_t = 1`` unless ``refine`` (OAR-G's options) is set:
+  then a step's credit is spread over its tokens by OAR-G's scores ``g``,
+  ``w_t = floor + (1 - floor) * g_t / mean_{t' in step} g_t'`` (:func:`segment_weights`; mean 1 over
+  every step, so each step keeps its total credit and its result tokens take more of it than its
+  separators and fillers).
 
 Unlike GRPO, a group whose responses are all wrong (or all right) still gets step credit where a
 step changes the value.
@@ -51,6 +55,7 @@ __all__ = [
     "ContinuationContext",
     "step_boundaries",
     "segment_ids",
+    "segment_weights",
     "group_stats",
     "continuation_values",
     "step_advantages",
@@ -67,7 +72,10 @@ STEP_SPLITS: dict[str, str] = {
 
 #: Options of the ``mc_value`` estimator.
 MC_VALUE_OPTIONS: tuple[str, ...] = SEQ_OPTIONS + ("k", "step_split", "max_steps", "seq_weight", "alpha",
-                                                   "reasoning_only", "greedy", "root")
+                                                   "reasoning_only", "greedy", "root", "refine", "refine_floor")
+#: OAR-G's options that ``refine`` takes (:func:`oar.credit.importance.importance_scores`).
+REFINE_OPTIONS: tuple[str, ...] = ("mode", "noise_std", "seed", "chunk_size", "chunk_tokens", "draws", "baseline",
+                                   "conclude")
 #: Where ``V_0`` comes from: the group's mean reward, or continuations of the bare prompt.
 ROOTS: tuple[str, ...] = ("group", "continuation")
 
@@ -215,6 +223,35 @@ def continuation_values(ctx: ContinuationContext, texts: Sequence[str], char_sta
     return values, stats
 
 
+def segment_weights(scores: torch.Tensor, seg: torch.Tensor, floor: float = 0.1) -> torch.Tensor:
+    """Token weights inside each step from token scores, mean 1 over every step.
+
+    Args:
+        scores: ``(B, T)`` non-negative token scores (OAR-G's ``|grad . x|``).
+        seg: ``(B, T)`` long segment index of each token (:func:`segment_ids`), -1 on padding.
+        floor: the weight of a token scored 0 (in ``[0, 1]``).
+
+    Returns:
+        ``(B, T)`` float32: ``floor + (1 - floor) * s_t / mean_{t' in step} s_t'``; 1 on a step whose
+        scores are all 0, 0 on padding.
+
+    >>> segment_weights(torch.tensor([[1.0, 3.0, 0.0, 0.0, 5.0]]), torch.tensor([[0, 0, 1, 1, -1]]), 0.0).tolist()
+    [[0.5, 1.5, 1.0, 1.0, 0.0]]
+    """
+    if not 0.0 <= floor <= 1.0:
+        raise ValueError(f"mc_value: refine_floor must be in [0, 1], got {floor!r}")
+    s = scores.detach().float().cpu()
+    seg = seg.cpu()
+    valid = seg >= 0
+    idx = seg.clamp(min=0)
+    n_seg = int(idx.max()) + 1 if idx.numel() else 1
+    total = torch.zeros(s.shape[0], n_seg).scatter_add_(1, idx, torch.where(valid, s, 0.0))
+    count = torch.zeros(s.shape[0], n_seg).scatter_add_(1, idx, valid.float())
+    mean = (total / count.clamp(min=1)).gather(1, idx)
+    w = torch.where(mean > 0, floor + (1.0 - floor) * s / mean.clamp(min=1e-30), torch.ones_like(s))
+    return torch.where(valid, w, torch.zeros_like(w))
+
+
 def step_advantages(values: torch.Tensor, seg: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """Token step advantages ``V_{k+1} - V_k`` on the tokens of segment ``k``.
 
@@ -240,7 +277,8 @@ def mc_step_credit(ctx: ContinuationContext, tokenizer: Any, response_ids: torch
                    rewards: torch.Tensor, group_ids: torch.Tensor, *, k: int = 1, step_split: str = "synthetic",
                    max_steps: int = 8, reasoning_only: bool = True, norm_by_std: bool = True,
                    greedy: bool = False, group_moments: tuple[torch.Tensor, torch.Tensor] | None = None,
-                   root: str = "group") -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+                   root: str = "group", token_scores: torch.Tensor | None = None, refine_floor: float = 0.1,
+                   ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """Step deltas of a batch: ``(delta (B, T) float32, values (B, S + 1) float64, cost stats)``.
 
     ``delta`` sums over a response's tokens' segments (one value per segment) to
@@ -248,6 +286,8 @@ def mc_step_credit(ctx: ContinuationContext, tokenizer: Any, response_ids: torch
     rewards are equal; ``r_i - V_0`` with ``root: continuation``); see the module docstring.
     ``group_moments``: each row's group ``(mean, std)`` ``(B,)`` when the batch holds only some
     members of its groups (default: :func:`group_stats` of ``rewards`` and ``group_ids``).
+    ``token_scores``: ``(B, T)`` scores that spread each step's delta over its tokens
+    (:func:`segment_weights` with ``refine_floor``; each step's sum is unchanged).
     """
     if k < 1:
         raise ValueError(f"mc_value: k must be >= 1, got {k}")
@@ -271,6 +311,8 @@ def mc_step_credit(ctx: ContinuationContext, tokenizer: Any, response_ids: torch
         values[i, len(row):] = float(r[i])
     seg = segment_ids(bounds, response_mask)
     delta = step_advantages(values, seg, response_mask.cpu())
+    if token_scores is not None:
+        delta = delta * segment_weights(token_scores, seg, refine_floor).to(delta.dtype)
     if norm_by_std:
         scale = torch.where(std > 0, std, torch.ones_like(std))
         delta = delta / scale[:, None]
@@ -286,8 +328,10 @@ def mc_value_estimator(batch: CreditBatch, **options: Any) -> CreditResult:
     Options: ``k`` (1, continuations per boundary), ``greedy`` (False: sampled at the rollout's
     temperature; True: one greedy continuation), ``step_split`` (``synthetic``), ``max_steps`` (8),
     ``reasoning_only`` (True), ``root`` (``group``: ``V_0`` is the group's mean reward;
-    ``continuation``: from continuations of the bare prompt), ``seq_weight`` (0.0), ``alpha`` (1.0),
-    ``norm_by_std`` (True), ``eps``.
+    ``continuation``: from continuations of the bare prompt), ``refine`` (None; a mapping of OAR-G's
+    options, e.g. ``{mode: answer_joint}``: each step's credit spread over its tokens by OAR-G's
+    scores, one OAR-G pass over the answered responses), ``refine_floor`` (0.1), ``seq_weight``
+    (0.0), ``alpha`` (1.0), ``norm_by_std`` (True), ``eps``.
     Needs ``batch.tokenizer`` and ``batch.extras["continuations"]`` (a :class:`ContinuationContext`,
     set by the trainer). Stats: the continuation cost (``mc_prefixes``, ``mc_states``,
     ``mc_continuations``, ``mc_tokens``, ``mc_seconds``) and ``mc_steps_per_response``.
@@ -298,12 +342,27 @@ def mc_value_estimator(batch: CreditBatch, **options: Any) -> CreditResult:
         raise ValueError("estimator 'mc_value': CreditBatch.extras['continuations'] (a ContinuationContext: the "
                          "rollout engine, prompts, gold answers and reward) and CreditBatch.tokenizer are needed")
     A = sequence_advantages(batch, options)
+    scores, refine_stats = None, {}
+    if options.get("refine") is not None:
+        from oar.credit.importance import importance_scores
+
+        bad = sorted(set(options["refine"]) - set(REFINE_OPTIONS)) if isinstance(options["refine"], dict) else None
+        if bad is None or bad:
+            raise ValueError(f"estimator 'mc_value': refine must be a mapping of OAR-G options {list(REFINE_OPTIONS)}, "
+                             f"got {options['refine']!r}")
+
+        # every answered response: a step can move the value in a group whose rewards are all equal
+        scores, _, _, st = importance_scores("oar_g", batch, dict(options["refine"]),
+                                             torch.ones(batch.response_ids.shape[0]))
+        refine_stats = {"refine_s": st["importance_s"] + st["probe_s"]}
     delta, _, stats = mc_step_credit(
         ctx, batch.tokenizer, batch.response_ids, batch.response_mask, batch.rewards, batch.group_ids,
         k=int(options.get("k", 1)), step_split=str(options.get("step_split", "synthetic")),
         max_steps=int(options.get("max_steps", 8)), reasoning_only=bool(options.get("reasoning_only", True)),
         norm_by_std=bool(options.get("norm_by_std", True)), greedy=bool(options.get("greedy", False)),
-        root=str(options.get("root", "group")))
+        root=str(options.get("root", "group")), token_scores=scores,
+        refine_floor=float(options.get("refine_floor", 0.1)))
+    stats.update(refine_stats)
     m = batch.response_mask.to(torch.float32)
     token_adv = (float(options.get("seq_weight", 0.0)) * A.float()[:, None] * m
                  + float(options.get("alpha", 1.0)) * delta.to(m.device) * m)
