@@ -534,7 +534,7 @@ _SEED_KIND = {"oar_g": "noise seed", "mc_value": "continuation seed"}
 
 def _seed_kind(spec: Any) -> str:
     """The stability comparison of ``spec``: greedy ``mc_value`` refined by OAR-G varies by OAR-G's noise only."""
-    if spec.kind == "mc_value" and spec.options.get("greedy", False):
+    if spec.kind == "mc_value" and spec.options.get("greedy"):
         return _SEED_KIND["oar_g"]
     return _SEED_KIND.get(spec.kind, "random seed")
 
