@@ -117,7 +117,8 @@ def regime_markdown(df: "pd.DataFrame", *, reference_label: str = "GRPO") -> str
         lines.append(f"| {label} | {r.length:g} | {r.group_size:g} | {gain} | {r.method} | {int(r.n_seeds)} | "
                      f"{_fmt_diff(r.diff, r.ci_low, r.ci_high)} | {r.mde:.1f} | {eff} |")
     if df["highlight"].any():
-        lines.append("\n★ highlighted in the map: seeds enough for a seed-level MDE of about 2 points")
+        lines.append("\n★ highlighted in the map: the cells given more seeds for a seed-level MDE of about 2 points "
+                     "(the MDE column says what they reached)")
     return "\n".join(lines) + "\n"
 
 
