@@ -41,12 +41,14 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from oar.credit import CreditBatch, CreditResult, register_estimator
 from oar.credit.advantages import SEQ_OPTIONS, check_options, group_moments, sequence_advantages
+from oar.credit.importance import OAR_G_OPTIONS, importance_scores
+from oar.credit.reshape import RESHAPE_OPTIONS
 
 __all__ = [
     "STEP_SPLITS",
@@ -73,9 +75,9 @@ STEP_SPLITS: dict[str, str] = {
 #: Options of the ``mc_value`` estimator.
 MC_VALUE_OPTIONS: tuple[str, ...] = SEQ_OPTIONS + ("k", "step_split", "max_steps", "seq_weight", "alpha",
                                                    "reasoning_only", "greedy", "root", "refine", "refine_floor")
-#: OAR-G's options that ``refine`` takes (:func:`oar.credit.importance.importance_scores`).
-REFINE_OPTIONS: tuple[str, ...] = ("mode", "noise_std", "seed", "chunk_size", "chunk_tokens", "draws", "baseline",
-                                   "conclude")
+#: OAR-G's options that ``refine`` takes: its scoring options without the sequence advantage and the
+#: Bi-Level reshaping (:func:`oar.credit.importance.importance_scores`).
+REFINE_OPTIONS: tuple[str, ...] = tuple(o for o in OAR_G_OPTIONS if o not in SEQ_OPTIONS + RESHAPE_OPTIONS)
 #: Where ``V_0`` comes from: the group's mean reward, or continuations of the bare prompt.
 ROOTS: tuple[str, ...] = ("group", "continuation")
 
@@ -305,8 +307,9 @@ def mc_step_credit(ctx: ContinuationContext, tokenizer: Any, response_ids: torch
     S = max((len(b) for b in bounds), default=0) + 1
     values = torch.zeros((len(bounds), S + 1), dtype=torch.float64)
     r = rewards.detach().to(torch.float64).cpu()
+    starts = roots if root == "continuation" else mean.tolist()
     for i, v in enumerate(mids):
-        row = [roots[i] if root == "continuation" else float(mean[i]), *v, float(r[i])]
+        row = [float(starts[i]), *v, float(r[i])]
         values[i, : len(row)] = torch.tensor(row, dtype=torch.float64)
         values[i, len(row):] = float(r[i])
     seg = segment_ids(bounds, response_mask)
@@ -343,17 +346,13 @@ def mc_value_estimator(batch: CreditBatch, **options: Any) -> CreditResult:
                          "rollout engine, prompts, gold answers and reward) and CreditBatch.tokenizer are needed")
     A = sequence_advantages(batch, options)
     scores, refine_stats = None, {}
-    if options.get("refine") is not None:
-        from oar.credit.importance import importance_scores
-
-        bad = sorted(set(options["refine"]) - set(REFINE_OPTIONS)) if isinstance(options["refine"], dict) else None
-        if bad is None or bad:
+    refine = options.get("refine")
+    if refine is not None:
+        if not isinstance(refine, Mapping) or set(refine) - set(REFINE_OPTIONS):
             raise ValueError(f"estimator 'mc_value': refine must be a mapping of OAR-G options {list(REFINE_OPTIONS)}, "
-                             f"got {options['refine']!r}")
-
+                             f"got {refine!r}")
         # every answered response: a step can move the value in a group whose rewards are all equal
-        scores, _, _, st = importance_scores("oar_g", batch, dict(options["refine"]),
-                                             torch.ones(batch.response_ids.shape[0]))
+        scores, _, _, st = importance_scores("oar_g", batch, dict(refine), torch.ones(batch.response_ids.shape[0]))
         refine_stats = {"refine_s": st["importance_s"] + st["probe_s"]}
     delta, _, stats = mc_step_credit(
         ctx, batch.tokenizer, batch.response_ids, batch.response_mask, batch.rewards, batch.group_ids,
