@@ -1,21 +1,18 @@
 #!/usr/bin/env bash
 # Run the regime map (config/regimes.yaml): each cell is an ordinary, resumable run of the workflow
 # into results/regimes_<cell>/, one cell after the other; then the map's table and figure in
-# results/regimes/. Arguments: cell names to run (default: every cell). Installs what it needs.
+# results/regimes/. Arguments: the cells to run (default: every cell not marked optional; an optional
+# cell, such as the harder task, runs when named). Installs what it needs.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/setup.sh"
 cd "$ROOT"
 CONFIG="${OAR_REGIMES_CONFIG:-config/regimes.yaml}"
-mapfile -t CELLS < <(oar regimes cells --config "$CONFIG" --out results/regime_cells)
+# the cell configs: a fixed folder (each run's resolved config names the file it came from)
+mapfile -t CELLS < <(oar regimes cells --config "$CONFIG" --out results/regime_cells --cells "$@")
+[ "${#CELLS[@]}" -gt 0 ] || { echo "regimes.sh: no cell to run" >&2; exit 1; }
 for cell in "${CELLS[@]}"; do
-    name="$(basename "$cell" .yaml)"
-    if [ "$#" -gt 0 ]; then
-        wanted=""
-        for arg in "$@"; do [ "$name" = "regimes_$arg" ] || [ "$name" = "$arg" ] && wanted=1; done
-        [ -n "$wanted" ] || continue
-    fi
-    echo "regimes.sh: cell $name" >&2
+    echo "regimes.sh: cell $(basename "$cell" .yaml)" >&2
     bash scripts/run.sh --configfile "$cell"
 done
 oar regimes report --config "$CONFIG"

@@ -34,7 +34,10 @@ def test_cell_configs_extend_the_regime_config(tmp_path):
 
     path = ROOT / "config" / "regimes.yaml"
     config = load_config(path)
-    paths = write_cell_configs(config, path, tmp_path)
+    # by default every cell but the optional harder task; an optional cell is written when named
+    default = write_cell_configs(config, path, tmp_path / "default")
+    assert [p.stem for p in default] == [n for n in cell_names(config) if n != "regimes_hard_n8"]
+    paths = write_cell_configs(config, path, tmp_path, [c["name"] for c in config["regimes"]["cells"]])
     assert [p.stem for p in paths] == cell_names(config)
     cells = {p.stem: load_config(p) for p in paths}
     c = cells["regimes_len140_n4"]
@@ -54,6 +57,18 @@ def test_cell_configs_extend_the_regime_config(tmp_path):
     # the default cell is the regime config itself
     d = cells["regimes_len28_n8"]
     assert d["task"] == config["task"] and d["rollout"] == config["rollout"] and d["train"] == config["train"]
+
+
+def test_selected_cells_by_name_and_optional():
+    from oar.regimes import selected_cells
+
+    config = {"name": "m", "regimes": {"cells": [{"name": "a", "set": {}}, {"name": "b", "optional": True, "set": {}},
+                                                 {"name": "c", "set": {}}]}}
+    assert selected_cells(config) == ["a", "c"]
+    # named (by cell or run name), in the config's order, optional ones included
+    assert selected_cells(config, ["c", "m_b"]) == ["b", "c"]
+    with pytest.raises(ValueError, match=r"no cell 'x' in regimes.cells \(cells: a, b, c\)"):
+        selected_cells(config, ["a", "x"])
 
 
 def _main_csv(path: Path, rows: dict[str, tuple[float, float, float]], mde: float = 2.0) -> None:

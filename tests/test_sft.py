@@ -350,3 +350,44 @@ def test_gsm8k_train_solutions_all_box_their_gold():
     assert len(recs) == 7473
     assert all(extract_boxed(r["solution"]) == r["answer"] for r in recs)
     assert not any("<<" in r["solution"] or "####" in r["solution"] for r in recs)
+
+
+def test_sft_cache_copies_a_finished_sft_with_the_same_settings(tmp_path, monkeypatch):
+    """sft.cache_dir: the first run trains and fills the cache, a run with the same model, task and sft
+    settings copies it (no training: the same weights), other settings train again; the option is in no
+    fingerprint (a cell that sets it keeps its finished jobs)."""
+    import oar.sft as sft_mod
+    from oar.launch import config_sections, fingerprint
+
+    trained = []
+    real = sft_mod.sft_from_config
+    monkeypatch.setattr(sft_mod, "sft_from_config", lambda *a, **k: trained.append(a[1]) or real(*a, **k))
+    cfg = _small_config()
+    cfg["sft"].update(steps=4, eval_size=2, cache_dir=str(tmp_path / "cache"))
+    first = sft_mod.sft_or_cached(cfg, tmp_path / "a" / "sft", progress=False)
+    assert trained == [tmp_path / "a" / "sft"] and "cached_from" not in first
+    entry = tmp_path / "cache" / sft_mod.sft_cache_key(cfg)
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [entry.name]  # complete, nothing temporary
+
+    second = sft_mod.sft_or_cached(cfg, tmp_path / "b" / "sft", progress=False)
+    assert len(trained) == 1 and second["cached_from"] == str(entry)
+    assert second["accuracy"] == first["accuracy"]
+    assert json.loads((tmp_path / "b" / "sft" / "sft_summary.json").read_text())["cached_from"] == str(entry)
+    a = AutoModelForCausalLM.from_pretrained(tmp_path / "a" / "sft")
+    b = AutoModelForCausalLM.from_pretrained(tmp_path / "b" / "sft")
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+    other = json.loads(json.dumps(cfg))
+    other["sft"]["lr"] = 1e-3
+    assert sft_mod.sft_cache_key(other) != sft_mod.sft_cache_key(cfg)
+    sft_mod.sft_or_cached(other, tmp_path / "c" / "sft", progress=False)
+    assert len(trained) == 2
+
+    # where the cache is changes no fingerprint; null (the default) trains without one
+    moved = json.loads(json.dumps(cfg))
+    moved["sft"]["cache_dir"] = None
+    assert sft_mod.sft_cache_key(moved) == sft_mod.sft_cache_key(cfg)
+    assert fingerprint(config_sections(moved, "model", "task", "sft")) == fingerprint(
+        config_sections(cfg, "model", "task", "sft"))
+    sft_mod.sft_or_cached(moved, tmp_path / "d" / "sft", progress=False)
+    assert len(trained) == 3 and len(list((tmp_path / "cache").iterdir())) == 2

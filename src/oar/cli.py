@@ -32,9 +32,9 @@ _seed = _int_at_least(0, "a non-negative integer")
 
 def _cmd_sft(args: argparse.Namespace) -> int:
     from oar.config import load_config
-    from oar.sft import sft_from_config
+    from oar.sft import sft_or_cached
 
-    summary = sft_from_config(load_config(args.config), args.output)
+    summary = sft_or_cached(load_config(args.config), args.output)
     print(json.dumps({k: v for k, v in summary.items() if k != "loss_curve"}, indent=2, default=str))
     return 0
 
@@ -107,9 +107,12 @@ def _cmd_regimes(args: argparse.Namespace) -> int:
 
     config = load_config(args.config)
     if args.action == "cells":
-        for path in write_cell_configs(config, args.config, args.out):
+        for path in write_cell_configs(config, args.config, args.out, args.cells):
             print(path)
     else:
+        if args.cells:
+            raise ValueError(f"oar regimes report reads every finished cell; --cells "
+                             f"({' '.join(args.cells)}) goes with 'oar regimes cells'")
         for name, path in write_regime_report(config, args.results).items():
             print(f"{name}: {path}")
     return 0
@@ -214,6 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--config", required=True, help="a config with regimes.cells (e.g. config/regimes.yaml)")
     s.add_argument("--out", default="results/regime_cells", help="cells: folder of the cell configs")
     s.add_argument("--results", default=None, help="report: the results folder (default: results_dir)")
+    s.add_argument("--cells", nargs="*", default=[], metavar="CELL",
+                   help="cells: the cells to write (default: every cell not marked optional)")
     s.set_defaults(fn=_cmd_regimes)
 
     s = sub.add_parser("init-tracking", help="create the MLflow store and experiment (once, before parallel jobs)")

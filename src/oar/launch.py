@@ -74,6 +74,8 @@ __all__ = [
     "oar_env",
     "fingerprint",
     "config_sections",
+    "NEW_KEYS_AT_DEFAULT",
+    "NOT_FINGERPRINTED",
     "method_fingerprint",
     "eval_fingerprint",
     "plan_fingerprint",
@@ -213,15 +215,23 @@ NEW_KEYS_AT_DEFAULT: dict[str, dict[str, Any]] = {
 }
 
 
+#: Options that change where a result comes from, not what it is, per section: never in a fingerprint.
+NOT_FINGERPRINTED: dict[str, frozenset[str]] = {
+    "sft": frozenset({"cache_dir"}),
+}
+
+
 def config_sections(config: Mapping[str, Any], *keys: str) -> dict[str, Any]:
     """The named top-level sections of ``config`` (None for an absent one), without the options of
-    :data:`NEW_KEYS_AT_DEFAULT` that hold their default."""
+    :data:`NEW_KEYS_AT_DEFAULT` that hold their default and those of :data:`NOT_FINGERPRINTED`."""
     out = {}
     for k in keys:
         section = config.get(k)
-        inert = NEW_KEYS_AT_DEFAULT.get(k)
-        if inert and isinstance(section, Mapping):
-            section = {o: v for o, v in section.items() if not (o in inert and v == inert[o])}
+        inert = NEW_KEYS_AT_DEFAULT.get(k, {})
+        left_out = NOT_FINGERPRINTED.get(k, frozenset())
+        if (inert or left_out) and isinstance(section, Mapping):
+            section = {o: v for o, v in section.items()
+                       if not (o in left_out or (o in inert and v == inert[o]))}
         out[k] = section
     return out
 

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from oar.io import atomic_path, atomic_write_text
 
-__all__ = ["cell_names", "write_cell_configs", "regime_table", "regime_markdown", "plot_regime_map",
+__all__ = ["cell_names", "selected_cells", "write_cell_configs", "regime_table", "regime_markdown", "plot_regime_map",
            "write_regime_report"]
 
 
@@ -41,14 +41,39 @@ def cell_names(config: Mapping[str, Any]) -> list[str]:
     return [f"{config['name']}_{c['name']}" for c in _regimes(config)["cells"]]
 
 
-def write_cell_configs(config: Mapping[str, Any], config_path: str | Path, out_dir: str | Path) -> list[Path]:
-    """Write one config per cell to ``out_dir/<name>.yaml``: ``extends`` the regime config (absolute
-    path), ``name`` the cell's run name, plus the cell's ``set``. Returns the paths, in cell order."""
+def selected_cells(config: Mapping[str, Any], wanted: Sequence[str] = ()) -> list[str]:
+    """The cells to run: those named in ``wanted`` (a cell's name, or its run name ``<config
+    name>_<cell>``), in the config's order; with none named, every cell not marked ``optional``.
+
+    Raises:
+        ValueError: a name in ``wanted`` that is no cell of the config (lists the cells).
+    """
+    cells = _regimes(config)["cells"]
+    if not wanted:
+        return [c["name"] for c in cells if not c.get("optional", False)]
+    names = {c["name"] for c in cells}
+    runs = dict(zip(cell_names(config), (c["name"] for c in cells)))
+    unknown = [w for w in wanted if w not in names and w not in runs]
+    if unknown:
+        raise ValueError(f"config {config.get('name')!r}: no cell {', '.join(map(repr, unknown))} in regimes.cells "
+                         f"(cells: {', '.join(c['name'] for c in cells)})")
+    chosen = {runs.get(w, w) for w in wanted}
+    return [c["name"] for c in cells if c["name"] in chosen]
+
+
+def write_cell_configs(config: Mapping[str, Any], config_path: str | Path, out_dir: str | Path,
+                       wanted: Sequence[str] = ()) -> list[Path]:
+    """Write one config per cell of :func:`selected_cells` (``wanted``) to ``out_dir/<name>.yaml``:
+    ``extends`` the regime config (absolute path), ``name`` the cell's run name, plus the cell's
+    ``set``. Returns the paths, in cell order."""
     import yaml
 
     out_dir = Path(out_dir)
+    chosen = set(selected_cells(config, wanted))
     paths = []
     for name, cell in zip(cell_names(config), _regimes(config)["cells"]):
+        if cell["name"] not in chosen:
+            continue
         body = {"extends": str(Path(config_path).resolve()), "name": name, **(cell.get("set") or {})}
         path = out_dir / f"{name}.yaml"
         atomic_write_text(path, "# written by oar regimes cells: one cell of the regime map\n"

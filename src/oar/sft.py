@@ -13,8 +13,10 @@ end in ``\\boxed{}``, so that the start model writes answers the reward can read
   :class:`oar.rollout.HFEngine` on the model.
 - :func:`sft_data` -- training records and held-out sets from the config's task (synthetic, or a
   benchmark with reference solutions).
-- :func:`sft_from_config` -- the config-level entry (``oar sft``): build the model, read the data,
-  train, evaluate on the held-out sets, save atomically.
+- :func:`sft_from_config` -- the config-level entry: build the model, read the data, train,
+  evaluate on the held-out sets, save atomically.
+- :func:`sft_or_cached` -- ``oar sft``: :func:`sft_from_config`, or a copy of the same SFT from
+  ``sft.cache_dir`` (keyed by :func:`sft_cache_key`).
 
 Loss: the mean token cross-entropy over all response tokens of the batch (prompt and padding
 tokens carry label -100), i.e. Hugging Face's ``labels=`` loss. The response is
@@ -41,6 +43,8 @@ __all__ = [
     "greedy_accuracy",
     "save_sft_model",
     "sft_from_config",
+    "sft_cache_key",
+    "sft_or_cached",
 ]
 
 #: Label of positions that do not count in the loss (prompt and padding).
@@ -536,4 +540,50 @@ def sft_from_config(
         "template": template,
     }
     save_sft_model(output_dir, model, tokenizer, summary, started=t0)
+    return summary
+
+
+def sft_cache_key(config: Mapping[str, Any]) -> str:
+    """The key of this config's SFT in ``sft.cache_dir``: the fingerprint of the model, task and sft
+    sections (as the workflow's sft rule takes it, :func:`oar.launch.config_sections`) and the device."""
+    from oar.launch import config_sections, fingerprint
+
+    return fingerprint(config_sections(config, "model", "task", "sft"), config["device"])
+
+
+def sft_or_cached(config: Mapping[str, Any], output_dir: str | os.PathLike, *, progress: bool = True,
+                  log_fn: LogFn | None = None) -> dict:
+    """:func:`sft_from_config` through the cache ``config["sft"]["cache_dir"]`` (null: no cache).
+
+    A cache entry is the folder ``<cache_dir>/<sft_cache_key(config)>/`` holding a finished SFT
+    (model, tokenizer, ``sft_summary.json``). When it exists it is copied to ``output_dir`` (atomically)
+    instead of training; otherwise SFT runs and its output is copied into the cache (atomically: two
+    runs filling one entry leave one complete copy). Settings that differ in anything the model,
+    task or sft sections hold, or in the device, have another key, so a copy is always the model
+    this config's SFT would train (up to the float-level differences of another machine or thread count).
+
+    Returns:
+        The summary, with ``cached_from`` (the entry's path) when it was copied from the cache.
+    """
+    import json
+    import shutil
+
+    from oar.io import atomic_path, atomic_write_json
+
+    cache_dir = config["sft"].get("cache_dir")
+    if not cache_dir:
+        return sft_from_config(config, output_dir, progress=progress, log_fn=log_fn)
+    entry = Path(cache_dir) / sft_cache_key(config)
+    if (entry / "sft_summary.json").is_file():
+        summary = json.loads((entry / "sft_summary.json").read_text(encoding="utf-8"))
+        summary["cached_from"] = str(entry)
+        with atomic_path(output_dir) as tmp:
+            shutil.copytree(entry, tmp, dirs_exist_ok=True)
+            atomic_write_json(tmp / "sft_summary.json", summary)
+        print(f"sft: copied {entry} (a finished SFT with the same model, task and sft settings) to {output_dir}",
+              flush=True)
+        return summary
+    summary = sft_from_config(config, output_dir, progress=progress, log_fn=log_fn)
+    with atomic_path(entry) as tmp:
+        shutil.copytree(output_dir, tmp, dirs_exist_ok=True)
     return summary
