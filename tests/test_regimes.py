@@ -34,9 +34,10 @@ def test_cell_configs_extend_the_regime_config(tmp_path):
 
     path = ROOT / "config" / "regimes.yaml"
     config = load_config(path)
-    # by default every cell but the optional harder task; an optional cell is written when named
+    # by default every cell but the optional ones (the long n=4 cells); an optional cell is written when named
     default = write_cell_configs(config, path, tmp_path / "default")
-    assert [p.stem for p in default] == [n for n in cell_names(config) if n != "regimes_hard_n8"]
+    optional = {"regimes_len60_n4", "regimes_len140_n4"}
+    assert [p.stem for p in default] == [n for n in cell_names(config) if n not in optional]
     paths = write_cell_configs(config, path, tmp_path, [c["name"] for c in config["regimes"]["cells"]])
     assert [p.stem for p in paths] == cell_names(config)
     cells = {p.stem: load_config(p) for p in paths}
@@ -44,7 +45,9 @@ def test_cell_configs_extend_the_regime_config(tmp_path):
     assert c["name"] == "regimes_len140_n4" and c["rollout"]["n"] == 4 and c["train"]["prompts_per_step"] == 64
     assert c["task"]["synthetic"]["filler_words"] == 16 and c["rollout"]["max_new_tokens"] == 224
     assert c["seeds"] == config["seeds"] and c["only_methods"] == config["only_methods"]
-    # the highlighted cells carry the seeds for a seed-level MDE of ~2; the harder task's cell, more operands
+    # the highlighted cells (the two ~28-token cells and the harder task) carry the seeds for a seed-level
+    # MDE of ~2; the harder task's cell, more operands
+    assert [c["name"] for c in config["regimes"]["cells"] if c["highlight"]] == ["len28_n8", "len28_n4", "hard_n8"]
     for cell in config["regimes"]["cells"]:
         n_seeds = len(cells[f"regimes_{cell['name']}"]["seeds"])
         assert n_seeds == (6 if cell["highlight"] else 3), cell["name"]

@@ -149,18 +149,29 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def sft_step(model, tokenizer, prompts: Sequence[str], responses: Sequence[str], *, micro_batch_size: int,
+def sft_step(model, tokenizer, prompts: Sequence[str], responses: Sequence[str], *, micro_batch_size: int | None,
              device: torch.device | str) -> tuple[torch.Tensor, int]:
     """Accumulate the gradient of one SFT batch, ``micro_batch_size`` sequences at a time.
 
-    The pairs are tokenized once (:func:`sft_rows`), sorted by length and cut into micro-batches
-    (:func:`pad_sft_rows` each), so a micro-batch pads to lengths close to its own. Each micro-batch adds ``sum of its response-token
-    cross-entropies / the batch's response tokens`` to the gradient, so the result equals one
-    backward pass over the whole batch of Hugging Face's mean token loss, whatever the split.
+    With a ``micro_batch_size`` the pairs are tokenized once (:func:`sft_rows`), sorted by length and
+    cut into micro-batches (:func:`pad_sft_rows` each), so a micro-batch pads to lengths close to its
+    own. Each micro-batch adds ``sum of its response-token cross-entropies / the batch's response
+    tokens`` to the gradient, so the result equals one backward pass over the whole batch of Hugging
+    Face's mean token loss, whatever the split (up to float rounding: the sums run in another order).
+
+    ``micro_batch_size=None`` is that one pass, exactly: the batch in record order
+    (:func:`build_sft_batch`) and the model's own ``labels=`` loss, the computation of every SFT before
+    micro-batches existed, so a config that leaves the option at null trains the same weights, bit
+    for bit, as before (its fingerprint is unchanged, :data:`oar.launch.NEW_KEYS_AT_DEFAULT`).
 
     Returns:
         ``(loss, n_tokens)``: the batch's mean token loss (detached) and its response-token count.
     """
+    if micro_batch_size is None:
+        batch = {k: v.to(device) for k, v in build_sft_batch(tokenizer, prompts, responses).items()}
+        loss = model(**batch).loss
+        loss.backward()
+        return loss.detach(), int((batch["labels"] != IGNORE_INDEX).sum())
     if micro_batch_size < 1:
         raise ValueError(f"sft.micro_batch_size: must be >= 1, got {micro_batch_size}")
     rows = sorted(sft_rows(tokenizer, prompts, responses), key=lambda row: len(row[0]))
@@ -273,7 +284,7 @@ def run_sft(
                 cursor += len(take)
             optimizer.zero_grad(set_to_none=True)
             loss, n_step_tokens = sft_step(model, tokenizer, [prompts[i] for i in idx], [solutions[i] for i in idx],
-                                           micro_batch_size=micro_batch_size or batch_size, device=device)
+                                           micro_batch_size=micro_batch_size, device=device)
             n_tokens += n_step_tokens
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"sft: loss is {loss.item()} at step {step}")
