@@ -65,8 +65,9 @@ def test_cell_configs_extend_the_regime_config(tmp_path):
 def test_selected_cells_by_name_and_optional():
     from oar.regimes import selected_cells
 
-    config = {"name": "m", "regimes": {"cells": [{"name": "a", "set": {}}, {"name": "b", "optional": True, "set": {}},
-                                                 {"name": "c", "set": {}}]}}
+    config = {"name": "m", "regimes": {"cells": [{"name": "a", "optional": False, "set": {}},
+                                                 {"name": "b", "optional": True, "set": {}},
+                                                 {"name": "c", "optional": False, "set": {}}]}}
     assert selected_cells(config) == ["a", "c"]
     # named (by cell or run name), in the config's order, optional ones included
     assert selected_cells(config, ["c", "m_b"]) == ["b", "c"]

@@ -50,7 +50,7 @@ def selected_cells(config: Mapping[str, Any], wanted: Sequence[str] = ()) -> lis
     """
     cells = _regimes(config)["cells"]
     if not wanted:
-        return [c["name"] for c in cells if not c.get("optional", False)]
+        return [c["name"] for c in cells if not c["optional"]]
     names = {c["name"] for c in cells}
     runs = dict(zip(cell_names(config), (c["name"] for c in cells)))
     unknown = [w for w in wanted if w not in names and w not in runs]
