@@ -2,7 +2,7 @@
 # Run the regime map (config/regimes.yaml): each cell is an ordinary, resumable run of the workflow
 # into results/regimes_<cell>/, one cell after the other; then the map's table and figure in
 # results/regimes/. Arguments: the cells to run (default: every cell not marked optional; an optional
-# cell, such as the harder task, runs when named). Installs what it needs.
+# cell, such as the long n=4 ones, runs when named). Installs what it needs.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/setup.sh"

@@ -229,9 +229,9 @@ def config_sections(config: Mapping[str, Any], *keys: str) -> dict[str, Any]:
         section = config.get(k)
         inert = NEW_KEYS_AT_DEFAULT.get(k, {})
         left_out = NOT_FINGERPRINTED.get(k, frozenset())
-        if (inert or left_out) and isinstance(section, Mapping):
+        if isinstance(section, Mapping):
             section = {o: v for o, v in section.items()
-                       if not (o in left_out or (o in inert and v == inert[o]))}
+                       if o not in left_out and not (o in inert and v == inert[o])}
         out[k] = section
     return out
 

@@ -589,12 +589,12 @@ def sft_or_cached(config: Mapping[str, Any], output_dir: str | os.PathLike, *, p
         summary = json.loads((entry / "sft_summary.json").read_text(encoding="utf-8"))
         summary["cached_from"] = str(entry)
         with atomic_path(output_dir) as tmp:
-            shutil.copytree(entry, tmp, dirs_exist_ok=True)
+            shutil.copytree(entry, tmp)
             atomic_write_json(tmp / "sft_summary.json", summary)
         print(f"sft: copied {entry} (a finished SFT with the same model, task and sft settings) to {output_dir}",
               flush=True)
         return summary
     summary = sft_from_config(config, output_dir, progress=progress, log_fn=log_fn)
     with atomic_path(entry) as tmp:
-        shutil.copytree(output_dir, tmp, dirs_exist_ok=True)
+        shutil.copytree(output_dir, tmp)
     return summary
