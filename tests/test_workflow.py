@@ -156,6 +156,39 @@ def test_one_ablation_target_builds_only_its_chain(tmp_path):
     assert [j["output"] for j in jobs if j["rule"] == "train"] == [[f"{tmp_path}/ablations/oar_g_q50/seed0/train_summary.json"]]
 
 
+def _fake_finished_run(R: Path, methods, seeds) -> None:
+    """The outputs of a finished default run (data, SFT, base and method evaluations), oldest first."""
+    import time
+
+    files = [R / "data" / "manifest.json", R / "sft" / "model" / "sft_summary.json", R / "base" / "eval" / "summary.json"]
+    files += [R / m / f"seed{s}" / "train_summary.json" for m in methods for s in seeds]
+    files += [R / m / f"seed{s}" / "eval" / "summary.json" for m in methods for s in seeds]
+    for i, f in enumerate(files):
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text("{}")
+        os.utime(f, (time.time() - 1000 + i, time.time() - 1000 + i))
+
+
+@pytest.mark.slow  # three snakemake dry runs: a few seconds each
+def test_ablations_share_the_default_runs_sft_and_methods(tmp_path):
+    """Runs whose settings, start model and seed are equal are one run of the results store
+    (oar.layout): once the default run exists, one ablation target plans its training and evaluation
+    only, and the whole ablations config trains only its new methods (the default's six are shared)."""
+    from oar.config import load_config
+
+    default = load_config(ROOT / "config" / "config.yaml")
+    dry_run(results=tmp_path)  # links results/tiny/* into the store
+    _fake_finished_run(tmp_path / "tiny", default["methods"], default["seeds"])
+    target = f"{tmp_path}/ablations/oar_g_q50/seed0/eval/summary.json"
+    counts, jobs = dry_run(target, "--configfile", "config/ablations.yaml", results=tmp_path)
+    assert counts == Counter({"train": 1, "evaluate": 1})
+    assert os.path.realpath(tmp_path / "ablations" / "sft") == os.path.realpath(tmp_path / "tiny" / "sft")
+    n_new = len(load_config(ROOT / "config" / "ablations.yaml")["methods"]) - len(default["methods"])
+    counts, _ = dry_run("--configfile", "config/ablations.yaml", results=tmp_path)
+    assert counts == Counter({"train": n_new * len(default["seeds"]), "evaluate": n_new * len(default["seeds"]),
+                              "report": 1, "all": 1})
+
+
 @pytest.mark.slow  # one snakemake process: a few seconds
 def test_unknown_method_or_seed_target_is_rejected(tmp_path):
     for target in (f"{tmp_path}/tiny/nosuch/seed0/eval/summary.json", f"{tmp_path}/tiny/grpo/seed9/eval/summary.json"):
@@ -457,9 +490,15 @@ def test_reset_script_keeps_a_resumable_run_and_clears_a_changed_one(tmp_path):
     (d / "keep.json").write_text("{}")
     run("A")  # same fingerprint: an interrupted run resumes
     assert (d / "checkpoint" / "state.pt").exists() and (d / "metrics.jsonl").exists()
-    run("B")  # config changed: partial state goes, other files stay
+    run("B")  # inputs changed: partial state is moved aside (never deleted), other files stay
     assert not (d / "checkpoint").exists() and not (d / "metrics.jsonl").exists()
+    assert (d / "superseded-A" / "checkpoint" / "state.pt").read_text() == "x"
+    assert (d / "superseded-A" / "metrics.jsonl").exists()
     assert (d / "keep.json").exists() and (d / ".fingerprint").read_text().strip() == "B"
+    run("A")
+    (d / "metrics.jsonl").write_text("{}\n")
+    run("B")  # the same old fingerprint twice: a second folder, the first one untouched
+    assert (d / "superseded-A" / "metrics.jsonl").exists() and (d / "superseded-A.1" / "metrics.jsonl").exists()
 
 
 def test_an_option_added_at_its_default_keeps_the_fingerprints_of_finished_jobs():
@@ -586,7 +625,7 @@ def test_train_job_starts_over_when_the_sft_model_changed(tmp_path):
     assert "reset_if_changed.sh" in reset and "train --config" not in reset
 
     R = tmp_path / "results" / "smoke"
-    (R / "data").mkdir(parents=True)
+    assert (R / "data").is_symlink() and (R / "sft").is_symlink()  # views of the results store
     (R / "data" / "manifest.json").write_text("{}")
     summary = R / "sft" / "model" / "sft_summary.json"
     summary.parent.mkdir(parents=True)
@@ -606,6 +645,8 @@ def test_train_job_starts_over_when_the_sft_model_changed(tmp_path):
     summary.write_text('{"seconds": 2.0}')  # SFT ran again
     reset_now()
     assert not (d / "checkpoint").exists() and not (d / "model").exists() and not (d / "metrics.jsonl").exists()
+    (aside,) = d.glob("superseded-*")  # moved aside, not deleted
+    assert all((aside / f.relative_to(d)).read_text() == "x" for f in partial)
 
 
 def _missing_subcommands() -> list[str]:
@@ -685,7 +726,27 @@ def check_smoke_dag(tmp_path: Path, *, attribution: bool = True) -> None:
     assert (tmp_path / "report.html").stat().st_size > 0
     again = snakemake(*args, "-n")
     assert "Nothing to be done" in again.stdout + again.stderr
+    check_an_ablation_shares_the_smoke_run(tmp_path, path, args)
     cfg["eval"]["temperature"] = cfg["eval"]["temperature"] + 0.1
     path.write_text(yaml.safe_dump(cfg))
     counts, _ = dry_run(*args, results=tmp_path / "results")
     assert counts == Counter({"evaluate": len(cfg["methods"]), "evaluate_base": 1, "report": 1, "all": 1})
+
+
+def check_an_ablation_shares_the_smoke_run(tmp_path: Path, smoke: Path, smoke_args: list[str]) -> None:
+    """A config that `extends` the finished smoke run with one more method: its target trains and
+    evaluates that method only (the SFT and the smoke methods' runs are the store's), and the
+    extended config's own tables then cover the smoke methods too, from the same run folders."""
+    ablation = tmp_path / "one_more.yaml"
+    ablation.write_text(yaml.safe_dump({"extends": str(smoke), "name": "one_more",
+                                        "methods": {"oar_g_q25": {"base": "oar_g", "quantile": 0.25}}}))
+    args = ["--snakefile", str(SNAKEFILE), "--directory", str(tmp_path)]
+    target = str(tmp_path / "results" / "one_more" / "oar_g_q25" / "seed0" / "eval" / "summary.json")
+    counts, _ = dry_run(target, *args, "--configfile", str(ablation), results=tmp_path / "results")
+    assert counts == Counter({"train": 1, "evaluate": 1})
+    snakemake(target, *args, "--cores", "2", "--configfile", str(ablation))
+    R, S = tmp_path / "results" / "one_more", tmp_path / "results" / "smoke"
+    assert (R / "oar_g_q25" / "seed0" / "metrics.jsonl").stat().st_size > 0
+    assert (R / "grpo").resolve() == (S / "grpo").resolve() and (R / "sft").resolve() == (S / "sft").resolve()
+    again = snakemake(*smoke_args, "-n")  # the smoke run is untouched by the other config
+    assert "Nothing to be done" in again.stdout + again.stderr

@@ -17,7 +17,8 @@ if SRC_DIR not in sys.path:
 from oar.config import ConfigError, resolve_methods, validate_config, workflow_config, write_resolved
 from oar.launch import SHELL_PREFIX, LaunchError, conda_env_choice, fingerprint, oar_env, resource, train_signal_seconds
 from oar.launch import train_launcher as _train_launcher, train_resources as _train_resources
-from oar.launch import config_sections, eval_fingerprint, method_fingerprint, plan_fingerprint
+from oar.launch import config_sections, eval_fingerprint, plan_fingerprint
+from oar.layout import STORE_DIR, LayoutError, base_key, link_views, resumable_train_values, run_key, store_entries
 
 
 # ---------------------------------------------------------------------------------------- config
@@ -51,6 +52,8 @@ RESERVED_NAMES = {"base", "sft", "data", "attribution", "tables", "figures", "lo
 _clash = sorted(RESERVED_NAMES & set(METHODS))
 if _clash:
     raise WorkflowError(f"{CONFIG_SOURCE}: key methods: reserved name(s) {_clash} (they are result folders)")
+if config["name"] == STORE_DIR:
+    raise WorkflowError(f"{CONFIG_SOURCE}: key name: {STORE_DIR!r} is the results store's folder; choose another name")
 if not BENCHMARKS:
     raise WorkflowError(f"{CONFIG_SOURCE}: key eval.benchmarks: empty; the tables need at least one benchmark")
 
@@ -118,6 +121,15 @@ RESET_SCRIPT = os.path.relpath(os.path.join(workflow.basedir, "scripts", "reset_
 
 
 # ------------------------------------------------------------------------------------------ paths
+# R/data, R/sft, R/base and R/<method> are links into the store shared by every config
+# (oar.layout): a run whose settings, start model and seed equal another config's is that run.
+# Made when the workflow is read (dry runs too, so they plan what a real run would do).
+try:
+    for _view, _action in link_views(config["results_dir"], R, store_entries(config, METHODS, sft=SFT)).items():
+        print(f"results store: {R}/{_view} {_action} -> {os.readlink(os.path.join(R, _view))}", file=sys.stderr)
+except (LayoutError, OSError) as e:
+    raise WorkflowError(f"{CONFIG_SOURCE}: cannot link {R} into the results store: {e}")
+
 MANIFEST = f"{R}/data/manifest.json"
 SFT_DIR = f"{R}/sft/model"
 SFT_SUMMARY = f"{SFT_DIR}/sft_summary.json"

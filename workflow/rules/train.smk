@@ -25,7 +25,10 @@ rule train:
         run_dir=lambda wc, output: os.path.dirname(output.summary),
         # inserted unquoted (it is empty without SFT), so the path is quoted here
         init=lambda wc, input: f"--init {shlex.quote(os.path.dirname(input.start))}" if SFT else "",
-        fingerprint=lambda wc: method_fingerprint(config, METHODS[wc.method], sft=SFT),
+        # what identifies the run (its store entry's key): a folder whose key changed is moved aside
+        fingerprint=lambda wc: run_key(config, METHODS[wc.method], sft=SFT),
+        # the keys a run may change and continue: a changed value reruns the job, which continues
+        resumable=fingerprint(resumable_train_values(config)),
         reset=RESET_SCRIPT,
         launcher=train_launcher,
     log:

@@ -1,0 +1,161 @@
+"""Where the workflow's results live: one content-addressed store shared by every config, seen
+through each config's own folder.
+
+Every result that costs compute (the data, the SFT, the start model's evaluation, each training
+run with its evaluation) lives once in ``<results_dir>/store/<kind>/<key>/``, where the key is the
+fingerprint of what identifies it (the settings it was made from, the start model it trained
+from). A config sees its results as ``<results_dir>/<name>/<entry>``, a symbolic link into the
+store (``results/ablations/grpo -> ../store/runs/grpo-3f0c...``). So:
+
+- two configs whose resolved settings, start model and seed are equal share one run: running
+  ``config/ablations.yaml`` after the default run trains the ablations only, and one ablation
+  target schedules its training and evaluation, nothing else;
+- a changed setting that identifies a run points the config's link at a new store folder; the old
+  run stays in the store, untouched (nothing trained is deleted), and changing the setting back
+  points the link at it again;
+- a change of a key a run may change and continue (:data:`oar.runs.RESUMABLE_TRAIN_KEYS`: steps,
+  save cadence, preemption, ...) keeps the key, so the run continues where it stopped.
+
+The links are relative (``../store/...``), so a results tree can be moved or copied whole.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from oar.launch import config_sections, eval_fingerprint, fingerprint, method_fingerprint
+from oar.runs import RESUMABLE_TRAIN_KEYS
+
+__all__ = [
+    "STORE_DIR",
+    "LayoutError",
+    "StoreEntry",
+    "data_key",
+    "sft_key",
+    "start_key",
+    "run_key",
+    "base_key",
+    "resumable_train_values",
+    "store_entries",
+    "link_view",
+    "link_views",
+]
+
+#: The store's folder inside ``results_dir`` (so no config may be named so).
+STORE_DIR = "store"
+
+
+class LayoutError(ValueError):
+    """A config's folder cannot be linked to the store (the message names the path and what to do)."""
+
+
+@dataclass(frozen=True)
+class StoreEntry:
+    """One entry of a config's view: ``<results_dir>/<name>/<view>`` links to ``<results_dir>/store/<target>``."""
+
+    view: str
+    target: str
+
+
+def data_key(config: Mapping[str, Any]) -> str:
+    """What identifies the prepared data: the task section and the benchmark list."""
+    return fingerprint(config_sections(config, "task"), config["eval"]["benchmarks"])
+
+
+def sft_key(config: Mapping[str, Any]) -> str:
+    """What identifies the warm-start SFT: the model, task and sft sections (the sft rule's fingerprint)."""
+    return fingerprint(config_sections(config, "model", "task", "sft"))
+
+
+def start_key(config: Mapping[str, Any], *, sft: bool) -> str:
+    """What identifies the model RL starts from: the SFT's key, else ``train.init`` or ``model.source``
+    (a path or hub id: its content is checked by the train rule's input checksum and the trainer)."""
+    if sft:
+        return f"sft-{sft_key(config)}"
+    return str(config["train"].get("init") or config["model"]["source"])
+
+
+def run_key(config: Mapping[str, Any], method: Any, *, sft: bool) -> str:
+    """What identifies a training run of ``method`` (a :class:`oar.config.ResolvedMethod`): its settings
+    without the keys a run may change and continue, and its start model. The seed is the run folder's
+    name inside the entry, the method's name the entry's prefix."""
+    identity_config = dict(config)
+    identity_config["train"] = {k: v for k, v in config["train"].items() if k not in RESUMABLE_TRAIN_KEYS}
+    return fingerprint(method_fingerprint(identity_config, method, sft=sft), start_key(config, sft=sft))
+
+
+def resumable_train_values(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``train`` keys a run may change and continue, with this config's values: the train rule's
+    params carry them, so a changed value reruns the job, which continues the run."""
+    return {k: config["train"].get(k) for k in RESUMABLE_TRAIN_KEYS if k != "init"}
+
+
+def base_key(config: Mapping[str, Any], *, sft: bool) -> str:
+    """What identifies the start model's evaluation: the evaluation settings and the start model."""
+    return fingerprint(eval_fingerprint(config), start_key(config, sft=sft))
+
+
+def store_entries(config: Mapping[str, Any], methods: Mapping[str, Any], *, sft: bool) -> list[StoreEntry]:
+    """Every entry of a config's view, in a fixed order: data, sft (when enabled), base, one per method."""
+    entries = [StoreEntry("data", f"data/{data_key(config)}")]
+    if sft:
+        entries.append(StoreEntry("sft", f"sft/{sft_key(config)}"))
+    entries.append(StoreEntry("base", f"base/{base_key(config, sft=sft)}"))
+    entries += [StoreEntry(name, f"runs/{name}-{run_key(config, m, sft=sft)}") for name, m in methods.items()]
+    return entries
+
+
+def link_view(view: str | os.PathLike, target: str | os.PathLike) -> str:
+    """Make ``view`` a relative symbolic link to the folder ``target`` (created if missing).
+
+    An existing link is replaced atomically (another process may be reading the view at the same
+    moment: a SLURM job parses the workflow too); the folder it pointed at is left as it is. A real
+    folder at ``view`` (a results tree from before the store) is used in place and left as it is:
+    it is never moved or merged (its run folders' own fingerprints decide, as before the store).
+
+    Returns:
+        What was done: ``"kept"`` (the link or the real folder stays), ``"linked"`` or ``"relinked"``.
+
+    Raises:
+        LayoutError: ``view`` is a file.
+    """
+    view, target = Path(view), Path(target)
+    view.parent.mkdir(parents=True, exist_ok=True)
+    rel = os.path.relpath(target, view.parent)
+    action = "linked"
+    if view.is_symlink():
+        if os.readlink(view) == rel:
+            target.mkdir(parents=True, exist_ok=True)
+            return "kept"
+        action = "relinked"
+    elif view.is_dir():
+        return "kept"
+    elif view.exists():
+        raise LayoutError(f"{view}: a file where the workflow keeps a link into the results store; move it away")
+    target.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{view.name}.", suffix=".link", dir=view.parent)
+    os.close(fd)
+    os.unlink(tmp)
+    os.symlink(rel, tmp)
+    os.replace(tmp, view)
+    return action
+
+
+def link_views(results_dir: str | os.PathLike, view_dir: str | os.PathLike,
+               entries: Iterable[StoreEntry]) -> dict[str, str]:
+    """:func:`link_view` for each entry: ``<view_dir>/<entry.view>`` -> ``<results_dir>/store/<entry.target>``.
+
+    Returns:
+        ``{view name: action}`` for the entries whose link was made or changed (not those kept).
+    """
+    store = Path(results_dir) / STORE_DIR
+    done = {}
+    for e in entries:
+        action = link_view(Path(view_dir) / e.view, store / e.target)
+        if action != "kept":
+            done[e.view] = action
+    return done
