@@ -75,11 +75,11 @@ def test_selected_cells_by_name_and_optional():
         selected_cells(config, ["a", "x"])
 
 
-def _main_csv(path: Path, rows: dict[str, tuple[float, float, float]], mde: float = 2.0) -> None:
+def _main_csv(path: Path, rows: dict[str, tuple[float, float, float, str]], mde: float = 2.0) -> None:
     recs = [{"metric": "avg@k", "benchmark": "synthetic-test", "row": "base", "n_seeds": 1, "diff": -10.0,
-             "ci_low": math.nan, "ci_high": math.nan, "mde": mde}]
+             "ci_low": math.nan, "ci_high": math.nan, "mde": mde, "diff_per_seed": ""}]
     recs += [{"metric": "avg@k", "benchmark": "synthetic-test", "row": r, "n_seeds": 4, "diff": d, "ci_low": lo,
-              "ci_high": hi, "mde": mde} for r, (d, lo, hi) in rows.items()]
+              "ci_high": hi, "mde": mde, "diff_per_seed": per_seed} for r, (d, lo, hi, per_seed) in rows.items()]
     recs += [{"metric": "pass@1", "benchmark": "synthetic-test", "row": "oar_g", "n_seeds": 4, "diff": 99.0,
               "ci_low": 98.0, "ci_high": 100.0, "mde": mde}]  # another metric: not read
     path.parent.mkdir(parents=True)
@@ -92,10 +92,11 @@ def test_regime_table_efficiency_and_report(tmp_path):
     config = load_config(ROOT / "config" / "regimes.yaml")
     names = cell_names(config)
     # cell 0: the oracle separates (+4 [+1, +7]); OAR-G gains 1 of it. cell 2: it does not. the rest: not run
+    # per-seed differences: the oracle's in cell 0 survive Holm's correction over the 4 comparisons shown
     _main_csv(tmp_path / names[0] / "tables" / "main.csv",
-              {"oracle_first_mistake": (4.0, 1.0, 7.0), "oar_g": (1.0, -1.0, 3.0)})
+              {"oracle_first_mistake": (4.0, 1.0, 7.0, "3.9;4.0;4.1;4.0"), "oar_g": (1.0, -1.0, 3.0, "-1;3;0;2")})
     _main_csv(tmp_path / names[2] / "tables" / "main.csv",
-              {"oracle_first_mistake": (1.0, -2.0, 4.0), "oar_g": (0.5, -1.0, 2.0)})
+              {"oracle_first_mistake": (1.0, -2.0, 4.0, "-2;4;1;1"), "oar_g": (0.5, -1.0, 2.0, "-1;2;0;1")})
     out = write_regime_report(config, tmp_path)
     df = pd.read_csv(out["csv"])
     first = df[(df["cell"] == "len28_n8")].set_index("method")
@@ -111,6 +112,7 @@ def test_regime_table_efficiency_and_report(tmp_path):
     assert "| ~28 tokens, n=8 (default) ★ | 28 | 8 | +10.0 | oracle_first_mistake | 4 | **+4.0 [+1.0, +7.0]** | 2.0 | — |" in md
     assert "| ~28 tokens, n=8 (default) ★ | 28 | 8 | +10.0 | oar_g | 4 | +1.0 [-1.0, +3.0] | 2.0 | 0.25 |" in md
     assert "| ~60 tokens, n=8 | 60 | 8 | +10.0 | oar_g |" in md and "★ highlighted" in md
+    assert "survives Holm's correction for the 4 comparisons of its table" in md
     assert first.loc["oar_g", "headroom"] == pytest.approx(10.0)
     assert "(not run)" in md
     assert out["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -27,7 +27,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from oar.io import atomic_path, read_jsonl
-from oar.stats import first_crossing, seed_interval
+from oar.stats import first_crossing, seed_interval, seed_p_value
 
 __all__ = [
     "load_heldout",
@@ -166,7 +166,8 @@ def learning_speed_table(heldout: Mapping[str, Mapping[int, Any]], threshold: fl
     percent), ``auc_diff``, ``auc_low``, ``auc_high`` (difference from the reference in points, paired by
     seed, t interval over the seeds both have), ``steps`` (mean steps to ``threshold``; NaN unless every
     seed reaches it), ``steps_diff``, ``steps_low``, ``steps_high`` (likewise, NaN when a seed of either
-    side does not reach it), ``auc_per_seed`` and ``steps_per_seed`` (";"-joined).
+    side does not reach it), ``auc_p`` and ``steps_p`` (the t tests' p values, :func:`oar.stats.seed_p_value`),
+    ``auc_per_seed`` and ``steps_per_seed`` (";"-joined).
     """
     import pandas as pd
 
@@ -187,36 +188,40 @@ def learning_speed_table(heldout: Mapping[str, Mapping[int, Any]], threshold: fl
             scale = 100.0 if key == "auc" else 1.0
             d = np.array([(per[s][j] - ref[s][j]) * scale for s in common])
             if m == reference or not len(d) or np.isnan(d).any():
-                est = lo = hi = math.nan
+                est = lo = hi = p = math.nan
             else:
                 est, lo, hi, _ = seed_interval(d, confidence=confidence)
-            rec.update({f"{key}_diff": est, f"{key}_low": lo, f"{key}_high": hi})
+                p = seed_p_value(d)
+            rec.update({f"{key}_diff": est, f"{key}_low": lo, f"{key}_high": hi, f"{key}_p": p})
         recs.append(rec)
-    cols = ["method", "label", "n_seeds", "auc", "auc_diff", "auc_low", "auc_high", "steps", "steps_diff",
-            "steps_low", "steps_high", "auc_per_seed", "steps_per_seed"]
+    cols = ["method", "label", "n_seeds", "auc", "auc_diff", "auc_low", "auc_high", "auc_p", "steps", "steps_diff",
+            "steps_low", "steps_high", "steps_p", "auc_per_seed", "steps_per_seed"]
     return pd.DataFrame.from_records(recs, columns=cols)
 
 
 def learning_speed_markdown(df: "pd.DataFrame", *, threshold: float, reference_label: str,  # noqa: F821
                             confidence: float = 0.95) -> str:
     """The learning-speed endpoints as markdown (see :func:`learning_speed_table`)."""
-    from oar.report.render import _fmt_diff
+    from oar.report.render import HOLM_NOTE, family_significance, format_difference
 
     if not len(df):
         return ""
+    # one family: every difference the table shows (both columns)
+    sig, family = family_significance([*df["auc_p"], *df["steps_p"]], alpha=1.0 - confidence)
+    auc_sig, steps_sig = sig[:len(df)], sig[len(df):]
     thr = "—" if math.isnan(threshold) else f"{threshold:.1%}"
     lines = [f"### Learning speed: differences from {reference_label}, {confidence:.0%} interval over training seeds", "",
              f"| Method | held-out AUC (%) | AUC difference (points) | steps to {thr} | steps difference |",
              "|---|---:|---:|---:|---:|"]
-    for r in df.itertuples(index=False):
+    for r, a_sig, s_sig in zip(df.itertuples(index=False), auc_sig, steps_sig):
         steps = "not reached" if math.isnan(r.steps) else f"{r.steps:.1f}"
-        lines.append(f"| {r.label} | {r.auc:.1f} | {_fmt_diff(r.auc_diff, r.auc_low, r.auc_high)} | {steps} | "
-                     f"{_fmt_diff(r.steps_diff, r.steps_low, r.steps_high)} |")
+        lines.append(f"| {r.label} | {r.auc:.1f} | {format_difference(r.auc_diff, r.auc_low, r.auc_high, significant=a_sig)}"
+                     f" | {steps} | {format_difference(r.steps_diff, r.steps_low, r.steps_high, significant=s_sig)} |")
     lines += ["", "Held-out AUC: the area under a run's held-out curve divided by its length (the mean held-out "
               "sampled accuracy over the run, trapezoid rule over the evaluation steps). Differences are paired by "
-              "seed; the interval is the t interval over the per-seed differences (bold: it excludes 0; — when "
-              "a seed of either side never reaches the threshold, or for one seed). A negative steps difference "
-              "is faster learning.", ""]
+              "seed; the interval is the t interval over the per-seed differences (— when a seed of either side "
+              "never reaches the threshold, or for one seed). A negative steps difference is faster learning. "
+              + HOLM_NOTE.format(m=family, alpha=1.0 - confidence), ""]
     return "\n".join(lines)
 
 

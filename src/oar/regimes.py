@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from oar.io import atomic_path, atomic_write_text
+from oar.stats import seed_p_value
 
 __all__ = ["cell_names", "selected_cells", "write_cell_configs", "regime_table", "regime_markdown", "plot_regime_map",
            "write_regime_report"]
@@ -119,20 +120,30 @@ def regime_table(config: Mapping[str, Any], results: str | Path | None = None, *
         for row, r in by.iterrows():
             eff = (r["diff"] / by.loc[oracle, "diff"]) if sep and row != oracle else math.nan
             recs.append({**base, "method": row, "n_seeds": int(r["n_seeds"]), "diff": r["diff"], "ci_low": r["ci_low"],
-                         "ci_high": r["ci_high"], "mde": r["mde"], "separates": bool(sep), "efficiency": eff,
+                         "ci_high": r["ci_high"], "p": seed_p_value(_per_seed(r.get("diff_per_seed"))),
+                         "mde": r["mde"], "separates": bool(sep), "efficiency": eff,
                          "headroom": headroom, "done": True})
     return pd.DataFrame.from_records(recs)
 
 
-def regime_markdown(df: "pd.DataFrame", *, reference_label: str = "GRPO") -> str:  # noqa: F821
+def _per_seed(joined: Any) -> list[float]:
+    """main.csv's ``diff_per_seed`` (";"-joined) as floats (empty for a missing value)."""
+    return [float(v) for v in joined.split(";")] if isinstance(joined, str) and joined else []
+
+
+def regime_markdown(df: "pd.DataFrame", *, reference_label: str = "GRPO",  # noqa: F821
+                    confidence: float = 0.95) -> str:
     """The regime table as markdown: one row per (cell, method), with the reference's gain over the
     start model (the cell's room for RL). A highlighted cell's label is marked with a star."""
-    from oar.report.render import _fmt_diff
+    from oar.report.render import HOLM_NOTE, family_significance, format_difference
 
+    done = df[df["done"]] if "done" in df else df
+    sig, family = family_significance(done["p"] if "p" in done else [], alpha=1.0 - confidence)
+    significant = dict(zip(done.index, sig))
     lines = [f"| cell | length | group | {reference_label} - start | method | seeds | difference from "
-             f"{reference_label} [95% CI over seeds] | seed-level MDE | credit efficiency |",
+             f"{reference_label} [{confidence:.0%} CI over seeds] | seed-level MDE | credit efficiency |",
              "|---|---:|---:|---:|---|---:|---:|---:|---:|"]
-    for r in df.itertuples(index=False):
+    for i, r in zip(df.index, df.itertuples(index=False)):
         label = f"{r.label} ★" if r.highlight else r.label
         if not r.done:
             lines.append(f"| {label} | {r.length:g} | {r.group_size:g} | | (not run) | | | | |")
@@ -140,7 +151,8 @@ def regime_markdown(df: "pd.DataFrame", *, reference_label: str = "GRPO") -> str
         eff = "—" if math.isnan(r.efficiency) else f"{r.efficiency:.2f}"
         gain = "" if math.isnan(r.headroom) else f"{r.headroom:+.1f}"
         lines.append(f"| {label} | {r.length:g} | {r.group_size:g} | {gain} | {r.method} | {int(r.n_seeds)} | "
-                     f"{_fmt_diff(r.diff, r.ci_low, r.ci_high)} | {r.mde:.1f} | {eff} |")
+                     f"{format_difference(r.diff, r.ci_low, r.ci_high, significant=significant[i])} | {r.mde:.1f} | {eff} |")
+    lines.append("\n" + HOLM_NOTE.format(m=family, alpha=1.0 - confidence))
     if df["highlight"].any():
         lines.append("\n★ highlighted in the map: the cells given more seeds for a seed-level MDE of about 2 points "
                      "(the MDE column says what they reached)")
@@ -201,6 +213,6 @@ def write_regime_report(config: Mapping[str, Any], results: str | Path | None = 
     methods = list(reg.get("plot") or [m for m in dict.fromkeys(df["method"].dropna())])
     out = {"csv": out_dir / "regime_map.csv", "md": out_dir / "regime_map.md", "png": out_dir / "regime_map.png"}
     atomic_write_text(out["csv"], df.to_csv(index=False, float_format="%.6g"))
-    atomic_write_text(out["md"], regime_markdown(df))
+    atomic_write_text(out["md"], regime_markdown(df, confidence=float(config["report"]["confidence"])))
     plot_regime_map(out["png"], df, methods)
     return out

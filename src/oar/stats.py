@@ -33,6 +33,8 @@ import numpy as np
 
 __all__ = [
     "seed_interval",
+    "seed_p_value",
+    "holm_significant",
     "seed_mde",
     "seeds_for_mde",
     "z_power",
@@ -81,6 +83,57 @@ def seed_interval(per_seed: Sequence[float], *, confidence: float = 0.95) -> tup
     se = float(v.std(ddof=1) / math.sqrt(v.size))
     half = float(t.ppf(0.5 + confidence / 2.0, v.size - 1)) * se
     return est, est - half, est + half, se
+
+
+def seed_p_value(per_seed: Sequence[float]) -> float:
+    """Two-sided p value of the one-sample t test that the mean of the per-seed values is 0 (the test
+    :func:`seed_interval` inverts: the interval excludes 0 exactly when ``p < 1 - confidence``).
+
+    Args:
+        per_seed: ``(S,)`` one value per seed; NaN entries are dropped.
+
+    Returns:
+        The p value; NaN with fewer than 2 seeds; 0 when every seed gives the same non-zero value,
+        1 when every value is 0.
+    """
+    from scipy.stats import t
+
+    v = np.asarray(per_seed, dtype=np.float64)
+    v = v[~np.isnan(v)]
+    if v.size < 2:
+        return math.nan
+    sd = float(v.std(ddof=1))
+    mean = float(v.mean())
+    if sd == 0.0:
+        return 0.0 if mean != 0.0 else 1.0
+    stat = abs(mean) / (sd / math.sqrt(v.size))
+    return float(2.0 * t.sf(stat, v.size - 1))
+
+
+def holm_significant(p_values: Sequence[float], *, alpha: float = 0.05) -> np.ndarray:
+    """Which of a family of tests are significant under Holm's step-down correction (familywise
+    error ``alpha`` over every comparison of the family, with no assumption on their dependence).
+
+    The ``m`` finite p values are sorted, ``p_(1) <= ... <= p_(m)``; ``p_(j)`` is significant when
+    ``p_(i) <= alpha / (m - i + 1)`` for every ``i <= j``. NaN p values (no test: one seed, the
+    reference itself) are never significant and do not count in ``m``.
+
+    Args:
+        p_values: ``(m,)`` p values of the comparisons shown together (one table).
+        alpha: familywise error rate.
+
+    Returns:
+        ``(m,)`` bool, in the order given.
+    """
+    p = np.asarray(p_values, dtype=np.float64)
+    out = np.zeros(p.shape, dtype=bool)
+    finite = np.flatnonzero(~np.isnan(p))
+    m = finite.size
+    for rank, i in enumerate(finite[np.argsort(p[finite], kind="stable")]):
+        if p[i] > alpha / (m - rank):
+            break
+        out[i] = True
+    return out
 
 
 def seed_mde(sd: float, n_seeds: int, *, alpha: float = 0.05, power: float = 0.8) -> float:

@@ -9,7 +9,11 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping, Sequence
 
-__all__ = ["main_markdown", "main_latex", "wide", "metric_title"]
+__all__ = ["main_markdown", "main_latex", "wide", "metric_title", "format_difference", "HOLM_NOTE"]
+
+#: What the bold of every difference table means (one sentence, said once per table note).
+HOLM_NOTE = ("Bold: the interval excludes 0 and the difference survives Holm's correction for the {m} comparisons "
+             "of its table (familywise alpha {alpha:.2g}, oar.stats.holm_significant).")
 
 
 def metric_title(metric: str, k: int | None, temperature: float | None) -> str:
@@ -26,14 +30,25 @@ def _fmt_cell(mean: float, std: float, digits: int = 1) -> str:
     return f"{mean:.{digits}f} ± {std:.{digits}f}"
 
 
-def _fmt_diff(diff: float, lo: float, hi: float, digits: int = 1) -> str:
-    """``+2.1 [-2.4, +6.5]``; bold only when the (seed-level) interval excludes 0."""
+def format_difference(diff: float, lo: float, hi: float, *, significant: bool, digits: int = 1) -> str:
+    """``+2.1 [-2.4, +6.5]``; bold only when the (seed-level) interval excludes 0 and ``significant``
+    (the caller's multiple-comparison decision, :func:`oar.stats.holm_significant` over its table)."""
     if math.isnan(diff):
         return "—"
     if math.isnan(lo):
         return f"{diff:+.{digits}f}"
     text = f"{diff:+.{digits}f} [{lo:+.{digits}f}, {hi:+.{digits}f}]"
-    return f"**{text}**" if lo > 0 or hi < 0 else text
+    return f"**{text}**" if significant and (lo > 0 or hi < 0) else text
+
+
+def family_significance(p_values: Sequence[float], *, alpha: float) -> tuple[list[bool], int]:
+    """Holm's decision for the comparisons of one table: (significant per p value, the family size m)."""
+    import numpy as np
+
+    from oar.stats import holm_significant
+
+    p = np.asarray(p_values, dtype=np.float64)
+    return list(holm_significant(p, alpha=alpha)), int(np.isfinite(p).sum())
 
 
 def _fmt_seeds(joined: str, digits: int = 1) -> str:
@@ -42,24 +57,28 @@ def _fmt_seeds(joined: str, digits: int = 1) -> str:
     return " / ".join(f"{float(v):+.{digits}f}" for v in joined.split(";"))
 
 
-def wide(df, column: str, *, rows: Sequence[str] | None = None) -> "pd.DataFrame":  # noqa: F821
+def wide(df, column: str, *, rows: Sequence[str] | None = None, alpha: float = 0.05) -> "pd.DataFrame":  # noqa: F821
     """One formatted cell per (row label, benchmark): ``cell`` (mean ± std), ``diff`` (difference from
-    the reference [interval]), ``seeds`` (per-seed differences) or ``start`` (difference from the start)."""
+    the reference [interval]), ``seeds`` (per-seed differences) or ``start`` (difference from the start).
+    A ``diff`` / ``start`` cell is bold when it survives Holm's correction at ``alpha`` over the cells
+    of this table (columns ``p`` / ``start_p``)."""
     import pandas as pd
 
     order = list(dict.fromkeys(df["benchmark"]))
     sel = df if rows is None else df[df["row"].isin(rows)]
     labels = list(dict.fromkeys(sel["label"]))
+    p_col = {"diff": "p", "start": "start_p"}.get(column)
+    sig = family_significance(sel[p_col], alpha=alpha)[0] if p_col else [False] * len(sel)
     cells = {}
-    for r in sel.itertuples(index=False):
+    for r, significant in zip(sel.itertuples(index=False), sig):
         if column == "cell":
             v = _fmt_cell(r.mean, r.std)
         elif column == "diff":
-            v = _fmt_diff(r.diff, r.ci_low, r.ci_high)
+            v = format_difference(r.diff, r.ci_low, r.ci_high, significant=significant)
         elif column == "seeds":
             v = _fmt_seeds(r.diff_per_seed)
         elif column == "start":
-            v = _fmt_diff(r.start_diff, r.start_ci_low, r.start_ci_high)
+            v = format_difference(r.start_diff, r.start_ci_low, r.start_ci_high, significant=significant)
         else:
             raise ValueError(f"wide: unknown column {column!r}")
         cells[(r.label, r.benchmark)] = v
@@ -75,7 +94,7 @@ def _md_table(w) -> str:
 
 
 def _interval_note(*, reference_label: str, confidence: float, n_boot: int, seed: int, n_seeds: int,
-                   start: bool = False) -> str:
+                   family: int, start: bool = False) -> str:
     other = "the start model" if start else reference_label
     pairing = ("seed s of the method minus the start model (one evaluation, paired with every seed)" if start
                else f"seed s of the method minus seed s of {reference_label} (the start model, evaluated once, "
@@ -85,7 +104,7 @@ def _interval_note(*, reference_label: str, confidence: float, n_boot: int, seed
         f"{pairing}. Interval: {confidence:.0%} t interval over the {n_seeds} training seed(s), each seed one "
         f"replicate: D_s = mean_i d[s, i] (the Average column: the mean over benchmarks), mean(D) -+ "
         f"t_(S-1) sd(D) / sqrt(S) with S - 1 = {max(n_seeds - 1, 0)} degrees of freedom (oar.stats.seed_interval; "
-        "no interval with one seed). Bold: the interval excludes 0. The problems are the same for every seed, "
+        "no interval with one seed). " + HOLM_NOTE.format(m=family, alpha=1.0 - confidence) + " The problems are the same for every seed, "
         f"so which problems were drawn is not resampled; main.csv holds that problem-level interval "
         f"(problem_ci_*, a {n_boot}-resample bootstrap, seed {seed}) for comparison."
     )
@@ -147,20 +166,24 @@ def main_markdown(tables: Mapping[str, Any], *, start: Any | None, reference: st
         parts += [f"## {title}", "", f"### Mean ± std over {n_seeds} seed(s) (%)", "", _md_table(wide(df, "cell")), ""]
         if df["diff"].notna().any():
             others = [r for r in dict.fromkeys(df["row"]) if r != reference]
-            note = again or _interval_note(reference_label=reference_label, confidence=confidence, n_boot=n_boot,
-                                           seed=seed, n_seeds=n_seeds)
+            family = int(df.loc[df["row"].isin(others), "p"].notna().sum())
+            note = (again + HOLM_NOTE.format(m=family, alpha=1.0 - confidence) if again else
+                    _interval_note(reference_label=reference_label, confidence=confidence, n_boot=n_boot,
+                                   seed=seed, n_seeds=n_seeds, family=family))
             parts += [f"### Difference from {reference_label} (points), {confidence:.0%} interval over training seeds", "",
-                      _md_table(wide(df, "diff", rows=others)), "", note.strip(), "",
+                      _md_table(wide(df, "diff", rows=others, alpha=1.0 - confidence)), "", note.strip(), "",
                       _mde_line(df, confidence=confidence, power=power, reference_label=reference_label,
                                 short=bool(again)), "",
                       f"#### Per-seed differences from {reference_label} (points; seeds {seed_names})", "",
                       _md_table(wide(df, "seeds", rows=others)), ""]
         if df["start_diff"].notna().any():
             methods = [r for r in dict.fromkeys(df["row"]) if r != "base"]
-            note = again or _interval_note(reference_label=reference_label, confidence=confidence, n_boot=n_boot,
-                                           seed=seed, n_seeds=n_seeds, start=True)
+            family = int(df.loc[df["row"].isin(methods), "start_p"].notna().sum())
+            note = (again + HOLM_NOTE.format(m=family, alpha=1.0 - confidence) if again else
+                    _interval_note(reference_label=reference_label, confidence=confidence, n_boot=n_boot,
+                                   seed=seed, n_seeds=n_seeds, family=family, start=True))
             parts += [f"### Difference from the start model (points), {confidence:.0%} interval over training seeds", "",
-                      _md_table(wide(df, "start", rows=methods)), "", note.strip(), ""]
+                      _md_table(wide(df, "start", rows=methods, alpha=1.0 - confidence)), "", note.strip(), ""]
     if extra:
         parts += [extra]
     return "\n".join(parts).rstrip() + "\n"
@@ -174,7 +197,7 @@ def _esc(s: str) -> str:
 
 
 def _cell_tex(v: str) -> str:
-    """A markdown cell as LaTeX: ``**x**`` (interval excludes 0) becomes ``\\textbf{x}``."""
+    """A markdown cell as LaTeX: ``**x**`` (significant, :func:`wide`) becomes ``\\textbf{x}``."""
     if len(v) > 4 and v.startswith("**") and v.endswith("**"):
         return r"\textbf{" + _esc(v[2:-2]) + "}"
     return _esc(v)
@@ -201,24 +224,30 @@ def main_latex(tables: Mapping[str, Any], *, reference: str, reference_label: st
             others = [r for r in dict.fromkeys(df["row"]) if r != reference]
             mdes = df.drop_duplicates("benchmark")
             mde_txt = "; ".join(f"{b} {v:.1f}" for b, v in zip(mdes["benchmark"], mdes["mde"]) if not math.isnan(v))
-            out.append(_tabular(wide(df, "diff", rows=others),
+            family = int(df.loc[df["row"].isin(others), "p"].notna().sum())
+            out.append(_tabular(wide(df, "diff", rows=others, alpha=1.0 - confidence),
                                 f"{title}: difference from {reference_label} (points), {confidence:.0%} t interval "
-                                f"over training seeds; seed-level minimum detectable difference: {mde_txt}"))
+                                f"over training seeds; seed-level minimum detectable difference: {mde_txt}; "
+                                f"bold: significant after Holm's correction for {family} comparisons"))
     return "% generated by oar.report (needs \\usepackage{booktabs})\n" + "\n\n".join(out) + "\n"
 
 
 def versus_markdown(table: Any, *, reference_label: str, confidence: float) -> str:
     """A difference table against another reference (``report.also_against``): one row per method,
-    one column per benchmark, ``diff [low, high]`` with the seed-level interval (bold when it excludes 0)."""
+    one column per benchmark, ``diff [low, high]`` with the seed-level interval (bold when it survives
+    Holm's correction over the cells of this table)."""
     df = table[table["row"] != "base"]
+    df = df[~df.groupby("row")["diff"].transform(lambda d: d.isna().all())]
+    sig, family = family_significance(df["p"], alpha=1.0 - confidence)
+    significant = dict(zip(zip(df["row"], df["benchmark"]), sig))
     benches = list(dict.fromkeys(df["benchmark"]))
     metric = df["metric"].iloc[0] if len(df) else ""
     lines = [f"### Difference from {reference_label} ({metric}, points), {confidence:.0%} interval over training seeds",
              "", "| Method | " + " | ".join(benches) + " |", "|---|" + "---:|" * len(benches)]
     for row, sub in df.groupby("row", sort=False):
-        if sub["diff"].isna().all():
-            continue
         by = sub.set_index("benchmark")
         lines.append(f"| {by['label'].iloc[0]} | " + " | ".join(
-            _fmt_diff(by.loc[b, "diff"], by.loc[b, "ci_low"], by.loc[b, "ci_high"]) for b in benches) + " |")
+            format_difference(by.loc[b, "diff"], by.loc[b, "ci_low"], by.loc[b, "ci_high"],
+                              significant=significant[(row, b)]) for b in benches) + " |")
+    lines += ["", HOLM_NOTE.format(m=family, alpha=1.0 - confidence)]
     return "\n".join(lines) + "\n"

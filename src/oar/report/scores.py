@@ -16,7 +16,7 @@ import numpy as np
 
 from oar.io import read_jsonl
 from oar.report.base import METRICS, ReportError, RunScores
-from oar.stats import paired_bootstrap, paired_se, per_seed_differences, seed_interval
+from oar.stats import paired_bootstrap, paired_se, per_seed_differences, seed_interval, seed_p_value
 
 __all__ = ["load_scores"]
 
@@ -125,12 +125,14 @@ def _compare(row: dict[str, RunScores], ref: dict[str, RunScores], benches: Sequ
              n_boot: int, seed: int, confidence: float) -> dict[str, Any]:
     """Paired difference (points) of ``row`` minus ``ref`` over the benchmarks ``bidx`` (one, or all
     for the Average column): the estimate; the seed-level t interval, SE and sd of the per-seed
-    differences (:func:`oar.stats.seed_interval`); the problem-level bootstrap interval and SE."""
+    differences (:func:`oar.stats.seed_interval`) and its p value (:func:`oar.stats.seed_p_value`); the
+    problem-level bootstrap interval and SE."""
     ds = [_paired_diff(row[benches[i]], ref[benches[i]], benches[i]) * 100.0 for i in bidx]
     # the same resamples for every row: benchmark i always uses rng [seed, i]
     est, plo, phi = paired_bootstrap(ds, n_boot=n_boot, seed=seed, confidence=confidence, streams=list(bidx))
     seeds_diff = np.mean([per_seed_differences(d) for d in ds], axis=0)
     _, lo, hi, se = seed_interval(seeds_diff, confidence=confidence)
     sd = float(np.std(seeds_diff, ddof=1)) if len(seeds_diff) > 1 else math.nan
-    return {"diff": est, "low": lo, "high": hi, "se": se, "sd_seed": sd, "per_seed": seeds_diff,
+    return {"diff": est, "low": lo, "high": hi, "se": se, "p": seed_p_value(seeds_diff), "sd_seed": sd,
+            "per_seed": seeds_diff,
             "problem_low": plo, "problem_high": phi, "problem_se": paired_se(ds)}

@@ -44,12 +44,13 @@ def main_table(
     Columns: ``row``, ``label``, ``metric``, ``benchmark`` (each benchmark, then ``Average``),
     ``n_problems``, ``n_seeds``, ``mean``, ``std`` (NaN for one seed), ``per_seed`` (";"-joined values);
     against ``reference``: ``diff`` (mean paired difference), ``ci_low``, ``ci_high`` (seed-level t
-    interval over the per-seed differences, :func:`oar.stats.seed_interval`), ``se`` (its SE),
+    interval over the per-seed differences, :func:`oar.stats.seed_interval`), ``se`` (its SE), ``p``
+    (the t test's p value, :func:`oar.stats.seed_p_value`; Holm's correction is the renderer's),
     ``sd_seed`` (sd of the per-seed differences), ``diff_per_seed`` (";"-joined per-seed mean
     differences), ``problem_ci_low``, ``problem_ci_high``, ``problem_se`` (the problem-level paired
     bootstrap and :func:`oar.stats.paired_se`, for comparison), all NaN for the reference itself or
     when the config has no method named ``reference``; against the start model (the base row):
-    ``start_diff``, ``start_ci_low``, ``start_ci_high``, ``start_se`` (seed level) and
+    ``start_diff``, ``start_ci_low``, ``start_ci_high``, ``start_se``, ``start_p`` (seed level) and
     ``start_problem_ci_low``, ``start_problem_ci_high`` (NaN for the base row); ``mde``: the
     seed-level minimum detectable difference of the column, ``seeds_for_target``: the seeds that
     would bring it to ``report.target_mde`` (see :func:`column_mde`; the same on every row), and
@@ -124,6 +125,7 @@ def main_table(
                 "ci_low": vs_ref["low"] if vs_ref else nan,
                 "ci_high": vs_ref["high"] if vs_ref else nan,
                 "se": vs_ref["se"] if vs_ref else nan,
+                "p": vs_ref["p"] if vs_ref else nan,
                 "sd_seed": vs_ref["sd_seed"] if vs_ref else nan,
                 "diff_per_seed": ";".join(f"{v:.4f}" for v in vs_ref["per_seed"]) if vs_ref else "",
                 "problem_ci_low": vs_ref["problem_low"] if vs_ref else nan,
@@ -133,6 +135,7 @@ def main_table(
                 "start_ci_low": vs_start["low"] if vs_start else nan,
                 "start_ci_high": vs_start["high"] if vs_start else nan,
                 "start_se": vs_start["se"] if vs_start else nan,
+                "start_p": vs_start["p"] if vs_start else nan,
                 "start_sd_seed": vs_start["sd_seed"] if vs_start else nan,
                 "start_problem_ci_low": vs_start["problem_low"] if vs_start else nan,
                 "start_problem_ci_high": vs_start["problem_high"] if vs_start else nan,

@@ -1,0 +1,54 @@
+"""Multiple comparisons: the seed-level t test's p value, Holm's step-down correction, and the
+tables' bold (only a difference whose interval excludes 0 and that survives the correction for the
+comparisons its table shows)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+from scipy import stats as sps
+
+from oar.report.render import format_difference, wide
+from oar.stats import holm_significant, seed_interval, seed_p_value
+
+
+def test_seed_p_value_is_the_one_sample_t_test_the_interval_inverts():
+    d = [-3.0, -2.5, -3.8]
+    assert seed_p_value(d) == pytest.approx(sps.ttest_1samp(d, 0.0).pvalue)
+    # the 95% interval excludes 0 exactly when p < 0.05
+    for per_seed in ([1.0, 2.0, 0.5], [1.0, -2.0, 0.5], [0.1, 0.2, 0.15, 0.12]):
+        _, lo, hi, _ = seed_interval(per_seed)
+        assert (lo > 0 or hi < 0) == (seed_p_value(per_seed) < 0.05)
+    assert math.isnan(seed_p_value([1.0])) and seed_p_value([2.0, 2.0]) == 0.0 and seed_p_value([0.0, 0.0]) == 1.0
+
+
+def test_holm_by_hand():
+    # m = 3: 0.01 <= 0.05/3, then 0.03 > 0.05/2 stops: only the first
+    assert holm_significant([0.01, 0.04, 0.03]).tolist() == [True, False, False]
+    assert holm_significant([0.01, 0.02, 0.03]).tolist() == [True, True, True]  # 0.0167, 0.025, 0.05
+    # NaN does not count in m: with it m = 2, 0.024 <= 0.05/2
+    assert holm_significant([0.024, float("nan"), 0.04]).tolist() == [True, False, True]
+    assert holm_significant([0.024, 0.9, 0.04]).tolist() == [False, False, False]
+    assert holm_significant([]).tolist() == []
+
+
+def test_an_interval_excluding_zero_is_bold_only_when_it_survives_the_correction():
+    assert format_difference(-3.1, -4.6, -1.7, significant=True) == "**-3.1 [-4.6, -1.7]**"
+    assert format_difference(-3.1, -4.6, -1.7, significant=False) == "-3.1 [-4.6, -1.7]"
+    assert format_difference(1.0, -1.0, 3.0, significant=True) == "+1.0 [-1.0, +3.0]"  # contains 0: never bold
+    # a table of 12 comparisons where one seed-level test gives p ~ 0.015: bold alone, plain among 12
+    per_seed = np.array([-3.0, -2.5, -3.8])
+    p = seed_p_value(per_seed)
+    assert 0.01 < p < 0.05
+    _, lo, hi, _ = seed_interval(per_seed)
+    rows = [{"row": "dapo", "label": "dapo", "benchmark": "b0", "diff": per_seed.mean(), "ci_low": lo, "ci_high": hi,
+             "p": p}]
+    alone = wide(pd.DataFrame(rows), "diff", alpha=0.05)
+    assert alone.iloc[0, 0].startswith("**")
+    rows += [{"row": f"m{i}", "label": f"m{i}", "benchmark": "b0", "diff": 0.1, "ci_low": -1.0, "ci_high": 1.2,
+              "p": 0.8} for i in range(11)]
+    among = wide(pd.DataFrame(rows), "diff", alpha=0.05)
+    assert not among.iloc[0, 0].startswith("**") and among.iloc[0, 0] == "-3.1 [-4.7, -1.5]"
