@@ -781,3 +781,32 @@ def test_a_sigterm_to_every_process_of_a_workflow_job_checkpoints_and_the_rerun_
     assert [r["step"] for r in _rows(run)] == list(range(STEPS_WORKFLOW))  # resumed at `done`: nothing twice
     print(f"LOSS SIGTERM to a workflow job after {done} steps: 0 steps trained again; Snakemake ended "
           f"{seconds:.1f} s after the signal")
+
+
+# ---------------------------------------------------------------------------- kept checkpoints
+
+
+def test_keep_checkpoints_keeps_the_newest_and_prunes_after_a_newer_one_is_complete(tmp_path):
+    """train.keep_checkpoints: 3 with a checkpoint every step of 4: checkpoint/ is step 4, and
+    checkpoints/ keeps steps 3 and 2 (1 pruned); each kept one is a whole, loadable checkpoint. The
+    default (1) keeps the latest only, as before."""
+    from oar.config import load_config
+    from oar.train import train
+
+    cfg = _config_file(tmp_path, "cfg.yaml", save_every=1, keep_checkpoints=3)
+    run = tmp_path / "run"
+    train(load_config(cfg), METHOD, 0, run, progress=False)
+    assert _checkpoint_step(run) == STEPS
+    kept = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert kept == ["step_2", "step_3"]
+    for name, step in (("step_2", 2), ("step_3", 3)):
+        assert check_checkpoint_files(run / "checkpoints" / name)["step"] == step
+    assert not _same_weights_files(run / "checkpoints" / "step_2", run / "checkpoint")
+    one = tmp_path / "one"
+    train(load_config(_config_file(tmp_path, "one.yaml", save_every=1)), METHOD, 0, one, progress=False)
+    assert not (one / "checkpoints").exists()
+
+
+def _same_weights_files(a: Path, b: Path) -> bool:
+    wa, wb = _weights(a), _weights(b)
+    return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import random
 import shutil
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 import torch
 
-from oar.io import DiskFullError, atomic_write_json, atomic_write_jsonl, read_jsonl, recover_atomic_dir
+from oar.io import DiskFullError, atomic_path, atomic_write_json, atomic_write_jsonl, read_jsonl, recover_atomic_dir
 from oar.tracking import flatten
 
 __all__ = [
@@ -58,6 +59,8 @@ __all__ = [
 ]
 
 CHECKPOINT_DIR = "checkpoint"
+#: Earlier checkpoints kept beside the latest (``train.keep_checkpoints`` > 1): ``checkpoints/step_<N>/``.
+ARCHIVE_DIR = "checkpoints"
 FINAL_DIR = "model"
 STATE_FILE = "trainer_state.pt"
 METRICS_FILE = "metrics.jsonl"
@@ -69,8 +72,8 @@ MANIFEST_FILE = "checkpoint.json"
 #: ``train`` keys a resumed run may change: how long it runs, how often it saves, when it gives up,
 #: how it reacts to signals, and where the start model came from (its content is part of the identity instead). A longer
 #: ``steps`` continues the run; the schedule is then computed for the new total.
-RESUMABLE_TRAIN_KEYS: tuple[str, ...] = ("steps", "save_every", "save_every_minutes", "max_nonfinite", "init",
-                                         "preemption")
+RESUMABLE_TRAIN_KEYS: tuple[str, ...] = ("steps", "save_every", "save_every_minutes", "keep_checkpoints",
+                                         "max_nonfinite", "init", "preemption")
 #: ``model`` keys that only say where the start model is; its content hash stands for them.
 _MODEL_LOCATION_KEYS = ("source", "gguf_file")
 
@@ -358,6 +361,34 @@ class RunFolder:
     @property
     def summary(self) -> Path:
         return self.path / SUMMARY_FILE
+
+    @property
+    def archive(self) -> Path:
+        return self.path / ARCHIVE_DIR
+
+    def archive_checkpoint(self) -> Path | None:
+        """Keep the current checkpoint as ``checkpoints/step_<N>/`` before a newer one replaces it
+        (hard links: no copy of the bytes; the new checkpoint writes new files). None when there is no
+        complete checkpoint (its manifest names the step) or that step is already kept."""
+        info = check_checkpoint_files(self.checkpoint) if self.manifest.exists() else None
+        if not info or "step" not in info:
+            return None
+        dest = self.archive / f"step_{int(info['step'])}"
+        if dest.exists():
+            return None
+        with atomic_path(dest) as tmp:
+            shutil.copytree(self.checkpoint, tmp, copy_function=os.link)
+        return dest
+
+    def prune_archive(self, keep: int) -> list[str]:
+        """Remove the oldest kept checkpoints so that ``keep`` remain in all (the latest ``checkpoint/``
+        and ``keep - 1`` earlier ones). Call it only after the latest checkpoint is complete.
+        Returns the names removed."""
+        kept = sorted((p for p in self.archive.glob("step_*") if p.name[5:].isdigit()), key=lambda p: int(p.name[5:]))
+        gone = kept[:max(len(kept) - (keep - 1), 0)]
+        for p in gone:
+            shutil.rmtree(p)
+        return [p.name for p in gone]
 
     def recover(self) -> list[str]:
         """Repair what a kill during a checkpoint or final-model write left (see

@@ -579,7 +579,7 @@ def _checkpoint(loop: _Loop) -> bool:
             state["cursors"] = strategy.max_over_ranks(
                 [loop.stream.cursor if r == strategy.rank else 0 for r in range(strategy.world)])
         _save_checkpoint(strategy, loop.model, loop.tokenizer, loop.optimizer, loop.scheduler, state, loop.identity,
-                         loop.folder, intact=loop.intact)
+                         loop.folder, intact=loop.intact, keep=int(loop.tcfg["keep_checkpoints"]))
         loop.intact = state["step"]
         loop.schedule.saved()
     return decision.stop
@@ -843,12 +843,16 @@ def _merge(parts: list[StepBatch], pad_id: int) -> StepBatch:
 
 
 def _save_checkpoint(strategy: Strategy, model: Any, tokenizer: Any, optimizer: Any, scheduler: Any, state: dict,
-                     identity: dict[str, str], folder: RunFolder, *, intact: int | None) -> None:
+                     identity: dict[str, str], folder: RunFolder, *, intact: int | None, keep: int) -> None:
     """Write model and optimizer (whole or sharded, per strategy), tokenizer, scheduler, RNG states,
     data position and run identity into a temporary folder, then ``checkpoint.json`` (every file's
     size), then rename it onto the checkpoint. A full disk raises :class:`oar.runs.DiskFullError`
-    naming the checkpoint that is intact (the one of step ``intact``, None: none yet)."""
+    naming the checkpoint that is intact (the one of step ``intact``, None: none yet). With ``keep``
+    > 1 (``train.keep_checkpoints``) the checkpoint it replaces is kept as ``checkpoints/step_<N>/``,
+    and the oldest kept ones are pruned once the new one is complete, ``keep`` in all."""
     step = state["step"]
+    if keep > 1 and strategy.is_main:
+        folder.archive_checkpoint()
     with _disk_full_named(folder.checkpoint, f"the step-{step} checkpoint", strategy.checkpoint_bytes(model, optimizer),
                           _intact_sentence(folder, intact)):
         with strategy.shared_atomic_dir(folder.checkpoint, seal=lambda tmp: write_manifest(tmp, step=step)) as tmp:
@@ -856,6 +860,8 @@ def _save_checkpoint(strategy: Strategy, model: Any, tokenizer: Any, optimizer: 
             if strategy.is_main:
                 save_trainer_state(tmp / STATE_FILE, optimizer_state=optimizer_state, scheduler=scheduler, state=state,
                                    identity=identity)
+    if strategy.is_main and folder.archive.exists():
+        folder.prune_archive(keep)
 
 
 def _resume_cursor(state: dict, rank: int, world: int) -> int:
