@@ -208,7 +208,7 @@ def test_max_num_gen_batches_must_be_positive_in_a_recipe(tmp_path, value):
     from oar.config import ConfigError, load_config
 
     path = _write_config(tmp_path, {"recipes": {"dapo": {"max_num_gen_batches": value}}})
-    with pytest.raises(ConfigError, match=rf"{path}: key recipes\.dapo\.max_num_gen_batches: {value} is less than"):
+    with pytest.raises(ConfigError, match=rf"{path}:\d+: key recipes\.dapo\.max_num_gen_batches: {value} is less than"):
         load_config(path)
 
 

@@ -30,21 +30,47 @@ _positive_int = _int_at_least(1, "a positive integer")
 _seed = _int_at_least(0, "a non-negative integer")
 
 
-def _cmd_sft(args: argparse.Namespace) -> int:
+def _assignment(text: str) -> str:
+    """An argparse ``type`` for ``--set``: ``KEY.SUB=VALUE`` (checked here, typed by oar.config)."""
+    key, sep, _ = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY.SUB=VALUE (e.g. train.lr=1e-3), got {text!r}")
+    return text
+
+
+_assignment.__name__ = "KEY.SUB=VALUE"
+
+
+def _add_config(p: argparse.ArgumentParser, config_help: str | None = None) -> None:
+    """``--config FILE`` and ``--set KEY.SUB=VALUE ...`` (dotted overrides, applied in order on top of
+    the file before validation: oar.config.load_config)."""
+    p.add_argument("--config", required=True, help=config_help)
+    p.add_argument("--set", dest="set", action="extend", nargs="+", type=_assignment, default=[],
+                   metavar="KEY.SUB=VALUE",
+                   help="override a config value, e.g. --set train.lr=1e-3 rollout.n=4 (repeatable; values are "
+                        "typed as in YAML; applied in order on top of --config, before validation)")
+
+
+def _load(args: argparse.Namespace, overrides: dict | None = None, overrides_source: str = "overrides") -> dict:
+    """The validated config of ``--config`` with ``overrides`` and the ``--set`` assignments applied."""
     from oar.config import load_config
+
+    return load_config(args.config, overrides, sets=args.set, overrides_source=overrides_source)
+
+
+def _cmd_sft(args: argparse.Namespace) -> int:
     from oar.sft import sft_or_cached
 
-    summary = sft_or_cached(load_config(args.config), args.output)
+    summary = sft_or_cached(_load(args), args.output)
     print(json.dumps({k: v for k, v in summary.items() if k != "loss_curve"}, indent=2, default=str))
     return 0
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from oar.config import load_config
     from oar.preemption import EXIT_INTERRUPTED, StopSignal
 
     overrides = {"train": {"steps": args.steps}} if args.steps is not None else None
-    config = load_config(args.config, overrides)
+    config = _load(args, overrides, f"command line: --steps {args.steps}")
     # signals are caught from here on, before the slow imports and the model load: a SIGTERM while
     # starting stops the run before its first step instead of killing it
     with StopSignal(repeat_seconds=config["train"]["preemption"]["repeat_seconds"]) as stop:
@@ -62,10 +88,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
-    from oar.config import load_config
     from oar.evaluate import evaluate_from_config
 
-    out = evaluate_from_config(load_config(args.config), args.model, args.output, seed=args.seed)
+    out = evaluate_from_config(_load(args), args.model, args.output, seed=args.seed)
     for name, r in out["benchmarks"].items():
         print(f"{name:20s} n={r['n']:5d} pass@1={r['pass@1']} avg@k={r['avg@k']}")
     print(f"{'average':20s} {out['average']}")
@@ -73,28 +98,25 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def _cmd_data(args: argparse.Namespace) -> int:
-    from oar.config import load_config
     from oar.data.manifest import write_data_manifest
 
-    manifest = write_data_manifest(load_config(args.config), args.output)
+    manifest = write_data_manifest(_load(args), args.output)
     print(json.dumps(manifest, indent=2, default=str))
     return 0
 
 
 def _cmd_attribution(args: argparse.Namespace) -> int:
     from oar.attribution import attribution_from_config, format_tables
-    from oar.config import load_config
 
-    result = attribution_from_config(load_config(args.config), args.model, args.output)
+    result = attribution_from_config(_load(args), args.model, args.output)
     print(format_tables(result))
     return 0
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from oar.config import load_config
     from oar.report import build_report
 
-    paths = build_report(load_config(args.config), args.results, reference=args.reference, seed=args.seed,
+    paths = build_report(_load(args), args.results, reference=args.reference, seed=args.seed,
                          metric=args.metric)
     for name, path in paths.items():
         print(f"{name}: {path}")
@@ -102,12 +124,14 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_regimes(args: argparse.Namespace) -> int:
-    from oar.config import load_config
+    from oar.config import assigned_values, parse_assignments
     from oar.regimes import write_cell_configs, write_regime_report
 
-    config = load_config(args.config)
+    config = _load(args)
     if args.action == "cells":
-        for path in write_cell_configs(config, args.config, args.out, args.cells):
+        # a cell config extends --config's file: it carries the --set values itself
+        overrides = assigned_values(config, parse_assignments(args.set))
+        for path in write_cell_configs(config, args.config, args.out, args.cells, overrides=overrides):
             print(path)
     else:
         if args.cells:
@@ -119,10 +143,9 @@ def _cmd_regimes(args: argparse.Namespace) -> int:
 
 
 def _cmd_init_tracking(args: argparse.Namespace) -> int:
-    from oar.config import load_config
     from oar.tracking import ensure_experiment
 
-    config = load_config(args.config)
+    config = _load(args)
     tr = config["tracking"]
     if tr["enabled"]:
         exp_id = ensure_experiment(tr["uri"], tr["experiment"])
@@ -131,20 +154,19 @@ def _cmd_init_tracking(args: argparse.Namespace) -> int:
 
 
 def _cmd_methods(args: argparse.Namespace) -> int:
-    from oar.config import load_config, resolve_methods
+    from oar.config import resolve_methods
 
-    config = load_config(args.config)
+    config = _load(args)
     for name, m in resolve_methods(config, source=args.config).items():
         print(f"{name:16s} recipe={m.recipe_name:7s} credit={m.credit:6s} estimator={m.estimator:7s} options={m.estimator_options()}")
     return 0
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from oar.config import load_config
     from oar.io import atomic_write_text
     from oar.plan import format_plan, plan
 
-    config = load_config(args.config)
+    config = _load(args)
     result = plan(config, args.gpus)
     text = format_plan(result, source=args.config)
     print(text, end="")
@@ -163,13 +185,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("sft", help="warm-start SFT on reference solutions (the synthetic task, or a benchmark with solutions such as gsm8k)")
-    s.add_argument("--config", required=True)
+    _add_config(s)
     s.add_argument("--output", required=True, help="folder for the SFT model (save_pretrained) and sft_summary.json")
     s.set_defaults(fn=_cmd_sft)
 
     s = sub.add_parser("train", help="RL training of one method and seed (resumes from <output>/checkpoint); "
                                      "SIGTERM, SIGINT or SIGUSR1 stop it after its step with a checkpoint, exit 75")
-    s.add_argument("--config", required=True)
+    _add_config(s)
     s.add_argument("--method", required=True, help="a key of the config's 'methods'")
     s.add_argument("--seed", type=_seed, default=0)
     s.add_argument("--output", required=True)
@@ -182,27 +204,27 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=_cmd_train)
 
     s = sub.add_parser("evaluate", help="evaluate a checkpoint on the config's eval benchmarks")
-    s.add_argument("--config", required=True)
+    _add_config(s)
     s.add_argument("--model", default=None, help="checkpoint folder (default: the config's model)")
     s.add_argument("--output", required=True, help="folder for <bench>.jsonl, <bench>.json and summary.json")
     s.add_argument("--seed", type=_seed, default=0, help="sampling seed for avg@k")
     s.set_defaults(fn=_cmd_evaluate)
 
     s = sub.add_parser("data", help="load every data set the config names; write a manifest (paths, sha256, counts)")
-    s.add_argument("--config", required=True)
+    _add_config(s)
     s.add_argument("--output", required=True, help="manifest JSON path")
     s.set_defaults(fn=_cmd_data)
 
     s = sub.add_parser("attribution", help="error localisation, stability and cost of the token-credit signals "
                        "(OAR-P, OAR-G variants, KTAE, baselines)")
-    s.add_argument("--config", required=True)
+    _add_config(s)
     s.add_argument("--model", required=True, help="warm-started model folder (e.g. results/tiny/sft/model)")
     s.add_argument("--output", required=True, help="folder for localisation/stability/cost/fidelity .csv, "
                    "attribution.md, localisation.png, fidelity.png, summary.json")
     s.set_defaults(fn=_cmd_attribution)
 
     s = sub.add_parser("report", help="comparison tables (main, efficiency) and figures from a results folder")
-    s.add_argument("--config", required=True)
+    _add_config(s)
     s.add_argument("--results", default=None, help="results folder of the config (default results_dir/name)")
     s.add_argument("--reference", default=None, help="method the paired differences are taken against "
                    "(default: report.reference)")
@@ -214,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("regimes", help="the regime map: write one config per cell (cells), or the map's table and "
                        "figure from the finished cells (report)")
     s.add_argument("action", choices=["cells", "report"])
-    s.add_argument("--config", required=True, help="a config with regimes.cells (e.g. config/regimes.yaml)")
+    _add_config(s, config_help="a config with regimes.cells (e.g. config/regimes.yaml)")
     s.add_argument("--out", default="results/regime_cells", help="cells: folder of the cell configs")
     s.add_argument("--results", default=None, help="report: the results folder (default: results_dir)")
     s.add_argument("--cells", nargs="*", default=[], metavar="CELL",
@@ -222,19 +244,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=_cmd_regimes)
 
     s = sub.add_parser("init-tracking", help="create the MLflow store and experiment (once, before parallel jobs)")
-    s.add_argument("--config", required=True)
+    _add_config(s)
     s.set_defaults(fn=_cmd_init_tracking)
 
     s = sub.add_parser("plan", help="per-GPU memory of training and of the vLLM engine, term by term; exits 1 "
                                     "when the config cannot fit, naming the term")
-    s.add_argument("--config", required=True)
+    _add_config(s)
     s.add_argument("--gpus", type=_positive_int, default=None,
                    help="training processes, one per GPU (default resources.train.gpu x nodes)")
     s.add_argument("--output", default=None, help="also write the plan to this file (when it fits)")
     s.set_defaults(fn=_cmd_plan)
 
     s = sub.add_parser("methods", help="list the config's methods as resolved (recipe, credit, options)")
-    s.add_argument("--config", required=True)
+    _add_config(s)
     s.set_defaults(fn=_cmd_methods)
     return p
 

@@ -8,17 +8,33 @@ single place where defaults live. Snakemake's ``validate`` reads the same file.
 from __future__ import annotations
 
 import copy
+import difflib
+import json
 import re
+import shlex
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence, Union
 
 import yaml
 
 __all__ = [
     "ConfigError",
+    "ConfigSource",
+    "Layer",
+    "Assignment",
+    "SET_KEY",
+    "COMMAND_LINE",
+    "SUGGEST_CUTOFF",
+    "suggest",
+    "parse_assignment",
+    "parse_assignments",
+    "parse_set_option",
+    "override_value",
+    "apply_assignments",
+    "assigned_values",
     "schema",
     "schema_path",
     "section_defaults",
@@ -38,8 +54,142 @@ __all__ = [
 RESERVED_METHOD_KEYS = ("base", "recipe", "credit", "label")
 
 
+#: The top-level key of Snakemake's ``--config`` whose value is a space-separated list of dotted
+#: assignments (``--config set="train.lr=1e-3 rollout.n=4"``): Snakemake's own parser refuses a dotted
+#: key (``train.lr=...``), so the dotted assignments travel as the value of one plain key. The key
+#: is consumed by :func:`workflow_config`: it is no config key (the schema does not allow it) and never
+#: reaches the resolved config or a fingerprint; only its effect does.
+SET_KEY = "set"
+
+#: How an error names a value given on the command line (``command line: --set train.lr=abc``).
+COMMAND_LINE = "command line"
+
+#: The least :class:`difflib.SequenceMatcher` ratio at which a misspelt key or name gets a "did you
+#: mean" suggestion (difflib's own default; ``lrr`` -> ``lr`` is 0.8, unrelated words score below).
+SUGGEST_CUTOFF = 0.6
+
+#: A key path into a config: mapping keys, and list indices.
+KeyPath = tuple[Union[str, int], ...]
+
+
 class ConfigError(ValueError):
-    """A configuration problem; the message names the file and the key path."""
+    """A configuration problem; the message names where the value came from (the file and line, or
+    the command-line override) and the key path."""
+
+
+def suggest(word: str, candidates: Iterable[str]) -> str | None:
+    """The candidate closest to ``word`` (difflib, at least :data:`SUGGEST_CUTOFF`), else None."""
+    matches = difflib.get_close_matches(str(word), [str(c) for c in candidates], n=1, cutoff=SUGGEST_CUTOFF)
+    return matches[0] if matches else None
+
+
+def _dotted(path: Sequence[str | int]) -> str:
+    return ".".join(str(p) for p in path) or "<top level>"
+
+
+def _display(path: str | Path) -> str:
+    """``path`` as messages show it: relative to the working directory when it lies below it."""
+    p = Path(path)
+    if p.is_absolute():
+        try:
+            return str(p.relative_to(Path.cwd()))
+        except ValueError:
+            return str(p)
+    return str(p)
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One source of the values merged into a config: a file of an ``extends`` chain, or an override.
+
+    Attributes:
+        data: the values it gives (a nested mapping, as merged by :func:`deep_merge`).
+        name: how a message names it: a file path, or ``command line: --set train.lr=abc``.
+        note: said after the name and line, e.g. `` (extends config/config.yaml)``.
+        lines: the 1-based line of each key path in the file (empty for an override).
+    """
+
+    data: Mapping[str, Any]
+    name: str
+    note: str = ""
+    lines: Mapping[KeyPath, int] = field(default_factory=dict)
+
+    def where(self, path: KeyPath) -> str:
+        """``name[:line]note`` for the value at ``path`` of this layer."""
+        line = self.lines.get(tuple(path))
+        return f"{self.name}{'' if line is None else f':{line}'}{self.note}"
+
+    def reach(self, path: KeyPath) -> tuple[int, bool]:
+        """How many leading keys of ``path`` this layer holds, and whether it gives the merged value at
+        ``path``: it holds the whole path, or a list or scalar above it (which replaces the lower
+        layers' value whole when merged)."""
+        node: Any = self.data
+        for depth, key in enumerate(path):
+            if isinstance(node, dict):
+                if key in node:
+                    node = node[key]
+                elif str(key) in node:  # an override's "0" for a list index
+                    node = node[str(key)]
+                else:
+                    return depth, False
+            elif isinstance(node, list):
+                if not (isinstance(key, int) and 0 <= key < len(node)):
+                    return depth, True
+                node = node[key]
+            else:
+                return depth, True
+        return len(path), True
+
+
+class ConfigSource:
+    """Where a config's values came from: the layers merged into it (lowest first), to name, in an
+    error, the file and line or the command-line override that gave the value at a key path.
+
+    ``str()`` is ``label`` (the config file(s), as the resolved config's header and older messages
+    name them); a plain string passed as a ``source`` is a ConfigSource with no layers.
+    """
+
+    def __init__(self, label: str, layers: Sequence[Layer] = (), *, fallback: str | None = None):
+        self.label = label
+        self.layers: list[Layer] = list(layers)
+        top_file = next((lay for lay in reversed(self.layers) if lay.lines), None)
+        self.fallback = fallback or (top_file.where(()) if top_file is not None else label)
+
+    def __str__(self) -> str:
+        return self.label
+
+    def __repr__(self) -> str:
+        return f"ConfigSource({self.label!r}, {len(self.layers)} layers)"
+
+    def add(self, layer: Layer) -> None:
+        """Put ``layer`` on top (it was merged after every layer so far)."""
+        self.layers.append(layer)
+
+    def locate(self, path: Sequence[str | int]) -> str:
+        """Where the value at ``path`` came from: the topmost layer that gives it (file:line and its
+        ``extends`` note, or the override); for a path no layer holds whole (a default, a missing
+        key), the layer holding the longest part of it (a file rather than an override); else
+        ``fallback``."""
+        path = tuple(path)
+        best: tuple[int, bool, Layer] | None = None
+        for layer in reversed(self.layers):
+            depth, gives = layer.reach(path)
+            if gives and depth > 0:
+                return layer.where(path[:depth])
+            has_line = tuple(path[:depth]) in layer.lines
+            if depth > 0 and (best is None or (depth, has_line) > best[:2]):
+                best = (depth, has_line, layer)
+        if best is not None:
+            return best[2].where(path[: best[0]])
+        return self.fallback
+
+    def error(self, path: Sequence[str | int], message: str) -> ConfigError:
+        """``ConfigError("<where the value at path came from>: key <path>: <message>")``."""
+        return ConfigError(f"{self.locate(path)}: key {_dotted(path)}: {message}")
+
+
+def _as_source(source: str | ConfigSource) -> ConfigSource:
+    return source if isinstance(source, ConfigSource) else ConfigSource(str(source))
 
 
 def schema_path() -> Path:
@@ -110,33 +260,60 @@ def _defaults_of(sub: dict) -> dict:
 
 
 def _key_path(err: Any) -> str:
-    return ".".join(str(p) for p in err.absolute_path) or "<top level>"
+    return _dotted(err.absolute_path)
 
 
-def validate_config(config: dict, *, source: str = "<config>") -> dict:
+def _unknown_key_message(path: KeyPath, key: str, valid: Iterable[str]) -> str:
+    """``unknown key train.lrr; did you mean train.lr?`` (or the valid keys, when none is close)."""
+    valid = sorted(valid)
+    near = suggest(key, valid)
+    hint = f"did you mean {_dotted((*path, near))}?" if near is not None else f"valid keys: {valid}"
+    return f"unknown key {_dotted((*path, key))}; {hint}"
+
+
+def _schema_error(err: Any, src: ConfigSource, more: str = "") -> ConfigError:
+    """A jsonschema error as one line naming where the value came from; an unexpected key (a
+    misspelling) names the nearest key the schema allows at that level."""
+    path = tuple(err.absolute_path)
+    if err.validator == "additionalProperties" and err.validator_value is False and isinstance(err.instance, dict):
+        allowed = (err.schema.get("properties") or {}).keys()
+        extra = [k for k in err.instance if k not in allowed]
+        if extra:
+            key = str(extra[0])
+            return ConfigError(f"{src.locate((*path, key))}: {_unknown_key_message(path, key, allowed)}{more}")
+    return ConfigError(f"{src.locate(path)}: key {_key_path(err)}: {err.message}{more}")
+
+
+def validate_config(config: dict, *, source: str | ConfigSource = "<config>") -> dict:
     """Validate ``config`` in place against the schema, filling defaults; return it.
 
     Also resolves every method, so a bad method entry fails here, before any training.
 
+    Args:
+        source: the file name, or a :class:`ConfigSource` that knows the file, line and
+            ``extends`` chain or the command-line override behind each value.
+
     Raises:
-        ConfigError: naming ``source`` and the offending key path.
+        ConfigError: naming where the offending value came from and its key path; a misspelt key
+            names the nearest valid one.
     """
+    src = _as_source(source)
     if not isinstance(config, dict):
-        raise ConfigError(f"{source}: top level must be a mapping, got {type(config).__name__}")
+        raise ConfigError(f"{src.fallback}: top level must be a mapping, got {type(config).__name__}")
     sch = schema()
     # fill defaults twice: nested defaults appear only once their parent exists
     for _ in range(2):
-        errors = sorted(_default_filling()(sch).iter_errors(config), key=lambda e: list(e.absolute_path))
+        errors = sorted(_default_filling()(sch).iter_errors(config),
+                        key=lambda e: [str(p) for p in e.absolute_path])
         if errors:
-            e = errors[0]
             more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-            raise ConfigError(f"{source}: key {_key_path(e)}: {e.message}{more}")
+            raise _schema_error(errors[0], src, more)
     if config["tracking"].get("experiment") is None:
         config["tracking"]["experiment"] = config["name"]
     config.setdefault("recipes", {})
     for name, rec in config["recipes"].items():
         _fill_defaults(rec, sch["$defs"]["recipe"])
-    resolve_methods(config, source=source)
+    resolve_methods(config, source=src)
     return config
 
 
@@ -146,20 +323,34 @@ def _fill_defaults(obj: dict, sub: dict) -> None:
             obj[k] = copy.deepcopy(v["default"])
 
 
-def load_config(path: str | Path, overrides: dict | None = None) -> dict:
-    """Read a YAML config file, apply ``overrides`` (a nested dict merged on top), validate it.
+def load_config(path: str | Path, overrides: dict | None = None, *, sets: Sequence[str] = (),
+                overrides_source: str = "overrides") -> dict:
+    """Read a YAML config file (following its ``extends`` chain), merge ``overrides`` (a nested dict) on
+    top, then the dotted assignments ``sets`` (``["train.lr=1e-3", "rollout.n=4"]``, the ``--set`` of
+    every ``oar`` command: :func:`parse_assignments`), and validate it.
+
+    Args:
+        overrides_source: how an error names a value of ``overrides`` (e.g. ``command line: --steps 5``).
 
     Raises:
         FileNotFoundError: if the file does not exist.
-        ConfigError: for YAML syntax errors (with line) and schema violations (with key path).
+        ConfigError: for YAML syntax errors (with line), a malformed assignment, and schema violations:
+            naming where the value came from (``config/ablations.yaml:12 (extends config/config.yaml)``,
+            ``command line: --set train.lr=abc``) and its key path.
     """
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"config file not found: {path}")
-    config = resolve_extends(_read_yaml(path), path)
+    data, lines = _read_yaml_lines(path)
+    layers = _extends_layers(data, path, lines)
+    config = _merge_layers(layers)
+    src = ConfigSource(str(path), layers)
     if overrides:
         config = deep_merge(config, overrides)
-    return validate_config(config, source=str(path))
+        src.add(Layer(overrides, overrides_source))
+    assignments = parse_assignments(sets)
+    config = apply_assignments(config, assignments, source=src)
+    return validate_config(config, source=src)
 
 
 def _read_yaml(path: Path, context: str = "") -> dict:
@@ -168,12 +359,51 @@ def _read_yaml(path: Path, context: str = "") -> dict:
     Raises:
         ConfigError: invalid YAML, naming the file, the line and ``context``.
     """
+    return _read_yaml_lines(path, context)[0]
+
+
+def _read_yaml_lines(path: Path, context: str = "") -> tuple[Any, dict[KeyPath, int]]:
+    """The YAML document in ``path`` ({} for an empty file) and the 1-based line of each key path in
+    it (of a mapping's key, of a list's item), from the same parse.
+
+    Raises:
+        ConfigError: invalid YAML, naming the file, the line and ``context``.
+    """
+    loader = yaml.SafeLoader(path.read_text(encoding="utf-8"))
     try:
-        return yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        node = loader.get_single_node()
+        if node is None:
+            return {}, {}
+        lines: dict[KeyPath, int] = {}
+        _node_lines(loader, node, (), lines)
+        return loader.construct_document(node) or {}, lines
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f":{mark.line + 1}" if mark is not None else ""
         raise ConfigError(f"{path}{where}: invalid YAML{context}: {getattr(e, 'problem', e)}") from None
+    finally:
+        loader.dispose()
+
+
+#: Deepest key path :func:`_node_lines` records (guards a recursive YAML alias).
+_MAX_LINE_DEPTH = 32
+
+
+def _node_lines(loader: yaml.SafeLoader, node: yaml.Node, path: KeyPath, out: dict[KeyPath, int]) -> None:
+    """Record in ``out`` the line of every key path below ``node`` (a composed YAML node at ``path``)."""
+    if len(path) >= _MAX_LINE_DEPTH:
+        return
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = loader.construct_object(key_node)
+            out[(*path, key)] = key_node.start_mark.line + 1
+            _node_lines(loader, value_node, (*path, key), out)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            out[(*path, i)] = item.start_mark.line + 1
+            _node_lines(loader, item, (*path, i), out)
 
 
 def resolve_extends(config: dict, path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
@@ -189,15 +419,53 @@ def resolve_extends(config: dict, path: str | Path, _seen: tuple[Path, ...] = ()
     """
     if not isinstance(config, dict) or "extends" not in config:
         return config
-    path = Path(path)
-    top = dict(config)
-    base_path = (path.parent / str(top.pop("extends"))).resolve()
-    if base_path in _seen or base_path == path.resolve():
+    return _merge_layers(_extends_layers(config, path, {}, _seen))
+
+
+def _extends_chain(config: dict, path: Path, lines: dict[KeyPath, int], seen: tuple[Path, ...],
+                   ) -> list[tuple[str, dict, dict[KeyPath, int]]]:
+    """``(shown path, own values without extends, lines)`` of ``config`` (the file ``path``) and of
+    every file its ``extends`` chain reaches, the deepest base first."""
+    own = {k: v for k, v in config.items() if k != "extends"} if isinstance(config, dict) else config
+    shown = str(path) if not seen else _display(path)
+    if not isinstance(config, dict) or "extends" not in config:
+        return [(shown, own, lines)]
+    base_path = (path.parent / str(config["extends"])).resolve()
+    if base_path in seen or base_path == path.resolve():
         raise ConfigError(f"{path}: key extends: {base_path} extends itself (a loop)")
     if not base_path.is_file():
         raise ConfigError(f"{path}: key extends: no such config file {base_path}")
-    base = resolve_extends(_read_yaml(base_path, f" (extended by {path})"), base_path, (*_seen, path.resolve()))
-    return deep_merge(base, top)
+    base, base_lines = _read_yaml_lines(base_path, f" (extended by {path})")
+    if not isinstance(base, dict):
+        raise ConfigError(f"{_display(base_path)} (extended by {path}): top level must be a mapping, "
+                          f"got {type(base).__name__}")
+    return [*_extends_chain(base, base_path, base_lines, (*seen, path.resolve())), (shown, own, lines)]
+
+
+def _extends_layers(config: dict, path: str | Path, lines: dict[KeyPath, int],
+                    seen: tuple[Path, ...] = ()) -> list[Layer]:
+    """The layers of ``config`` (the file ``path``) and of its ``extends`` chain, the deepest base
+    first, each noting its place in the chain: ``(extends config/config.yaml)`` for the file that
+    says it, ``(extended by config/ablations.yaml)`` for the base."""
+    chain = _extends_chain(config, Path(path), lines, seen)
+    names = [name for name, _, _ in chain]
+    layers = []
+    for i, (name, data, file_lines) in enumerate(chain):
+        notes = []
+        if i > 0:
+            notes.append("extends " + ", which extends ".join(reversed(names[:i])))
+        if i < len(chain) - 1:
+            notes.append("extended by " + ", which is extended by ".join(names[i + 1:]))
+        layers.append(Layer(data, name, f" ({'; '.join(notes)})" if notes else "", file_lines))
+    return layers
+
+
+def _merge_layers(layers: Sequence[Layer]) -> dict:
+    """The layers' data merged in order (:func:`deep_merge`), the first lowest."""
+    out: dict = {}
+    for layer in layers:
+        out = deep_merge(out, layer.data) if isinstance(layer.data, dict) else layer.data
+    return out
 
 
 #: A YAML 1.2 float without a dot (1e-3), which YAML 1.1 (PyYAML) reads as a string.
@@ -228,33 +496,212 @@ def typed_override(value: Any) -> Any:
     return typed if typed is None or isinstance(typed, (bool, int, float)) else value
 
 
+def override_value(text: str) -> Any:
+    """The value of a dotted assignment (``--set KEY.SUB=VALUE``) with its YAML type: a scalar as
+    :func:`typed_override` types it (``1e-3`` a float, ``4`` an int, ``true``, ``null``), a quoted
+    one the string inside the quotes (``"'1'"`` -> ``'1'``), a flow list or mapping (``[0,1]``,
+    ``{lr: 0.1}``) with its scalars typed the same way; anything else the text as given."""
+    stripped = text.strip()
+    if stripped[:1] in ("[", "{"):
+        try:
+            return typed_override(yaml.load(stripped, Loader=yaml.BaseLoader))
+        except yaml.YAMLError:
+            return text
+    typed = typed_override(text)
+    if isinstance(typed, str) and stripped[:1] in ("'", '"'):
+        try:
+            unquoted = yaml.safe_load(stripped)
+        except yaml.YAMLError:
+            return typed
+        return unquoted if isinstance(unquoted, str) else typed
+    return typed
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """One dotted override ``KEY.SUB=VALUE``.
+
+    Attributes:
+        path: the key path (``("train", "lr")``); a component of digits indexes a list.
+        value: the value, typed by :func:`override_value`.
+        origin: how an error names it: ``command line: --set train.lr=abc``.
+    """
+
+    path: tuple[str, ...]
+    value: Any
+    origin: str
+
+
+def parse_assignment(text: str, *, origin: str) -> Assignment:
+    """``KEY.SUB=VALUE`` as an :class:`Assignment` (the value typed by :func:`override_value`).
+
+    Raises:
+        ConfigError: no ``=``, an empty key or an empty key component (``train..lr``), naming ``origin``.
+    """
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"{origin}: expected KEY.SUB=VALUE (e.g. train.lr=1e-3)")
+    path = tuple(key.split("."))
+    if any(not part for part in path):
+        raise ConfigError(f"{origin}: empty key component in {key!r}")
+    return Assignment(path, override_value(raw), origin)
+
+
+def parse_assignments(items: Iterable[str], *, flag: str = "--set") -> list[Assignment]:
+    """The assignments of the command-line flag ``flag``, each naming itself as its origin
+    (``command line: --set train.lr=abc``).
+
+    Raises:
+        ConfigError: a malformed assignment (:func:`parse_assignment`).
+    """
+    return [parse_assignment(text, origin=f"{COMMAND_LINE}: {flag} {text}") for text in items]
+
+
+def parse_set_option(value: Any) -> list[Assignment]:
+    """The assignments in the value of Snakemake's ``--config set="train.lr=1e-3 rollout.n=4"``
+    (:data:`SET_KEY`): space-separated, shell-quoted where a value holds a space; each names itself
+    as ``command line: --config set=train.lr=1e-3``.
+
+    Raises:
+        ConfigError: the value is not such a list (Snakemake typed it as a number, a mapping, ...), or
+            an assignment is malformed.
+    """
+    flag = f"--config {SET_KEY}="
+    if not isinstance(value, str):
+        raise ConfigError(f"{COMMAND_LINE}: {flag}{value!r}: expected space-separated KEY.SUB=VALUE assignments, "
+                          f"e.g. {SET_KEY}=\"train.lr=1e-3 rollout.n=4\"")
+    try:
+        items = shlex.split(value)
+    except ValueError as e:
+        raise ConfigError(f"{COMMAND_LINE}: {flag}{value}: {e}") from None
+    return [parse_assignment(text, origin=f"{COMMAND_LINE}: {flag}{text}") for text in items]
+
+
+def _assignment_layer(a: Assignment) -> Layer:
+    """An assignment as the layer of its own value (``train.lr=x`` -> ``{"train": {"lr": x}}``)."""
+    data: Any = a.value
+    for part in reversed(a.path):
+        data = {part: data}
+    return Layer(data, a.origin)
+
+
+def apply_assignments(config: dict, assignments: Sequence[Assignment], *,
+                      source: ConfigSource | None = None) -> dict:
+    """``config`` with each assignment set, in order (a copy; ``config`` is left as it is). Missing
+    mappings on the way are created (a null one too: ``train.init: null``); a component of digits
+    indexes an existing list. Each assignment is added to ``source`` (when given) as a layer, so that
+    an error in its value names it.
+
+    Raises:
+        ConfigError: a key on the way holds a value that is neither a mapping nor a list, or an index
+            outside a list, naming the assignment.
+    """
+    if not assignments:
+        return config
+    out = copy.deepcopy(config)
+    for a in assignments:
+        node: Any = out
+        for depth, part in enumerate(a.path):
+            last = depth == len(a.path) - 1
+            if isinstance(node, list):
+                if not part.isdigit() or int(part) >= len(node):
+                    raise ConfigError(f"{a.origin}: key {_dotted(a.path[:depth])} is a list of {len(node)}; "
+                                      f"{part!r} is no index of it")
+                key: str | int = int(part)
+            elif isinstance(node, dict):
+                key = part
+                if not last and node.get(key) is None:
+                    node[key] = {}
+            else:
+                raise ConfigError(f"{a.origin}: key {_dotted(a.path[:depth])} is a {type(node).__name__}, not a "
+                                  f"mapping; cannot set {_dotted(a.path)}")
+            if last:
+                node[key] = copy.deepcopy(a.value)
+            else:
+                node = node[key]
+        if source is not None:
+            source.add(_assignment_layer(a))
+    return out
+
+
+def assigned_values(config: Mapping[str, Any], assignments: Sequence[Assignment]) -> dict:
+    """The values of ``config`` at the assignments' key paths, as a nested mapping to merge on top of
+    another config (:func:`deep_merge`) to the same effect: a path into a list gives the whole list.
+    For writing a config file that must carry command-line assignments (e.g. a regime cell's)."""
+    out: dict = {}
+    for a in assignments:
+        node: Any = config
+        keep: list[str] = []
+        for part in a.path:
+            if not isinstance(node, dict) or part not in node:
+                break
+            keep.append(part)
+            node = node[part]
+            if isinstance(node, list):
+                break
+        if not keep:
+            continue
+        target = out
+        for part in keep[:-1]:
+            target = target.setdefault(part, {})
+        target[keep[-1]] = copy.deepcopy(node)
+    return out
+
+
+def _show(value: Any) -> str:
+    """A ``--config`` value as typed on the command line (JSON for a mapping or a list)."""
+    return value if isinstance(value, str) else json.dumps(value, default=str)
+
+
 def workflow_config(given: dict, *, configfiles: Sequence[str | Path], default_configfile: str | Path,
-                    cli_config: Mapping[str, Any]) -> tuple[dict, str]:
-    """The config the workflow runs, before validation, and the name of its source.
+                    cli_config: Mapping[str, Any]) -> tuple[dict, ConfigSource]:
+    """The config the workflow runs, before validation, and where its values came from.
 
     ``given`` is Snakemake's ``config``. Without ``--configfile`` it is merged onto the embedded
     default ``default_configfile``; a ``--configfile`` replaces the default instead (so a config's
     ``methods`` are exactly the ones it lists), and one that says ``extends: <file>`` is a set of
     changes to that file (:func:`resolve_extends`). The mapping and list values of ``--config
-    KEY=VALUE`` (``cli_config``) are merged on top with their scalars typed (:func:`typed_override`).
+    KEY=VALUE`` (``cli_config``) are merged on top with their scalars typed (:func:`typed_override`),
+    then the dotted assignments of ``--config set="train.lr=1e-3 rollout.n=4"`` (:data:`SET_KEY`,
+    :func:`parse_set_option`) are applied; the ``set`` key itself is dropped.
+
+    Returns:
+        ``(config, source)``: ``str(source)`` is the config file(s) (the default's name without
+        ``--configfile``); :meth:`ConfigSource.locate` names the file and line, ``extends`` chain or
+        command-line override behind a key path, for :func:`validate_config`'s messages.
 
     Raises:
-        ConfigError: the default config file is missing, or an ``extends`` chain is broken.
+        ConfigError: the default config file is missing, an ``extends`` chain is broken, or a ``set``
+            assignment is malformed or cannot be applied (naming it).
     """
     config = dict(given)
+    files = [Path(f) for f in configfiles] or [Path(default_configfile)]
     if not configfiles:
-        path = Path(default_configfile)
+        path = files[0]
         if not path.exists():
             raise ConfigError(f"no --configfile given and the default {path} does not exist "
                               f"(working directory {Path.cwd()}); run snakemake from the repository root")
-        config = deep_merge(yaml.safe_load(path.read_text(encoding="utf-8")) or {}, config)
+        config = deep_merge(_read_yaml(path), config)
     elif "extends" in config:
         config = resolve_extends(config, configfiles[-1])
+    layers: list[Layer] = []
+    for path in files:
+        if path.is_file():  # Snakemake has read each already; read again for the lines
+            data, lines = _read_yaml_lines(path)
+            layers += _extends_layers(data, path, lines) if configfiles else [Layer(data, str(path), "", lines)]
+    source = ConfigSource(", ".join(map(str, configfiles)) or str(default_configfile), layers)
+    assignments = parse_set_option(cli_config[SET_KEY]) if SET_KEY in cli_config else []
+    if SET_KEY in cli_config:
+        config.pop(SET_KEY, None)
+    for key, value in cli_config.items():
+        if key != SET_KEY:
+            source.add(Layer({key: typed_override(value)}, f"{COMMAND_LINE}: --config {key}={_show(value)}"))
     # only mapping and list values went through the BaseLoader; top-level scalars keep Snakemake's type
-    nested = {k: typed_override(v) for k, v in cli_config.items() if isinstance(v, (dict, list))}
+    nested = {k: typed_override(v) for k, v in cli_config.items() if isinstance(v, (dict, list)) and k != SET_KEY}
     if nested:
         config = deep_merge(config, nested)
-    return config, ", ".join(map(str, configfiles)) or str(default_configfile)
+    return apply_assignments(config, assignments, source=source), source
 
 
 def deep_merge(base: dict, top: dict) -> dict:
@@ -304,39 +751,57 @@ class ResolvedMethod:
         return out
 
 
-def _flatten_method(config: dict, name: str, source: str, seen: tuple[str, ...] = ()) -> dict:
+def _unknown_name(kind: str, name: Any, defined: Iterable[str]) -> str:
+    """``unknown method 'oar_gg'; did you mean oar_g?`` (or the defined names, when none is close)."""
+    defined = sorted(defined)
+    near = suggest(str(name), defined)
+    return f"unknown {kind} {name!r}; " + (f"did you mean {near}?" if near is not None else f"defined: {defined}")
+
+
+def _flatten_method(config: dict, name: str, src: ConfigSource, seen: tuple[str, ...] = ()) -> dict:
+    """Method ``name``'s entry with its chain of ``base`` methods merged in (the entry's own keys win).
+
+    Raises:
+        ConfigError: a ``base`` that names no method (reported at ``methods.<x>.base``, with the
+            nearest method name), or a cycle.
+    """
     methods = config.get("methods") or {}
     if name not in methods:
-        raise ConfigError(f"{source}: key methods.{name}: unknown method; defined: {sorted(methods)}")
+        raise src.error(("methods", name), _unknown_name("method", name, methods))
     if name in seen:
-        raise ConfigError(f"{source}: key methods.{name}: cycle in 'base' chain: {' -> '.join(seen + (name,))}")
+        raise src.error(("methods", name), f"cycle in 'base' chain: {' -> '.join(seen + (name,))}")
     entry = dict(methods[name] or {})
     if "base" in entry:
-        base = _flatten_method(config, entry.pop("base"), source, seen + (name,))
+        base_name = entry.pop("base")
+        if base_name not in methods:
+            raise src.error(("methods", name, "base"), _unknown_name("method", base_name, methods))
+        base = _flatten_method(config, base_name, src, seen + (name,))
         base.pop("label", None)
         base.update(entry)
         return base
     return entry
 
 
-def resolve_method(config: dict, name: str, *, source: str = "<config>") -> ResolvedMethod:
+def resolve_method(config: dict, name: str, *, source: str | ConfigSource = "<config>") -> ResolvedMethod:
     """Flatten method ``name`` (following ``base``) into a :class:`ResolvedMethod`.
 
     Raises:
-        ConfigError: unknown method/recipe/credit, or an override that neither the recipe nor the
-            credit estimator accepts, or one of the wrong type (naming ``methods.<name>.<key>``).
+        ConfigError: unknown method/recipe/credit (with the nearest name), or an override that neither
+            the recipe nor the credit estimator accepts, or one of the wrong type (naming
+            ``methods.<name>.<key>`` and where it came from).
     """
+    src = _as_source(source)
     sch = schema()
-    flat = _flatten_method(config, name, source)
+    flat = _flatten_method(config, name, src)
     recipe_name = flat.get("recipe", "grpo")
     recipes = config.get("recipes") or {}
     if recipe_name not in recipes:
-        raise ConfigError(f"{source}: key methods.{name}.recipe: unknown recipe {recipe_name!r}; defined: {sorted(recipes)}")
+        raise src.error(("methods", name, "recipe"), _unknown_name("recipe", recipe_name, recipes))
     credit = flat.get("credit", "none")
     credit_schemas = sch["$defs"]["credit_options"]
     if credit not in credit_schemas or credit == "description":
         valid = sorted(k for k in credit_schemas if k != "description")
-        raise ConfigError(f"{source}: key methods.{name}.credit: unknown credit {credit!r}; valid: {valid}")
+        raise src.error(("methods", name, "credit"), _unknown_name("credit", credit, valid))
     recipe_schema = sch["$defs"]["recipe"]
     recipe = copy.deepcopy(recipes[recipe_name])
     _fill_defaults(recipe, recipe_schema)
@@ -350,25 +815,24 @@ def resolve_method(config: dict, name: str, *, source: str = "<config>") -> Reso
             recipe[key] = value
         else:
             allowed = sorted(set(recipe_schema["properties"]) | set(credit_schemas[credit]["properties"]))
-            raise ConfigError(
-                f"{source}: key methods.{name}.{key}: not an option of recipe {recipe_name!r} or credit {credit!r}; "
-                f"allowed: {allowed}"
-            )
+            near = suggest(key, allowed)
+            hint = f"did you mean {near}? (allowed: {allowed})" if near is not None else f"allowed: {allowed}"
+            raise src.error(("methods", name, key),
+                            f"not an option of recipe {recipe_name!r} or credit {credit!r}; {hint}")
     for obj, sub, what in ((recipe, recipe_schema, "recipe"), (credit_options, credit_schemas[credit], "credit")):
         import jsonschema
 
         errs = list(jsonschema.Draft202012Validator(sub).iter_errors(obj))
         if errs:
             e = errs[0]
-            raise ConfigError(f"{source}: key methods.{name}.{_key_path(e)}: {e.message} ({what} setting)")
+            raise src.error(("methods", name, *e.absolute_path), f"{e.message} ({what} setting)")
     estimator = credit if credit != "none" else ("grpo" if recipe["norm_by_std"] else "drgrpo")
     # a control that reads a task's ground truth says so in the schema (x-task), checked before any work
     needs_task, task_kind = credit_schemas[credit].get("x-task"), (config.get("task") or {}).get("kind")
     if needs_task is not None and task_kind is not None and task_kind != needs_task:
-        raise ConfigError(
-            f"{source}: key methods.{name}.credit: {credit!r} is a control that reads the {needs_task} task's "
-            f"ground truth; it cannot run with task.kind {task_kind!r}"
-        )
+        raise src.error(("methods", name, "credit"),
+                        f"{credit!r} is a control that reads the {needs_task} task's ground truth; it cannot run "
+                        f"with task.kind {task_kind!r}")
     return ResolvedMethod(
         name=name,
         recipe_name=recipe_name,
@@ -380,24 +844,30 @@ def resolve_method(config: dict, name: str, *, source: str = "<config>") -> Reso
     )
 
 
-def resolve_methods(config: dict, *, source: str = "<config>") -> dict[str, ResolvedMethod]:
+def resolve_methods(config: dict, *, source: str | ConfigSource = "<config>") -> dict[str, ResolvedMethod]:
     """Resolve the methods the config runs: ``only_methods`` in its order, or every key of
     ``methods`` (fails on the first bad one).
 
     Raises:
-        ConfigError: a name of ``only_methods`` is not a key of ``methods``, or an
+        ConfigError: a name of ``only_methods`` is not a key of ``methods`` (with the nearest), or an
             ``attribution.trained`` entry is not a run of the config.
     """
+    src = _as_source(source)
     methods = config.get("methods") or {}
     names = config.get("only_methods") or list(methods)
-    unknown = [n for n in names if n not in methods]
+    unknown = [(i, n) for i, n in enumerate(names) if n not in methods]
     if unknown:
-        raise ConfigError(f"{source}: key only_methods: unknown method(s) {unknown}; defined: {sorted(methods)}")
+        i = unknown[0][0]
+        near = [suggest(n, methods) for _, n in unknown]
+        hint = "; did you mean " + ", ".join(map(str, near)) + "?" if all(near) else ""
+        raise src.error(("only_methods", i),
+                        f"unknown method(s) {[n for _, n in unknown]}{hint}; defined: {sorted(methods)}")
     for i, t in enumerate((config.get("attribution") or {}).get("trained") or []):
         if t["method"] not in names or t["seed"] not in config.get("seeds", []):
-            raise ConfigError(f"{source}: key attribution.trained[{i}]: {t['method']} seed {t['seed']} is not a run of "
-                              f"this config (methods {names}, seeds {config.get('seeds')})")
-    return {name: resolve_method(config, name, source=source) for name in names}
+            raise ConfigError(f"{src.locate(('attribution', 'trained', i))}: key attribution.trained[{i}]: "
+                              f"{t['method']} seed {t['seed']} is not a run of this config (methods {names}, "
+                              f"seeds {config.get('seeds')})")
+    return {name: resolve_method(config, name, source=src) for name in names}
 
 
 def write_resolved(config: Mapping[str, Any], path: str | Path, *, source: str) -> bool:

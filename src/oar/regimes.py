@@ -63,11 +63,14 @@ def selected_cells(config: Mapping[str, Any], wanted: Sequence[str] = ()) -> lis
 
 
 def write_cell_configs(config: Mapping[str, Any], config_path: str | Path, out_dir: str | Path,
-                       wanted: Sequence[str] = ()) -> list[Path]:
+                       wanted: Sequence[str] = (), *, overrides: Mapping[str, Any] | None = None) -> list[Path]:
     """Write one config per cell of :func:`selected_cells` (``wanted``) to ``out_dir/<name>.yaml``:
-    ``extends`` the regime config (absolute path), ``name`` the cell's run name, plus the cell's
-    ``set``. Returns the paths, in cell order."""
+    ``extends`` the regime config (absolute path), ``name`` the cell's run name, plus ``overrides``
+    (the command line's ``--set`` values, which the regime config file does not hold) and the cell's
+    ``set`` on top of them (a cell's own axis wins). Returns the paths, in cell order."""
     import yaml
+
+    from oar.config import deep_merge
 
     out_dir = Path(out_dir)
     chosen = set(selected_cells(config, wanted))
@@ -75,7 +78,9 @@ def write_cell_configs(config: Mapping[str, Any], config_path: str | Path, out_d
     for name, cell in zip(cell_names(config), _regimes(config)["cells"]):
         if cell["name"] not in chosen:
             continue
-        body = {"extends": str(Path(config_path).resolve()), "name": name, **(cell.get("set") or {})}
+        # the run's name is the cell's (a --set name is already in it: cell_names)
+        changes = deep_merge({k: v for k, v in (overrides or {}).items() if k != "name"}, cell.get("set") or {})
+        body = {"extends": str(Path(config_path).resolve()), "name": name, **changes}
         path = out_dir / f"{name}.yaml"
         atomic_write_text(path, "# written by oar regimes cells: one cell of the regime map\n"
                           + yaml.safe_dump(body, sort_keys=False))

@@ -22,8 +22,9 @@ from oar.layout import STORE_DIR, LayoutError, base_key, link_views, resumable_t
 
 
 # ---------------------------------------------------------------------------------------- config
-# the config (oar.config.workflow_config: the default, a --configfile, `extends:`, typed --config), then
-# oar's validation (names the file and key, fills defaults, resolves methods), then snakemake's
+# the config (oar.config.workflow_config: the default, a --configfile, `extends:`, typed --config, and the
+# dotted assignments of --config set="train.lr=1e-3 rollout.n=4"), then oar's validation (names the file
+# and line or the command-line override, and the key; fills defaults, resolves methods), then snakemake's
 try:
     _resolved, CONFIG_SOURCE = workflow_config(
         dict(config), configfiles=list(workflow.overwrite_configfiles), default_configfile="config/config.yaml",
