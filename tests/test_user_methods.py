@@ -271,6 +271,60 @@ def test_schema_accepts_the_module_attr_form(user_dir):
     assert cfg["methods"]["late_credit"]["credit"] == "mycredit:my_fn"
 
 
+_WITHOUT_TORCH = """
+import json, sys
+for m in ("torch", "transformers", "accelerate", "mlflow", "vllm", "safetensors", "math_verify"):
+    sys.modules[m] = None  # Snakemake's own process under --use-conda: none of the rules' software
+from oar.config import ConfigError, load_config, resolve_method
+try:
+    m = resolve_method(load_config(sys.argv[1]), sys.argv[2])
+    print(json.dumps({"options": m.estimator_options()}))
+except ConfigError as e:
+    print(json.dumps({"error": str(e)}))
+print(json.dumps({"imported": sorted(k for k in sys.modules if k.startswith(("mycredit", "userpkg", "oar.credit.")))}))
+"""
+
+_STATIC = {  # (the module, the method) -> what loading the config in a process without torch says
+    "README": (README_ESTIMATOR, README_METHOD["late_credit"], {"norm_by_std": True, "late": 2.0}),
+    "unknown option": (README_ESTIMATOR, {**README_METHOD["late_credit"], "lat": 1.0},
+                       "key methods.m.lat: not an option of recipe 'grpo' or credit 'mycredit:my_fn'"),
+    "wrong type": (README_ESTIMATOR, {**README_METHOD["late_credit"], "late": "x"},
+                   "key methods.m.late: 'x' is not of type 'number'"),
+    "no module": (None, {"recipe": "grpo", "credit": "nosuchmod:f"}, "key methods.m.credit: cannot import module"),
+    "no attribute": (README_ESTIMATOR, {"recipe": "grpo", "credit": "mycredit:my_fun"},
+                     "has no attribute 'my_fun'; define it there or fix the name after ':' (functions defined in "
+                     "the module: ['my_fn'])"),
+    "syntax error": ("def my_fn(:\n", {"recipe": "grpo", "credit": "mycredit:my_fn"},
+                     "importing module 'mycredit' failed: SyntaxError:"),
+    "required option": ("def my_fn(batch, *, k: int):\n    pass\n", {"recipe": "grpo", "credit": "mycredit:my_fn"},
+                        "needs option(s) ['k']"),
+    "**options": ("def my_fn(batch, **options):\n    pass\n", {"recipe": "grpo", "credit": "mycredit:my_fn", "z": 1},
+                  {"norm_by_std": True, "z": 1}),
+    "imported name": ("from os.path import join as my_fn\n", {"recipe": "grpo", "credit": "mycredit:my_fn", "z": 1},
+                      {"norm_by_std": True, "z": 1}),  # not a def: left to the jobs
+}
+
+
+@pytest.mark.parametrize("case", list(_STATIC))
+def test_user_estimator_checked_from_its_source_without_torch(tmp_path, case):
+    # Snakemake plans the DAG without torch (tests/test_envs.py): the module is found and its source
+    # read, not run (it imports oar.credit's estimators, hence torch); the same one-line errors
+    module, method, expected = _STATIC[case]
+    if module is not None:
+        (tmp_path / "mycredit.py").write_text(module)
+    path = _config(tmp_path, {"m": method})
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-c", _WITHOUT_TORCH, str(path), "m"], capture_output=True, text=True,
+                       env=env, cwd=tmp_path, timeout=300)
+    assert r.returncode == 0, r.stderr
+    result, imported = (json.loads(line) for line in r.stdout.splitlines())
+    if isinstance(expected, dict):
+        assert result == {"options": expected}
+    else:
+        assert "error" in result and expected in result["error"] and "\n" not in result["error"], result
+    assert imported["imported"] == ["oar.credit.user"]  # no estimator module ran, the user's neither
+
+
 @pytest.mark.parametrize("where", ["working directory", "user PYTHONPATH"])
 def test_user_module_is_found_inside_a_rule_job(tmp_path, where):
     # a rule runs `{oar_env(src)} python -m oar.cli ...` in the workflow's working directory

@@ -335,7 +335,10 @@ def resolve_method(config: dict, name: str, *, source: str = "<config>") -> Reso
     other is a user estimator, ``module:attr`` or an ``oar.estimators`` entry point, imported,
     checked and registered here (:func:`oar.credit.user.user_estimator`; its options are its keyword
     parameters). The estimator is looked up in the registry (:func:`oar.credit.get_estimator`), so a
-    built-in estimator module that fails to import raises here, before any job runs.
+    built-in estimator module that fails to import raises here, before any job runs. (In a process
+    without torch, Snakemake's own under ``--use-conda``, nothing is imported: a user estimator's
+    source is read instead, and the built-in modules are left to the jobs, where the first ``oar``
+    command fails the same way.)
 
     Raises:
         ConfigError: unknown method/recipe/credit, a user estimator that cannot be loaded, or an
@@ -353,8 +356,9 @@ def resolve_method(config: dict, name: str, *, source: str = "<config>") -> Reso
     credit_schemas = sch["$defs"]["credit_options"]
     recipe_schema = sch["$defs"]["recipe"]
     user = None
+    load = _credit_layer_here()
     if credit not in credit_schemas or credit == "description":
-        user = _user_estimator(credit, f"{source}: key methods.{name}.credit", credit_schemas)
+        user = _user_estimator(credit, f"{source}: key methods.{name}.credit", credit_schemas, load=load)
     credit_keys = set(credit_schemas[credit]["properties"]) if user is None else set(user.options or ())
     recipe = copy.deepcopy(recipes[recipe_name])
     _fill_defaults(recipe, recipe_schema)
@@ -392,7 +396,8 @@ def resolve_method(config: dict, name: str, *, source: str = "<config>") -> Reso
                 f"{source}: key methods.{name}.credit: {credit!r} ({user.origin}) needs option(s) {missing} (keyword "
                 f"parameters without a default); set them in methods.{name} or give them defaults")
     estimator = credit if credit != "none" else ("grpo" if recipe["norm_by_std"] else "drgrpo")
-    _check_registered(estimator, f"{source}: key methods.{name}.credit")
+    if load:
+        _check_registered(estimator, f"{source}: key methods.{name}.credit")
     # a control that reads a task's ground truth says so in the schema (x-task), checked before any work
     needs_task = (credit_schemas.get(credit) or {}).get("x-task") if user is None else None
     task_kind = (config.get("task") or {}).get("kind")
@@ -413,13 +418,26 @@ def resolve_method(config: dict, name: str, *, source: str = "<config>") -> Reso
     )
 
 
-def _user_estimator(credit: str, where: str, credit_schemas: Mapping[str, Any]) -> UserEstimator:
-    """The user estimator ``credit`` (:func:`oar.credit.user.user_estimator`: imported, checked,
-    registered), its problems as a :class:`ConfigError` prefixed with ``where`` (the config key)."""
+def _credit_layer_here() -> bool:
+    """Whether this process can import the estimators (torch is importable): every ``oar`` command
+    and job; not Snakemake's own process under ``--use-conda``, which plans the DAG without the rules'
+    software. Only then are estimators imported and looked up while methods are resolved."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("torch") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _user_estimator(credit: str, where: str, credit_schemas: Mapping[str, Any], *, load: bool) -> UserEstimator:
+    """The user estimator ``credit`` (:func:`oar.credit.user.user_estimator`: imported, checked and
+    registered with ``load``, else its source read), its problems as a :class:`ConfigError` prefixed
+    with ``where`` (the config key)."""
     from oar.credit.user import EstimatorSpecError, UnknownEstimatorError, user_estimator
 
     try:
-        return user_estimator(credit)
+        return user_estimator(credit, load=load)
     except UnknownEstimatorError:
         valid = sorted(k for k in credit_schemas if k != "description")
         raise ConfigError(f"{where}: unknown credit {credit!r}; valid: {valid}, or an estimator of your own as "

@@ -14,9 +14,10 @@ Shapes follow verl's ``core_algos.py``: ``B`` responses in the batch, ``T`` resp
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
-import torch
+if TYPE_CHECKING:  # the registry imports without torch (Snakemake's own process reads user estimators)
+    import torch
 
 __all__ = [
     "CreditBatch",

@@ -16,11 +16,15 @@ set), with the type of a ``bool`` / ``int`` / ``float`` / ``str`` annotation che
 takes ``**options`` accepts any option that is not a recipe key. The recipe's ``norm_by_std`` is
 passed only when the function takes it. :func:`user_estimator` loads, checks and registers it under
 the config's name, when the config is resolved (:func:`oar.config.resolve_method`) and again in any
-process that asks :func:`oar.credit.get_estimator` for that name (a training job).
+process that asks :func:`oar.credit.get_estimator` for that name (a training job). A process without
+torch (Snakemake's own, under ``--use-conda``) cannot import an estimator; there the module is found
+and its source read instead (``load=False``): the same checks, short of running the module. This
+module and :mod:`oar.credit`'s registry import without torch.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
 import os
@@ -29,6 +33,7 @@ import sys
 import traceback
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Mapping
 
@@ -66,7 +71,8 @@ class UserEstimator:
 
     Attributes:
         name: the config's ``credit`` (``module:attr`` or the entry point's name), its registry name.
-        fn: the function, ``fn(batch, **options) -> CreditResult``.
+        fn: the function, ``fn(batch, **options) -> CreditResult``; None when only its source was
+            read (``user_estimator(name, load=False)``).
         origin: where it was found (the module's file), for messages.
         options: the keyword options it takes, or None when it takes ``**options`` (any option).
         required: the options without a default (a config must set them).
@@ -74,7 +80,7 @@ class UserEstimator:
     """
 
     name: str
-    fn: Callable[..., CreditResult]
+    fn: Callable[..., CreditResult] | None
     origin: str
     options: frozenset[str] | None
     required: frozenset[str] = frozenset()
@@ -102,33 +108,27 @@ def is_reference(name: str) -> bool:
     return ":" in name
 
 
-def user_estimator(name: str) -> UserEstimator:
-    """Load the estimator ``name`` (``module:attr``, or an entry point of :data:`ENTRY_POINT_GROUP`),
-    check that it is a callable taking the batch first, register it as ``name`` (with the
+def user_estimator(name: str, *, load: bool = True) -> UserEstimator:
+    """The estimator ``name`` (``module:attr``, or an entry point of :data:`ENTRY_POINT_GROUP`) and
+    its options.
+
+    With ``load`` (a process that has the credit layer's software, torch): import the module, check
+    that the attribute is a callable taking the batch first, register it as ``name`` (with the
     ``needs_model`` / ``needs_continuations`` flags of :func:`oar.credit.register_estimator` if it
-    was decorated with it) and return it with its options.
+    was decorated with it). Without (Snakemake's own process under ``--use-conda``, which has no
+    torch): find the module's file without running it and read the function's signature from its
+    source (:func:`_read`); a name the source binds otherwise than by ``def`` is left to the jobs,
+    which load it.
 
     Raises:
         UnknownEstimatorError: ``name`` has no ``:`` and no entry point has that name.
-        EstimatorSpecError: a malformed reference, a module that does not import, a missing or
-            non-callable attribute, or a signature that cannot take the batch and config options.
+        EstimatorSpecError: a malformed reference, a module that does not import (or cannot be
+            found / parsed), a missing or non-callable attribute, or a signature that cannot take
+            the batch and the config's options.
     """
-    if is_reference(name):
-        m = _REFERENCE.match(name)
-        if m is None:
-            raise EstimatorSpecError(
-                f"{name!r} is not a reference of the form module:function (dotted Python names, e.g. "
-                "mypkg.credit:my_fn)")
-        module_name, attr = m.group(1), m.group(2)
-    else:
-        ep = _entry_point(name)
-        if ep is None:
-            raise UnknownEstimatorError(f"no estimator {name!r}")
-        m = _REFERENCE.match(ep.value.replace(" ", ""))
-        if m is None:
-            raise EstimatorSpecError(f"entry point {name!r} of group {ENTRY_POINT_GROUP!r} is {ep.value!r}, "
-                                     "not module:function; fix the distribution that declares it")
-        module_name, attr = m.group(1), m.group(2)
+    module_name, attr = _split(name)
+    if not load:
+        return _read(name, module_name, attr)
     module = _import(module_name, name)
     origin = getattr(module, "__file__", None) or module_name
     fn: Any = module
@@ -139,16 +139,49 @@ def user_estimator(name: str) -> UserEstimator:
             where = ".".join([module_name, *attr.split(".")[:i]])
             defined = sorted(k for k, v in vars(module).items()
                              if inspect.isfunction(v) and v.__module__ == module.__name__ and not k.startswith("_"))
-            raise EstimatorSpecError(
-                f"{where!r} ({origin}) has no attribute {part!r}; define it there or fix the name after ':' "
-                f"(functions defined in the module: {defined[:10]})") from None
+            raise EstimatorSpecError(_no_attribute(where, origin, part, defined)) from None
     if not callable(fn):
         raise EstimatorSpecError(f"{name!r} ({origin}) is a {type(fn).__name__}, not a function; name an estimator "
-                                 "fn(batch, *, option=default, ...) -> CreditResult")
-    est = _inspect(name, fn, origin)
+                                 f"{_USAGE}")
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # no signature (a builtin): any option
+        params = None
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception:  # unresolvable annotations: no type checks
+        hints = {}
+    est = _options(name, origin, params, hints, fn)
     needs_model, needs_continuations = estimator_flags(fn)
     _register(name, fn, needs_model=needs_model, needs_continuations=needs_continuations)
     return est
+
+
+_USAGE = "fn(batch, *, option=default, ...) -> CreditResult"
+
+
+def _split(name: str) -> tuple[str, str]:
+    """``(module, attr)`` of ``name``: the reference itself, or the entry point's value."""
+    if is_reference(name):
+        m = _REFERENCE.match(name)
+        if m is None:
+            raise EstimatorSpecError(
+                f"{name!r} is not a reference of the form module:function (dotted Python names, e.g. "
+                "mypkg.credit:my_fn)")
+        return m.group(1), m.group(2)
+    ep = _entry_point(name)
+    if ep is None:
+        raise UnknownEstimatorError(f"no estimator {name!r}")
+    m = _REFERENCE.match(ep.value.replace(" ", ""))
+    if m is None:
+        raise EstimatorSpecError(f"entry point {name!r} of group {ENTRY_POINT_GROUP!r} is {ep.value!r}, "
+                                 "not module:function; fix the distribution that declares it")
+    return m.group(1), m.group(2)
+
+
+def _no_attribute(where: str, origin: str, part: str, defined: list[str]) -> str:
+    return (f"{where!r} ({origin}) has no attribute {part!r}; define it there or fix the name after ':' "
+            f"(functions defined in the module: {defined[:10]})")
 
 
 def _entry_point(name: str) -> Any:
@@ -159,20 +192,28 @@ def _entry_point(name: str) -> Any:
     return found[0] if found else None
 
 
-def _import(module_name: str, name: str) -> ModuleType:
-    """Import ``module_name`` with the working directory on ``sys.path`` (appended, so it shadows
-    nothing); an import error becomes one :class:`EstimatorSpecError` line."""
+def _cwd_on_path() -> str:
+    """Append the working directory to ``sys.path`` (so it shadows nothing) unless it is there; return it."""
     cwd = os.getcwd()
     if cwd not in sys.path and "" not in sys.path:
         sys.path.append(cwd)
+    return cwd
+
+
+def _not_found(module_name: str, missing: str, name: str, cwd: str) -> str:
+    return (f"cannot import module {module_name!r} of {name!r} (no module named {missing!r} on sys.path or in "
+            f"the working directory {cwd}); put the folder that holds it on PYTHONPATH or run from it")
+
+
+def _import(module_name: str, name: str) -> ModuleType:
+    """Import ``module_name`` with the working directory on ``sys.path``; an import error becomes one
+    :class:`EstimatorSpecError` line."""
+    cwd = _cwd_on_path()
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         if e.name is not None and (module_name == e.name or module_name.startswith(e.name + ".")):
-            raise EstimatorSpecError(
-                f"cannot import module {module_name!r} of {name!r} (no module named {e.name!r} on sys.path or in "
-                f"the working directory {cwd}); put the folder that holds it on PYTHONPATH or run from it"
-            ) from None
+            raise EstimatorSpecError(_not_found(module_name, e.name, name, cwd)) from None
         raise EstimatorSpecError(_import_failure(module_name, e)) from None
     except Exception as e:  # the user's module raised while importing: one line, where it raised
         raise EstimatorSpecError(_import_failure(module_name, e)) from None
@@ -188,16 +229,112 @@ def _import_failure(module_name: str, e: BaseException) -> str:
     return f"importing module {module_name!r} failed: {type(e).__name__}: {msg} (at {where}); fix the module"
 
 
-def _inspect(name: str, fn: Callable[..., Any], origin: str) -> UserEstimator:
-    """The options of ``fn`` from its signature (see the module docstring)."""
-    usage = "an estimator is fn(batch, *, option=default, ...) -> CreditResult"
+def _read(name: str, module_name: str, attr: str) -> UserEstimator:
+    """:func:`user_estimator` without running the user's code: the module's spec found by the import
+    system's finders (a package's ``__init__`` is not run), its source parsed, the top-level ``def``
+    of ``attr`` read. A module without a ``.py`` source, a dotted ``attr``, or a name bound by an
+    import, an assignment or a class takes any option here (the jobs load it and check)."""
+    cwd = _cwd_on_path()
+    parts = module_name.split(".")
+    path: Any = None
+    spec: Any = None
+    for i in range(len(parts)):
+        full = ".".join(parts[: i + 1])
+        if i and path is None:  # the parent is a module, not a package
+            raise EstimatorSpecError(_not_found(module_name, full, name, cwd))
+        loaded = sys.modules.get(full)
+        spec = getattr(loaded, "__spec__", None) if loaded is not None else None
+        if spec is None:
+            spec = next((s for f in sys.meta_path if hasattr(f, "find_spec")
+                         for s in [f.find_spec(full, path)] if s is not None), None)
+        if spec is None:
+            raise EstimatorSpecError(_not_found(module_name, full, name, cwd))
+        path = spec.submodule_search_locations
+    origin = spec.origin if spec.origin and spec.origin.endswith(".py") and os.path.isfile(spec.origin) else None
+    unchecked = UserEstimator(name=name, fn=None, origin=origin or module_name, options=None)
+    if origin is None or "." in attr:
+        return unchecked
     try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):  # no signature (a builtin): any option
+        tree = ast.parse(Path(origin).read_text(encoding="utf-8"), filename=origin)
+    except SyntaxError as e:
+        raise EstimatorSpecError(_import_failure(module_name, e)) from None
+    node, defined = _top_level_binding(tree.body, attr)
+    if node is None:
+        if "*" in defined or "__getattr__" in defined:
+            return unchecked
+        raise EstimatorSpecError(_no_attribute(module_name, origin, attr, sorted(
+            k for k, v in defined.items() if isinstance(v, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and not k.startswith("_"))))
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return unchecked
+    params, hints = _ast_parameters(node.args)
+    return _options(name, origin, params, hints, None)
+
+
+def _top_level_binding(body: list[ast.stmt], attr: str) -> tuple[ast.stmt | None, dict[str, ast.stmt]]:
+    """The last statement of a module's top level (``if`` / ``try`` / ``with`` blocks included) that
+    binds ``attr``, and every name bound there (``*`` for a star import) with its statement."""
+    bound: dict[str, ast.stmt] = {}
+
+    def visit(stmts: list[ast.stmt]) -> None:
+        for st in stmts:
+            if isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                bound[st.name] = st
+            elif isinstance(st, (ast.Import, ast.ImportFrom)):
+                for a in st.names:
+                    bound[a.asname or a.name.split(".")[0]] = st
+            elif isinstance(st, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                targets = st.targets if isinstance(st, ast.Assign) else [st.target]
+                for t in targets:
+                    for n in ast.walk(t):
+                        if isinstance(n, ast.Name):
+                            bound[n.id] = st
+            for block in ("body", "orelse", "finalbody"):
+                if isinstance(st, (ast.If, ast.Try, ast.With, ast.For, ast.While)) and hasattr(st, block):
+                    visit(getattr(st, block))
+            for h in getattr(st, "handlers", []) if isinstance(st, ast.Try) else []:
+                visit(h.body)
+
+    visit(body)
+    return bound.get(attr), bound
+
+
+_PRESENT = object()  # a default that is there (its value is not read)
+
+
+def _ast_parameters(a: ast.arguments) -> tuple[list[inspect.Parameter], dict[str, type]]:
+    """The parameters of a ``def`` from its source, as :func:`inspect.signature` gives them (defaults
+    present or not), and the options annotated with a plain ``bool`` / ``int`` / ``float`` / ``str``."""
+    P = inspect.Parameter
+    positional = [*a.posonlyargs, *a.args]
+    first_default = len(positional) - len(a.defaults)
+    params = [P(arg.arg, P.POSITIONAL_ONLY if i < len(a.posonlyargs) else P.POSITIONAL_OR_KEYWORD,
+                default=_PRESENT if i >= first_default else P.empty) for i, arg in enumerate(positional)]
+    if a.vararg is not None:
+        params.append(P(a.vararg.arg, P.VAR_POSITIONAL))
+    params += [P(arg.arg, P.KEYWORD_ONLY, default=P.empty if d is None else _PRESENT)
+               for arg, d in zip(a.kwonlyargs, a.kw_defaults)]
+    if a.kwarg is not None:
+        params.append(P(a.kwarg.arg, P.VAR_KEYWORD))
+    by_name = {k.__name__: k for k in _SIMPLE_TYPES}
+    hints: dict[str, type] = {}
+    for arg in [*positional, *a.kwonlyargs]:
+        ann = arg.annotation
+        text = ann.id if isinstance(ann, ast.Name) else ann.value if isinstance(ann, ast.Constant) else None
+        if isinstance(text, str) and text in by_name:
+            hints[arg.arg] = by_name[text]
+    return params, hints
+
+
+def _options(name: str, origin: str, params: list[inspect.Parameter] | None, hints: Mapping[str, Any],
+             fn: Callable[..., CreditResult] | None) -> UserEstimator:
+    """The options of an estimator with parameters ``params`` (None: unknown, any option) and type
+    hints ``hints`` (see the module docstring)."""
+    if params is None:
         return UserEstimator(name=name, fn=fn, origin=origin, options=None)
     P = inspect.Parameter
     if not params or params[0].kind not in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD, P.VAR_POSITIONAL):
-        raise EstimatorSpecError(f"{name!r} ({origin}) takes no positional batch argument; {usage}")
+        raise EstimatorSpecError(f"{name!r} ({origin}) takes no positional batch argument; an estimator is {_USAGE}")
     rest = params[1:] if params[0].kind is not P.VAR_POSITIONAL else params
     options: set[str] | None = set()
     required: set[str] = set()
@@ -209,17 +346,13 @@ def _inspect(name: str, fn: Callable[..., Any], origin: str) -> UserEstimator:
         elif p.kind is P.POSITIONAL_ONLY:
             if p.default is P.empty:
                 raise EstimatorSpecError(f"{name!r} ({origin}): parameter {p.name!r} is positional-only without "
-                                         f"a default, so no config can set it; make it keyword-only; {usage}")
+                                         f"a default, so no config can set it; make it keyword-only: {_USAGE}")
         else:
             if options is not None:
                 options.add(p.name)
             if p.default is P.empty:
                 required.add(p.name)
-    try:
-        hints = typing.get_type_hints(fn)
-    except Exception:  # unresolvable annotations: no type checks
-        hints = {}
-    types = {k: v for k, v in hints.items() if v in _SIMPLE_TYPES and k != "return"
-             and any(p.name == k for p in rest)}
+    names = {p.name for p in rest}
+    types = {k: v for k, v in hints.items() if k in names and v in _SIMPLE_TYPES}
     return UserEstimator(name=name, fn=fn, origin=origin, options=None if options is None else frozenset(options),
                          required=frozenset(required), types=types)
