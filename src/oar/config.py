@@ -389,7 +389,7 @@ def resolve_method(config: dict, name: str, *, source: str = "<config>") -> Reso
         for key, value in credit_options.items():
             why = user.type_error(key, value)
             if why is not None:
-                raise ConfigError(f"{source}: key methods.{name}.{key}: {why} (credit setting)")
+                raise ConfigError(f"{source}: key methods.{name}.{key}: {why}")
         missing = sorted(user.required - set(credit_options))
         if missing:
             raise ConfigError(

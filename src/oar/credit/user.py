@@ -67,14 +67,15 @@ class UnknownEstimatorError(EstimatorSpecError):
 
 @dataclass(frozen=True)
 class UserEstimator:
-    """A user estimator, loaded and registered.
+    """A user estimator: loaded and registered, or (without torch) read from its source.
 
     Attributes:
         name: the config's ``credit`` (``module:attr`` or the entry point's name), its registry name.
         fn: the function, ``fn(batch, **options) -> CreditResult``; None when only its source was
             read (``user_estimator(name, load=False)``).
         origin: where it was found (the module's file), for messages.
-        options: the keyword options it takes, or None when it takes ``**options`` (any option).
+        options: the keyword options it takes, or None for any option (it takes ``**options``, or
+            its source binds it otherwise than by ``def``).
         required: the options without a default (a config must set them).
         types: the options annotated ``bool`` / ``int`` / ``float`` / ``str``, with that type.
     """
@@ -100,7 +101,8 @@ class UserEstimator:
             ok = isinstance(value, tp)
         else:  # int, float
             ok = isinstance(value, int if tp is int else (int, float)) and not isinstance(value, bool)
-        return None if ok else f"{value!r} is not of type {_SIMPLE_TYPES[tp]!r} (annotation of {self.name})"
+        return None if ok else (f"{value!r} is not of type {_SIMPLE_TYPES[tp]!r} (annotated {tp.__name__} in "
+                                f"{self.name})")
 
 
 def is_reference(name: str) -> bool:
