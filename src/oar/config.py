@@ -16,9 +16,12 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence, Union
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence, Union
 
 import yaml
+
+if TYPE_CHECKING:
+    from oar.credit.user import UserEstimator
 
 __all__ = [
     "ConfigError",
@@ -725,10 +728,13 @@ class ResolvedMethod:
         recipe: every recipe setting (clip range, loss aggregation, reward values, dynamic sampling,
             overlong shaping, KL coefficient), defaults filled.
         credit: ``none`` or a registered estimator (``ktae``, ``oar_p``, ``oar_g``, the controls of
-            :mod:`oar.credit.controls`).
+            :mod:`oar.credit.controls`), or a user estimator (``module:attr`` or an ``oar.estimators``
+            entry point, :mod:`oar.credit.user`), registered under that name when resolved.
         credit_options: options passed to the estimator.
         estimator: registered estimator name (``grpo``/``drgrpo`` when credit is ``none``).
         label: display name for tables.
+        takes_norm_by_std: whether the estimator is passed the recipe's ``norm_by_std`` (every
+            built-in is; a user estimator only when it takes that keyword).
     """
 
     name: str
@@ -738,10 +744,13 @@ class ResolvedMethod:
     credit_options: dict[str, Any] = field(default_factory=dict)
     estimator: str = "grpo"
     label: str = ""
+    takes_norm_by_std: bool = True
 
     def estimator_options(self) -> dict[str, Any]:
-        """Options for the registered estimator: the credit options plus ``norm_by_std``."""
-        return {"norm_by_std": self.recipe["norm_by_std"], **self.credit_options}
+        """Options for the registered estimator: the credit options plus ``norm_by_std`` (when the
+        estimator takes it)."""
+        base = {"norm_by_std": self.recipe["norm_by_std"]} if self.takes_norm_by_std else {}
+        return {**base, **self.credit_options}
 
     def as_params(self) -> dict[str, Any]:
         """Flat dict for logging (MLflow params)."""
@@ -785,10 +794,21 @@ def _flatten_method(config: dict, name: str, src: ConfigSource, seen: tuple[str,
 def resolve_method(config: dict, name: str, *, source: str | ConfigSource = "<config>") -> ResolvedMethod:
     """Flatten method ``name`` (following ``base``) into a :class:`ResolvedMethod`.
 
+    A built-in credit is one of the schema's ``$defs.credit_options`` (its options listed there); any
+    other is a user estimator, ``module:attr`` or an ``oar.estimators`` entry point, imported,
+    checked and registered here (:func:`oar.credit.user.user_estimator`; its options are its keyword
+    parameters). The estimator is looked up in the registry (:func:`oar.credit.get_estimator`), so a
+    built-in estimator module that fails to import raises here, before any job runs. (In a process
+    without torch, Snakemake's own under ``--use-conda``, nothing is imported: a user estimator's
+    source is read instead, and the built-in modules are left to the jobs, where the first ``oar``
+    command fails the same way.)
+
     Raises:
-        ConfigError: unknown method/recipe/credit (with the nearest name), or an override that neither
-            the recipe nor the credit estimator accepts, or one of the wrong type (naming
-            ``methods.<name>.<key>`` and where it came from).
+        ConfigError: unknown method/recipe/credit (with the nearest name), a user estimator that cannot
+            be loaded, an override that neither the recipe nor the credit estimator accepts, one of the
+            wrong type, or a missing required option of a user estimator (naming ``methods.<name>.<key>``
+            and where it came from).
+        ImportError: a built-in estimator module does not import (a broken installation).
     """
     src = _as_source(source)
     sch = schema()
@@ -799,36 +819,54 @@ def resolve_method(config: dict, name: str, *, source: str | ConfigSource = "<co
         raise src.error(("methods", name, "recipe"), _unknown_name("recipe", recipe_name, recipes))
     credit = flat.get("credit", "none")
     credit_schemas = sch["$defs"]["credit_options"]
-    if credit not in credit_schemas or credit == "description":
-        valid = sorted(k for k in credit_schemas if k != "description")
-        raise src.error(("methods", name, "credit"), _unknown_name("credit", credit, valid))
     recipe_schema = sch["$defs"]["recipe"]
+    user = None
+    load = _credit_layer_here()
+    if credit not in credit_schemas or credit == "description":
+        user = _user_estimator(credit, f"{src.locate(('methods', name, 'credit'))}: key methods.{name}.credit",
+                               credit_schemas, load=load)
+    credit_keys = set(credit_schemas[credit]["properties"]) if user is None else set(user.options or ())
     recipe = copy.deepcopy(recipes[recipe_name])
     _fill_defaults(recipe, recipe_schema)
     credit_options: dict[str, Any] = {}
     for key, value in flat.items():
         if key in RESERVED_METHOD_KEYS:
             continue
-        if key in credit_schemas[credit]["properties"]:
+        if key in credit_keys or (user is not None and user.options is None and key not in recipe_schema["properties"]):
             credit_options[key] = value
         elif key in recipe_schema["properties"]:
             recipe[key] = value
         else:
-            allowed = sorted(set(recipe_schema["properties"]) | set(credit_schemas[credit]["properties"]))
+            allowed = sorted(set(recipe_schema["properties"]) | credit_keys)
             near = suggest(key, allowed)
             hint = f"did you mean {near}? (allowed: {allowed})" if near is not None else f"allowed: {allowed}"
             raise src.error(("methods", name, key),
                             f"not an option of recipe {recipe_name!r} or credit {credit!r}; {hint}")
-    for obj, sub, what in ((recipe, recipe_schema, "recipe"), (credit_options, credit_schemas[credit], "credit")):
-        import jsonschema
+    import jsonschema
 
+    for obj, sub, what in ((recipe, recipe_schema, "recipe"), (credit_options, credit_schemas.get(credit), "credit")):
+        if sub is None:  # a user estimator: its annotations
+            continue
         errs = list(jsonschema.Draft202012Validator(sub).iter_errors(obj))
         if errs:
             e = errs[0]
             raise src.error(("methods", name, *e.absolute_path), f"{e.message} ({what} setting)")
+    if user is not None:
+        for key, value in credit_options.items():
+            why = user.type_error(key, value)
+            if why is not None:
+                raise src.error(("methods", name, key), why)
+        missing = sorted(user.required - set(credit_options))
+        if missing:
+            raise src.error(("methods", name, "credit"),
+                            f"{credit!r} ({user.origin}) needs option(s) {missing} (keyword parameters without a "
+                            f"default); set them in methods.{name} or give them defaults")
     estimator = credit if credit != "none" else ("grpo" if recipe["norm_by_std"] else "drgrpo")
+    if load:
+        _check_registered(estimator, f"{src.locate(('methods', name, 'credit'))}: key methods.{name}.credit")
     # a control that reads a task's ground truth says so in the schema (x-task), checked before any work
-    needs_task, task_kind = credit_schemas[credit].get("x-task"), (config.get("task") or {}).get("kind")
+    needs_task = (credit_schemas.get(credit) or {}).get("x-task") if user is None else None
+    task_kind = (config.get("task") or {}).get("kind")
     if needs_task is not None and task_kind is not None and task_kind != needs_task:
         raise src.error(("methods", name, "credit"),
                         f"{credit!r} is a control that reads the {needs_task} task's ground truth; it cannot run "
@@ -841,7 +879,48 @@ def resolve_method(config: dict, name: str, *, source: str | ConfigSource = "<co
         credit_options=credit_options,
         estimator=estimator,
         label=flat.get("label", name),
+        takes_norm_by_std=user is None or user.takes("norm_by_std"),
     )
+
+
+def _credit_layer_here() -> bool:
+    """Whether this process can import the estimators (torch is importable): every ``oar`` command
+    and job; not Snakemake's own process under ``--use-conda``, which plans the DAG without the rules'
+    software. Only then are estimators imported and looked up while methods are resolved."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("torch") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _user_estimator(credit: str, where: str, credit_schemas: Mapping[str, Any], *, load: bool) -> UserEstimator:
+    """The user estimator ``credit`` (:func:`oar.credit.user.user_estimator`: imported, checked and
+    registered with ``load``, else its source read), its problems as a :class:`ConfigError` prefixed
+    with ``where`` (the config key)."""
+    from oar.credit.user import EstimatorSpecError, UnknownEstimatorError, user_estimator
+
+    try:
+        return user_estimator(credit, load=load)
+    except UnknownEstimatorError:
+        valid = sorted(k for k in credit_schemas if k != "description")
+        raise ConfigError(f"{where}: unknown credit {credit!r}; valid: {valid}, or an estimator of your own as "
+                          "module:function (e.g. mypkg.credit:my_fn) or an oar.estimators entry point") from None
+    except EstimatorSpecError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def _check_registered(estimator: str, where: str) -> None:
+    """Raise unless ``estimator`` is in :mod:`oar.credit`'s registry (importing the built-in estimator
+    modules: one that fails to import raises its ImportError here)."""
+    from oar.credit import get_estimator
+
+    try:
+        get_estimator(estimator)
+    except KeyError:
+        raise ConfigError(f"{where}: the schema lists {estimator!r} but oar.credit registers no such estimator "
+                          "(register it with oar.credit.register_estimator and import it in _load_builtin)") from None
 
 
 def resolve_methods(config: dict, *, source: str | ConfigSource = "<config>") -> dict[str, ResolvedMethod]:

@@ -156,7 +156,9 @@ def train_resources(config: Mapping[str, Any], *, signal_seconds: int) -> dict[s
 def oar_env(src_dir: str) -> str:
     """The environment prefix that runs this repository's library: its ``src/`` first on PYTHONPATH
     (so the same code runs in a venv and in the conda env of --use-conda, whose files hold
-    dependencies only)."""
+    dependencies only). The user's PYTHONPATH follows it, and ``python -m`` puts the job's working
+    directory (the workflow's) on ``sys.path``: a user estimator (``credit: mycredit:my_fn``,
+    :mod:`oar.credit.user`) importable where Snakemake was started is importable in every job."""
     return f"PYTHONPATH={shlex.quote(src_dir)}${{PYTHONPATH:+:$PYTHONPATH}}"
 
 

@@ -3,7 +3,9 @@
 Every estimator is one function ``fn(batch: CreditBatch, **options) -> CreditResult`` registered
 with :func:`register_estimator`. Options come from the method's config entry (for example
 ``quantile`` or ``alpha``); the trainer passes them through unchanged, so a new estimator is one
-function plus one config entry.
+function plus one config entry. An estimator in the user's own code is named ``module:attr`` in the
+config (or by an ``oar.estimators`` entry point) and registered under that name when the config is
+resolved (:mod:`oar.credit.user`).
 
 Shapes follow verl's ``core_algos.py``: ``B`` responses in the batch, ``T`` response tokens
 (right-padded), ``P`` prompt tokens (left-padded).
@@ -12,9 +14,10 @@ Shapes follow verl's ``core_algos.py``: ``B`` responses in the batch, ``T`` resp
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
-import torch
+if TYPE_CHECKING:  # the registry imports without torch (Snakemake's own process reads user estimators)
+    import torch
 
 __all__ = [
     "CreditBatch",
@@ -25,6 +28,7 @@ __all__ = [
     "list_estimators",
     "estimator_needs_model",
     "estimator_needs_continuations",
+    "estimator_flags",
 ]
 
 
@@ -80,6 +84,8 @@ class Estimator(Protocol):
 _REGISTRY: dict[str, Callable[..., CreditResult]] = {}
 _NEEDS_MODEL: dict[str, bool] = {}
 _NEEDS_CONTINUATIONS: dict[str, bool] = {}
+#: The attribute :func:`register_estimator` sets on a function: its (needs_model, needs_continuations).
+_FLAGS_ATTR = "_oar_estimator_flags"
 
 
 def register_estimator(
@@ -94,6 +100,9 @@ def register_estimator(
         needs_continuations: the estimator samples continuations of the responses (``mc_value``) and
             reads ``CreditBatch.extras["continuations"]``, which the trainer builds only for it.
 
+    The flags are also kept on the function (:func:`estimator_flags`), so that a user estimator
+    named ``module:attr`` in a config (:mod:`oar.credit.user`) that is decorated with them keeps them.
+
     Raises:
         ValueError: if ``name`` is already registered to a different function.
     """
@@ -102,35 +111,55 @@ def register_estimator(
         old = _REGISTRY.get(name)
         if old is not None and old is not fn and old.__qualname__ != fn.__qualname__:
             raise ValueError(f"estimator {name!r} is already registered to {old.__module__}.{old.__qualname__}")
-        _REGISTRY[name] = fn
-        _NEEDS_MODEL[name] = needs_model
-        _NEEDS_CONTINUATIONS[name] = needs_continuations
+        try:
+            setattr(fn, _FLAGS_ATTR, (needs_model, needs_continuations))
+        except (AttributeError, TypeError):  # an object that takes no attributes: the registry's flags only
+            pass
+        _register(name, fn, needs_model=needs_model, needs_continuations=needs_continuations)
         return fn
 
     return deco
 
 
-def _load_builtin() -> None:
-    # Importing the modules registers their estimators.
-    from oar.credit import advantages, ktae  # noqa: F401
+def _register(name: str, fn: Callable[..., CreditResult], *, needs_model: bool, needs_continuations: bool) -> None:
+    """Put ``fn`` in the registry as ``name`` (replacing any previous entry) with its flags."""
+    _REGISTRY[name] = fn
+    _NEEDS_MODEL[name] = needs_model
+    _NEEDS_CONTINUATIONS[name] = needs_continuations
 
-    try:  # token-importance estimators (OAR-P, OAR-G), the controls beside them (oracles, nulls), mc_value
-        from oar.credit import controls, importance, mc_value  # noqa: F401
-    except ImportError:
-        pass
+
+def estimator_flags(fn: Callable[..., Any]) -> tuple[bool, bool]:
+    """``(needs_model, needs_continuations)`` that :func:`register_estimator` gave ``fn``
+    (``(False, False)`` for a plain function)."""
+    flags = getattr(fn, _FLAGS_ATTR, (False, False))
+    return bool(flags[0]), bool(flags[1])
+
+
+def _load_builtin() -> None:
+    """Import the built-in estimator modules (importing registers their estimators). A module that
+    fails to import raises here, in the config's resolution (:func:`oar.config.resolve_method`), not
+    as an unknown estimator inside a training job."""
+    from oar.credit import advantages, controls, importance, ktae, mc_value  # noqa: F401
 
 
 def get_estimator(name: str) -> Callable[..., CreditResult]:
-    """Return the estimator registered as ``name``.
+    """Return the estimator registered as ``name``; a user estimator (``module:attr``, or an entry
+    point of ``oar.estimators``) not registered yet is loaded and registered
+    (:func:`oar.credit.user.user_estimator`).
 
     Raises:
         KeyError: naming the unknown estimator and the registered ones.
+        oar.credit.user.EstimatorSpecError: a user estimator that cannot be loaded (why, in one line).
     """
     _load_builtin()
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise KeyError(f"unknown estimator {name!r}; registered: {sorted(_REGISTRY)}") from None
+    if name not in _REGISTRY:
+        from oar.credit.user import UnknownEstimatorError, user_estimator
+
+        try:
+            user_estimator(name)
+        except UnknownEstimatorError:
+            raise KeyError(f"unknown estimator {name!r}; registered: {sorted(_REGISTRY)}") from None
+    return _REGISTRY[name]
 
 
 def list_estimators() -> list[str]:
@@ -143,7 +172,6 @@ def estimator_needs_model(name: str) -> bool:
     """Whether the estimator ``name`` calls the policy (see :func:`register_estimator`)."""
     get_estimator(name)
     return _NEEDS_MODEL[name]
-
 
 
 def estimator_needs_continuations(name: str) -> bool:
