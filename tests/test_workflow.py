@@ -731,6 +731,49 @@ def check_smoke_dag(tmp_path: Path, *, attribution: bool = True) -> None:
     path.write_text(yaml.safe_dump(cfg))
     counts, _ = dry_run(*args, results=tmp_path / "results")
     assert counts == Counter({"evaluate": len(cfg["methods"]), "evaluate_base": 1, "report": 1, "all": 1})
+    cfg["eval"]["temperature"] = cfg["eval"]["temperature"] - 0.1
+    path.write_text(yaml.safe_dump(cfg))
+    check_changed_settings_never_delete_a_run(tmp_path, cfg, args)
+
+
+def _digests(folder: Path) -> dict[str, str]:
+    import hashlib
+
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def check_changed_settings_never_delete_a_run(tmp_path: Path, cfg: dict, args: list[str]) -> None:
+    """Through Snakemake, on the finished smoke run: more `train.steps` (a key a run may change)
+    continues GRPO's run in its folder from where it stopped; a changed learning rate (a key that
+    identifies a run) trains a new run in another store folder and leaves the old one byte for byte
+    as it was; going back to the old learning rate finds the old run again."""
+    R = tmp_path / "results" / "smoke"
+    run = R / "grpo" / "seed0"
+    steps = int(cfg["train"]["steps"])
+    home = (R / "grpo").resolve()
+    rows = (run / "metrics.jsonl").read_text().splitlines()
+    target = str(run / "train_summary.json")
+    log = R / "logs" / "train" / "grpo" / "seed0.log"
+
+    snakemake(target, *args, "--cores", "2", "--config", f"set=train.steps={steps + 2}")
+    assert (R / "grpo").resolve() == home  # the same run
+    now = (run / "metrics.jsonl").read_text().splitlines()
+    assert now[:len(rows)] == rows  # the rows of the first steps kept as they were: continued, not restarted
+    trained = [json.loads(r)["step"] for r in now if "heldout_acc" not in json.loads(r)]
+    assert trained == list(range(steps + 2)), trained
+    assert "moved aside" not in log.read_text()
+    assert json.loads((run / "train_summary.json").read_text())["steps"] == steps + 2
+    kept = _digests(home)
+
+    lr = float(cfg["train"]["lr"]) * 2
+    snakemake(target, *args, "--cores", "2", "--config", f"set=train.steps={steps + 2} train.lr={lr}")
+    other = (R / "grpo").resolve()
+    assert other != home and other.parent == home.parent  # another run of the store
+    assert (other / "seed0" / "train_summary.json").exists()
+    assert _digests(home) == kept  # the old run untouched
+    snakemake(target, *args, "-n", "--cores", "2", "--config", f"set=train.steps={steps + 2}")
+    assert (R / "grpo").resolve() == home  # the old settings find the old run
 
 
 def check_an_ablation_shares_the_smoke_run(tmp_path: Path, smoke: Path, smoke_args: list[str]) -> None:

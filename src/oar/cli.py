@@ -123,6 +123,32 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from oar.report.compare import compare_markdown, compare_runs, load_reference, save_reference
+
+    if args.save:
+        ref = save_reference(args.results, args.reference, note=args.note)
+        print(f"reference: {args.reference} ({len(ref['values'])} cells of {args.results})")
+        return 0
+    confidence = args.confidence
+    if confidence is None:  # the run's own report.confidence (its resolved config), else the schema's default
+        import yaml
+
+        from oar.config import section_defaults
+
+        resolved = Path(args.results) / "config.yaml"
+        own = (yaml.safe_load(resolved.read_text()) or {}).get("report", {}) if resolved.is_file() else {}
+        confidence = float(own.get("confidence", section_defaults("report")["confidence"]))
+    result = compare_runs(load_reference(args.reference), args.results, confidence=confidence)
+    text = compare_markdown(result, reference_path=args.reference, results=args.results)
+    if args.output:
+        from oar.io import atomic_write_text
+
+        atomic_write_text(args.output, text)
+    print(text, end="")
+    return 1 if result["counts"].get("differs") or result["counts"].get("missing") else 0
+
+
 def _cmd_regimes(args: argparse.Namespace) -> int:
     from oar.config import assigned_values, parse_assignments
     from oar.regimes import write_cell_configs, write_regime_report
@@ -232,6 +258,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--metric", default=None, choices=["pass@1", "avg@k", "pass@k"],
                    help="only this metric's tables (default: avg@k when eval.samples > 0, and pass@1 when eval.greedy)")
     s.set_defaults(fn=_cmd_report)
+
+    s = sub.add_parser("compare", help="compare a finished run with a recorded reference, cell by cell, within "
+                       "seed noise, with the provenance that differs; exits 1 when a cell differs (--save: write "
+                       "the reference of a run)")
+    s.add_argument("--results", required=True, help="the finished run's folder (results/<name>, with tables/main.csv)")
+    s.add_argument("--reference", required=True, help="the reference file (e.g. docs/results/<date>-default-run.json)")
+    s.add_argument("--save", action="store_true", help="write the reference of --results to --reference instead")
+    s.add_argument("--note", default="", help="--save: a note stored in the reference (machine, command)")
+    s.add_argument("--confidence", type=float, default=None,
+                   help="coverage of the cells' intervals (default: the run's report.confidence)")
+    s.add_argument("--output", default=None, help="also write the comparison (markdown) to this file")
+    s.set_defaults(fn=_cmd_compare)
 
     s = sub.add_parser("regimes", help="the regime map: write one config per cell (cells), or the map's table and "
                        "figure from the finished cells (report)")
