@@ -747,7 +747,7 @@ def test_oar_p_runs_no_padding_queries(tiny):
 def test_oar_g_chunks_by_run_length_give_the_same_scores_with_less_padding(tiny, draws):
     """chunk_tokens groups rows of similar run length: the scores are those of one chunk (each
     response has its own noise), and the chunks compute fewer positions than one left-padded chunk."""
-    from oar.credit.importance._common import _answered
+    from oar.credit.importance.common import answered
     from oar.credit.importance.oar_g import _chunks
 
     model, tok = tiny
@@ -756,7 +756,7 @@ def test_oar_g_chunks_by_run_length_give_the_same_scores_with_less_padding(tiny,
     kw = dict(mode="answer_joint", noise_std=0.1, seed=9, draws=draws)
     one = gradient_importance(model, probe, **kw)
     assert (one[probe.reasoning_mask] > 0).any()
-    rows, sub = _answered(probe)
+    rows, sub = answered(probe)
     L = probe.reasoning_mask.shape[1]
     first = probe.reasoning_mask.long().argmax(-1)
 

@@ -14,7 +14,7 @@ import torch
 from oar.models import build_tiny
 from oar.rollout import (
     HFEngine,
-    _multinomial_rows,
+    multinomial_rows,
     generate_per_prompt,
     lean_generate,
     lean_unsupported,
@@ -163,7 +163,7 @@ def test_multinomial_rows_is_torch_multinomial():
     full = torch.multinomial(probs, 1).squeeze(1)
     after_full = torch.rand(2)
     torch.manual_seed(3)
-    part = _multinomial_rows(probs[rows], rows, 6)
+    part = multinomial_rows(probs[rows], rows, 6)
     assert torch.equal(part, full[rows])
     assert torch.equal(torch.rand(2), after_full)
 

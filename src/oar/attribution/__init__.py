@@ -5,10 +5,9 @@ Modules:
 
 - :mod:`~oar.attribution.stats`: rank statistics (AUROC, Spearman, top-k hit with random
   tie-breaking, median / IQR);
-- :mod:`~oar.attribution.parsing`: the task grammar parse of a response, token character spans,
-  pivotal / filler token labels;
-- :mod:`~oar.attribution.grammar`: the first arithmetic mistake of a response and exact
-  counterfactual edits of correct ones;
+- :mod:`oar.task.parsing` and :mod:`oar.task.grammar` (the task layer below credit; their names
+  are re-exported here): the task grammar parse of a response, token character spans, pivotal /
+  filler token labels; the first arithmetic mistake of a response and exact counterfactual edits;
 - :mod:`~oar.attribution.signals`: the credit signals (OAR-P, OAR-G variants, KTAE, random,
   uniform) as configurable specs;
 - :mod:`~oar.attribution.metrics`: error localisation, stability, cost and pivotal-vs-filler
@@ -25,7 +24,7 @@ from oar.attribution.benchmark import (
     attribution_from_config,
     run_attribution,
 )
-from oar.attribution.grammar import (
+from oar.task.grammar import (
     STEP_STATUSES,
     Counterfactual,
     StepCheck,
@@ -47,7 +46,7 @@ from oar.attribution.metrics import (
     localisation_table,
     stability_table,
 )
-from oar.attribution.parsing import (
+from oar.task.parsing import (
     FILLER,
     PIVOTAL,
     UNLABELED,

@@ -5,13 +5,13 @@ wrong response, and does it hold still?
    group per prompt), in rounds of ``prompts_per_round`` prompts, until there are ``n_sampled``
    wrong responses with a located first mistake and ``n_counterfactual`` counterfactuals, or
    ``max_prompts`` prompts were used. Each response is parsed with the task grammar
-   (:func:`oar.attribution.parsing.parse_response`) and replayed against the question
-   (:func:`oar.attribution.grammar.check_steps`).
+   (:func:`oar.task.parsing.parse_response`) and replayed against the question
+   (:func:`oar.task.grammar.check_steps`).
 2. **Kinds of responses.** ``sampled``: wrong responses (reward ``<= 0``) whose first arithmetic
    mistake is located (and, with ``propagated_only``, is the only thing that goes wrong).
    Both kinds keep responses of at least ``min_steps`` steps, at most ``max_per_prompt`` per prompt.
    ``counterfactual``: correct responses whose steps are all consistent, with one step's result
-   moved (:func:`oar.attribution.grammar.draw_counterfactual`), the rest re-derived, and the edited
+   moved (:func:`oar.task.grammar.draw_counterfactual`), the rest re-derived, and the edited
    text scored teacher-forced as a response of the same prompt.
 3. **Signals** (:mod:`oar.attribution.signals`) score every reasoning token. KTAE's groups: for
    ``sampled``, the sampled group of the prompt; for ``counterfactual``, the sampled group of the
@@ -37,9 +37,9 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from oar.attribution.grammar import StepCheck, check_steps, draw_counterfactual, mistake_spans, question_terms
+from oar.task.grammar import StepCheck, check_steps, draw_counterfactual, mistake_spans, question_terms
 from oar.attribution.metrics import cost_table, fidelity_table, localisation_table, stability_table
-from oar.attribution.parsing import UNLABELED, ParsedResponse, parse_response, token_char_spans, token_labels
+from oar.task.parsing import UNLABELED, ParsedResponse, parse_response, token_char_spans, token_labels
 from oar.attribution.signals import SignalSpec, compute_signals, signal_specs
 
 __all__ = ["KINDS", "AttributionSettings", "AttributionResult", "run_attribution", "attribution_from_config"]

@@ -21,7 +21,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from oar.attribution.parsing import FILLER, PIVOTAL
+from oar.task.parsing import FILLER, PIVOTAL
 from oar.attribution.stats import auroc, spearman, summarize, topk_hit
 
 __all__ = [

@@ -115,13 +115,13 @@ def register_estimator(
             setattr(fn, _FLAGS_ATTR, (needs_model, needs_continuations))
         except (AttributeError, TypeError):  # an object that takes no attributes: the registry's flags only
             pass
-        _register(name, fn, needs_model=needs_model, needs_continuations=needs_continuations)
+        register_function(name, fn, needs_model=needs_model, needs_continuations=needs_continuations)
         return fn
 
     return deco
 
 
-def _register(name: str, fn: Callable[..., CreditResult], *, needs_model: bool, needs_continuations: bool) -> None:
+def register_function(name: str, fn: Callable[..., CreditResult], *, needs_model: bool, needs_continuations: bool) -> None:
     """Put ``fn`` in the registry as ``name`` (replacing any previous entry) with its flags."""
     _REGISTRY[name] = fn
     _NEEDS_MODEL[name] = needs_model

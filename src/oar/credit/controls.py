@@ -5,7 +5,7 @@ through the same Bi-Level reshaping and loss as OAR (:func:`oar.credit.reshape.r
 so only the importance scores differ from OAR-P / OAR-G:
 
 - ``oracle_first_mistake`` (synthetic task only): in a wrong response whose first arithmetic
-  mistake the task grammar locates (:func:`oar.attribution.grammar.check_steps`, the locator of
+  mistake the task grammar locates (:func:`oar.task.grammar.check_steps`, the locator of
   ``oar attribution``), importance 1 on the result tokens of that step (sign included), 0 on every
   other reasoning token, including the later restatements of the wrong value. Correct responses,
   and wrong ones without a located mistake, keep GRPO's uniform credit.
@@ -82,7 +82,7 @@ class OracleLabels:
 
 def _questions(batch: CreditBatch, name: str) -> list[tuple[list[int], list[str]]]:
     """The synthetic question (operands, operators) of every row, read from its prompt."""
-    from oar.attribution.grammar import question_terms
+    from oar.task.grammar import question_terms
 
     task = batch.extras.get("task") or {}
     if task.get("kind", "synthetic") != "synthetic":
@@ -109,9 +109,9 @@ def _questions(batch: CreditBatch, name: str) -> list[tuple[list[int], list[str]
 def oracle_labels(batch: CreditBatch, *, fillers: Sequence[str], name: str = "oracle") -> OracleLabels:
     """Read the ground-truth token labels of a batch of synthetic-task responses.
 
-    Each response is decoded token by token (:func:`oar.attribution.parsing.token_char_spans`),
-    parsed by the task grammar (:func:`oar.attribution.parsing.parse_response`) and its steps are
-    replayed against the question's reduction order (:func:`oar.attribution.grammar.check_steps`).
+    Each response is decoded token by token (:func:`oar.task.parsing.token_char_spans`),
+    parsed by the task grammar (:func:`oar.task.parsing.parse_response`) and its steps are
+    replayed against the question's reduction order (:func:`oar.task.grammar.check_steps`).
     Rows that do not parse get all-zero labels and ``parsed`` False.
 
     Args:
@@ -122,8 +122,8 @@ def oracle_labels(batch: CreditBatch, *, fillers: Sequence[str], name: str = "or
     Raises:
         SyntheticTaskRequired: a prompt holds no synthetic question, or ``extras["task"]`` is another task.
     """
-    from oar.attribution.grammar import check_steps
-    from oar.attribution.parsing import PIVOTAL, parse_response, token_char_spans, token_labels
+    from oar.task.grammar import check_steps
+    from oar.task.parsing import PIVOTAL, parse_response, token_char_spans, token_labels
     from oar.data.synthetic import solve_steps
 
     terms = _questions(batch, name)

@@ -131,7 +131,7 @@ def step_boundaries(tokenizer: Any, response_ids: torch.Tensor, response_mask: t
         that start a new segment; the decoded response (special tokens kept); the character offset
         at which each boundary's token starts (so ``texts[i][:char_starts[i][k]]`` is the prefix).
     """
-    from oar.attribution.parsing import token_char_spans
+    from oar.task.parsing import token_char_spans
 
     rx = _split_regex(step_split)
     out, texts, chars = [], [], []

@@ -37,7 +37,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Mapping
 
-from oar.credit import CreditResult, _register, estimator_flags
+from oar.credit import CreditResult, register_function, estimator_flags
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -155,7 +155,7 @@ def user_estimator(name: str, *, load: bool = True) -> UserEstimator:
         hints = {}
     est = _options(name, origin, params, hints, fn)
     needs_model, needs_continuations = estimator_flags(fn)
-    _register(name, fn, needs_model=needs_model, needs_continuations=needs_continuations)
+    register_function(name, fn, needs_model=needs_model, needs_continuations=needs_continuations)
     return est
 
 

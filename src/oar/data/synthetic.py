@@ -45,7 +45,7 @@ from typing import Callable, Sequence
 
 __all__ = [
     "SPLITS", "OPERATORS", "DEFAULT_FILLERS", "ERROR_OFFSETS", "generate", "answer_of", "apply_op",
-    "next_operation", "reduce_steps", "solve_steps", "corrupt_steps", "format_solution",
+    "next_operation", "reduce_steps", "solve_steps", "corrupt_steps", "format_solution", "parse_question",
 ]
 
 #: Split names accepted by :func:`generate`.
@@ -153,7 +153,7 @@ def corrupt_steps(
     return reduce_steps(operands, ops, result), wrong
 
 
-def _parse_question(question: str) -> tuple[list[int], list[str]]:
+def parse_question(question: str) -> tuple[list[int], list[str]]:
     m = _QUESTION_RE.match(question.strip())
     if not m:
         raise ValueError(f"not a synthetic question (expected 'Compute <expr>.'): {question!r}")
@@ -169,7 +169,7 @@ def _parse_question(question: str) -> tuple[list[int], list[str]]:
 
 def answer_of(question: str) -> str:
     """Exact value of a synthetic question (``"Compute 47+18-25."`` -> ``"40"``)."""
-    nums, ops = _parse_question(question)
+    nums, ops = parse_question(question)
     return str(solve_steps(nums, ops)[-1][3])
 
 

@@ -51,7 +51,7 @@ Modules (every name is importable from ``oar.report``):
 - :mod:`oar.report.tables` -- :func:`main_table`, :func:`column_mde`, :func:`start_model_table`.
 - :mod:`oar.report.efficiency` -- :func:`load_metrics`, :func:`efficiency_table` (``PHASES``).
 - :mod:`oar.report.figures` -- training curves and credit concentration.
-- :mod:`oar.report.render` -- ``main.md`` / ``main.tex`` from the long tables (also :mod:`oar.report_format`).
+- :mod:`oar.report.render` -- ``main.md`` / ``main.tex`` from the long tables.
 - :mod:`oar.report.build` -- :func:`build_report`, :func:`report_metrics`.
 
 The data manifest (:func:`data_manifest`, :func:`write_data_manifest`) is :mod:`oar.data.manifest`,

@@ -45,11 +45,11 @@ class RunScores:
 
 
 # --------------------------------------------------------------------------------------- loading
-def _results_root(config: Mapping[str, Any], results: str | Path | None) -> Path:
+def results_root(config: Mapping[str, Any], results: str | Path | None) -> Path:
     return Path(results) if results is not None else Path(config["results_dir"]) / config["name"]
 
 
-def _rows_of(config: Mapping[str, Any]) -> list[tuple[str, str]]:
+def rows_of(config: Mapping[str, Any]) -> list[tuple[str, str]]:
     """``(row name, label)``: base first, then every method in config order."""
     from oar.config import resolve_methods
 
@@ -57,18 +57,18 @@ def _rows_of(config: Mapping[str, Any]) -> list[tuple[str, str]]:
     return [(BASE_ROW, "Base")] + [(name, m.label or name) for name, m in methods.items()]
 
 
-def _eval_dirs(root: Path, row: str, seeds: Sequence[int]) -> dict[int | None, Path]:
+def eval_dirs(root: Path, row: str, seeds: Sequence[int]) -> dict[int | None, Path]:
     if row == BASE_ROW:
         return {None: root / BASE_ROW / "eval"}
     return {s: root / row / f"seed{s}" / "eval" for s in seeds}
 
 
-def _missing(paths: Sequence[Path]) -> None:
+def require_files(paths: Sequence[Path]) -> None:
     gone = [str(p) for p in paths if not Path(p).exists()]
     if gone:
         more = f" (and {len(gone) - 10} more)" if len(gone) > 10 else ""
         raise ReportError(f"missing result file(s): {', '.join(gone[:10])}{more}; run the workflow first")
 
 
-def _report_option(config: Mapping[str, Any], key: str, value: Any) -> Any:
+def report_option(config: Mapping[str, Any], key: str, value: Any) -> Any:
     return (config.get("report") or {}).get(key, REPORT_DEFAULTS[key]) if value is None else value

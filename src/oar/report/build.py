@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from oar.io import atomic_write_text
-from oar.report.base import BASE_ROW, ReportError, _report_option, _results_root, _rows_of
-from oar.report.efficiency import _all_metrics, efficiency_table
+from oar.report.base import BASE_ROW, ReportError, report_option, results_root, rows_of
+from oar.report.efficiency import all_metrics, efficiency_table
 from oar.report.figures import plot_credit_concentration, plot_training_curves
 from oar.report.tables import main_table, start_model_table
 
@@ -27,7 +27,7 @@ def _all_heldout(config: Mapping[str, Any], root: Path) -> dict[str, dict[int, "
     from oar.learning_curves import load_heldout
 
     seeds = list(config.get("seeds") or [0])
-    methods = [name for name, _ in _rows_of(config) if name != BASE_ROW]
+    methods = [name for name, _ in rows_of(config) if name != BASE_ROW]
     return {m: {s: load_heldout(root / m / f"seed{s}" / "metrics.jsonl") for s in seeds} for m in methods}
 
 
@@ -73,20 +73,20 @@ def build_report(
     )
     from oar.report.render import main_latex, main_markdown, versus_markdown
 
-    root = _results_root(config, results)
-    labels = dict(_rows_of(config))
-    reference = _report_option(config, "reference", reference)
-    confidence = float(_report_option(config, "confidence", confidence))
-    power = float(_report_option(config, "power", None))
+    root = results_root(config, results)
+    labels = dict(rows_of(config))
+    reference = report_option(config, "reference", reference)
+    confidence = float(report_option(config, "confidence", confidence))
+    power = float(report_option(config, "power", None))
     n_boot = int(config["eval"]["bootstrap"]) if n_boot is None else int(n_boot)
     metrics_shown = [metric] if metric else report_metrics(config)
     tables = {m: main_table(config, root, reference=reference, n_boot=n_boot, seed=seed, confidence=confidence,
                             metric=m, power=power) for m in metrics_shown}
     start = start_model_table(config, root)
-    metrics = _all_metrics(config, root)
+    metrics = all_metrics(config, root)
     eff = efficiency_table(config, root, reference=reference, metrics=metrics, skip_steps=skip_steps)
     heldout = _all_heldout(config, root)
-    threshold = _report_option(config, "threshold", None)
+    threshold = report_option(config, "threshold", None)
     ref_label = labels.get(reference, reference)
     if threshold is None:
         threshold = auto_threshold(heldout, reference)
@@ -118,7 +118,7 @@ def build_report(
     atomic_write_text(out["main_csv"], pd.concat(list(tables.values()), ignore_index=True)
                       .to_csv(index=False, float_format="%.6g"))
     versus = ""  # report.also_against: the same paired, seed-level differences against other methods
-    for other in _report_option(config, "also_against", None):
+    for other in report_option(config, "also_against", None):
         if other not in labels:
             raise ReportError(f"report.also_against: {other!r} is not a method of this config")
         vs = main_table(config, root, reference=other, n_boot=n_boot, seed=seed, confidence=confidence,
@@ -137,7 +137,7 @@ def build_report(
     atomic_write_text(out["steps_to_threshold_csv"], steps.to_csv(index=False, float_format="%.6g"))
     atomic_write_text(out["learning_speed_csv"], speed.to_csv(index=False, float_format="%.6g"))
     atomic_write_text(out["efficiency_csv"], eff.to_csv(index=False, float_format="%.6g"))
-    plot_learning_curves(out["learning_curves"], heldout, labels, band=_report_option(config, "band", None),
+    plot_learning_curves(out["learning_curves"], heldout, labels, band=report_option(config, "band", None),
                          threshold=threshold)
     plot_training_curves(out["training_curves"], metrics, labels)
     plot_credit_concentration(out["credit_concentration"], metrics, labels)

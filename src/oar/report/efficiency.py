@@ -9,7 +9,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from oar.io import read_jsonl
-from oar.report.base import BASE_ROW, ReportError, _missing, _results_root, _rows_of
+from oar.report.base import BASE_ROW, ReportError, require_files, results_root, rows_of
 
 __all__ = ["PHASES", "load_metrics", "efficiency_table"]
 
@@ -46,10 +46,10 @@ def load_metrics(path: str | Path) -> "pd.DataFrame":  # noqa: F821
     return df.apply(pd.to_numeric, errors="coerce")
 
 
-def _all_metrics(config: Mapping[str, Any], root: Path) -> dict[str, dict[int, "pd.DataFrame"]]:  # noqa: F821
+def all_metrics(config: Mapping[str, Any], root: Path) -> dict[str, dict[int, "pd.DataFrame"]]:  # noqa: F821
     seeds = list(config.get("seeds") or [0])
-    methods = [name for name, _ in _rows_of(config) if name != BASE_ROW]
-    _missing([root / m / f"seed{s}" / "metrics.jsonl" for m in methods for s in seeds])
+    methods = [name for name, _ in rows_of(config) if name != BASE_ROW]
+    require_files([root / m / f"seed{s}" / "metrics.jsonl" for m in methods for s in seeds])
     return {m: {s: load_metrics(root / m / f"seed{s}" / "metrics.jsonl") for s in seeds} for m in methods}
 
 
@@ -75,9 +75,9 @@ def efficiency_table(
     """
     import pandas as pd
 
-    root = _results_root(config, results)
-    labels = dict(_rows_of(config))
-    metrics = metrics if metrics is not None else _all_metrics(config, root)
+    root = results_root(config, results)
+    labels = dict(rows_of(config))
+    metrics = metrics if metrics is not None else all_metrics(config, root)
     recs = []
     for m, per_seed in metrics.items():
         means = {p: [] for p in PHASES}

@@ -83,7 +83,7 @@ def load_scores(
     return RunScores(ids=ids, scores=scores, seeds=seeds, files=files)
 
 
-def _check_summary(eval_dir: Path, benchmark: str, scores: dict[str, float] | np.ndarray, metric: str) -> None:
+def check_summary(eval_dir: Path, benchmark: str, scores: dict[str, float] | np.ndarray, metric: str) -> None:
     """Cross-check the mean of the per-problem scores against ``summary.json`` (if it has the value)."""
     path = eval_dir / "summary.json"
     if not path.exists():
@@ -121,7 +121,7 @@ def _paired_diff(row: RunScores, ref: RunScores, benchmark: str) -> np.ndarray:
     return a - b
 
 
-def _compare(row: dict[str, RunScores], ref: dict[str, RunScores], benches: Sequence[str], bidx: Sequence[int], *,
+def compare_rows(row: dict[str, RunScores], ref: dict[str, RunScores], benches: Sequence[str], bidx: Sequence[int], *,
              n_boot: int, seed: int, confidence: float) -> dict[str, Any]:
     """Paired difference (points) of ``row`` minus ``ref`` over the benchmarks ``bidx`` (one, or all
     for the Average column): the estimate; the seed-level t interval, SE and sd of the per-seed

@@ -15,13 +15,13 @@ from oar.report.base import (
     BASE_ROW,
     METRICS,
     RunScores,
-    _eval_dirs,
-    _missing,
-    _report_option,
-    _results_root,
-    _rows_of,
+    eval_dirs,
+    require_files,
+    report_option,
+    results_root,
+    rows_of,
 )
-from oar.report.scores import _check_summary, _compare, load_scores
+from oar.report.scores import check_summary, compare_rows, load_scores
 from oar.stats import seed_mde, seeds_for_mde
 
 __all__ = ["main_table", "column_mde", "start_model_table"]
@@ -70,30 +70,30 @@ def main_table(
     """
     import pandas as pd
 
-    reference = _report_option(config, "reference", reference)
-    confidence = float(_report_option(config, "confidence", confidence))
-    power = float(_report_option(config, "power", power))
-    root = _results_root(config, results)
+    reference = report_option(config, "reference", reference)
+    confidence = float(report_option(config, "confidence", confidence))
+    power = float(report_option(config, "power", power))
+    root = results_root(config, results)
     seeds = list(config.get("seeds") or [0])
     benches = [b["name"] for b in config["eval"]["benchmarks"]]
     if not benches:
         raise ValueError("config: eval.benchmarks is empty; nothing to report")
     n_boot = int(config["eval"]["bootstrap"]) if n_boot is None else int(n_boot)
-    rows = _rows_of(config)
+    rows = rows_of(config)
     files = []
     for row, _ in rows:
-        for d in _eval_dirs(root, row, seeds).values():
+        for d in eval_dirs(root, row, seeds).values():
             files += [d / "summary.json"] + [d / f"{b}.jsonl" for b in benches]
-    _missing(files)
+    require_files(files)
 
     scores: dict[str, dict[str, RunScores]] = {}
     for row, _ in rows:
-        dirs = _eval_dirs(root, row, seeds)
+        dirs = eval_dirs(root, row, seeds)
         scores[row] = {}
         for b in benches:
             rs = load_scores(dirs, b, metric=metric)
             for k, (s, d) in enumerate(dirs.items()):
-                _check_summary(d, b, rs.scores[k], metric)
+                check_summary(d, b, rs.scores[k], metric)
             scores[row][b] = rs
     has_ref = reference in scores and reference != BASE_ROW
     opts = dict(n_boot=n_boot, seed=seed, confidence=confidence)
@@ -106,9 +106,9 @@ def main_table(
         for bname, values, bidx in cols:
             vs_ref = vs_start = None
             if has_ref and row != reference:
-                vs_ref = _compare(scores[row], scores[reference], benches, bidx, **opts)
+                vs_ref = compare_rows(scores[row], scores[reference], benches, bidx, **opts)
             if row != BASE_ROW:
-                vs_start = _compare(scores[row], scores[BASE_ROW], benches, bidx, **opts)
+                vs_start = compare_rows(scores[row], scores[BASE_ROW], benches, bidx, **opts)
             nan = math.nan
             records.append({
                 "row": row,
@@ -141,7 +141,7 @@ def main_table(
                 "start_problem_ci_high": vs_start["problem_high"] if vs_start else nan,
             })
     df = pd.DataFrame.from_records(records)
-    target = float(_report_option(config, "target_mde", target_mde))
+    target = float(report_option(config, "target_mde", target_mde))
     mdes = column_mde(df, reference=reference, alpha=1.0 - confidence, power=power, target=target)
     for j, key in enumerate(("mde", "seeds_for_target", "mde_source")):
         df[key] = df["benchmark"].map(lambda b, j=j: mdes[b][j])
@@ -185,7 +185,7 @@ def start_model_table(config: Mapping[str, Any], results: str | Path | None = No
     for what the evaluation did not produce."""
     import pandas as pd
 
-    root = _results_root(config, results)
+    root = results_root(config, results)
     d = {None: root / BASE_ROW / "eval"}
     recs = []
     for b in [b["name"] for b in config["eval"]["benchmarks"]]:

@@ -49,8 +49,8 @@ from oar.rollout.base import (
 )
 from oar.rollout.hf import SAMPLERS, HFEngine, hf_generate_kwargs
 # the private names too: tests import them from here
-from oar.rollout.lean import COMPACT_BELOW, _multinomial_rows, lean_generate, lean_unsupported  # noqa: F401
-from oar.rollout.vllm import VLLMEngine, _vllm_sleep_mode_available  # noqa: F401
+from oar.rollout.lean import COMPACT_BELOW, multinomial_rows, lean_generate, lean_unsupported  # noqa: F401
+from oar.rollout.vllm import VLLMEngine, vllm_sleep_mode_available  # noqa: F401
 
 __all__ = ["Rollout", "generate_per_prompt", "RolloutEngine", "HFEngine", "VLLMEngine", "make_engine", "pad_stack",
            "pad_batch", "token_logprobs", "lean_generate", "lean_unsupported", "SAMPLERS", "WeightStream",

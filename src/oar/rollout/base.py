@@ -192,7 +192,7 @@ class RolloutEngine(Protocol):
 WeightStream = Iterable[tuple[str, torch.Tensor]]
 
 
-def _weight_stream(weights: WeightStream | torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def weight_stream(weights: WeightStream | torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """A lazy iterator of detached ``(name, tensor)`` pairs.
 
     A module is accepted too (its ``state_dict()``, by reference, no copy), for callers that hold the

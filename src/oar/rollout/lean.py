@@ -160,7 +160,7 @@ def lean_generate(
     ``compact=True`` (``rollout.sampler: lean_compact``) drops finished rows from the batch (and
     their KV cache) once at most :data:`COMPACT_BELOW` of the rows in it are unfinished. The random
     draws stay those of the full batch (multinomial's own method, ``argmax(probs / q)`` with
-    ``q ~ Exp(1)`` drawn for all rows, :func:`_multinomial_rows`), so the samples are a deterministic
+    ``q ~ Exp(1)`` drawn for all rows, :func:`multinomial_rows`), so the samples are a deterministic
     function of the seed and equal ``generate``'s as long as a row's logits do not depend on which
     other rows share its forward -- which the CPU/GPU matmul kernels do not promise (a change of the
     batch size can change the last bits of the logits, and then rarely a token).
@@ -210,7 +210,7 @@ def lean_generate(
             if len(rows) == B:
                 nxt = torch.multinomial(probs, num_samples=1).squeeze(1)
             else:
-                nxt = _multinomial_rows(probs, rows, B)
+                nxt = multinomial_rows(probs, rows, B)
         if eos_t is not None:
             nxt = torch.where(unfinished, nxt, pad_id)
         lp = torch.gather(torch.log_softmax(scaled, dim=-1), -1, nxt.unsqueeze(-1)).squeeze(-1)
@@ -237,7 +237,7 @@ def lean_generate(
     return tokens[:, :T], logprobs[:, :T]
 
 
-def _multinomial_rows(probs: torch.Tensor, rows: torch.Tensor, batch: int) -> torch.Tensor:
+def multinomial_rows(probs: torch.Tensor, rows: torch.Tensor, batch: int) -> torch.Tensor:
     """``torch.multinomial(full_probs, 1)[rows]`` for a batch of ``batch`` rows of which only ``rows`` are given.
 
     torch draws one sample as ``argmax(probs / q)`` with ``q = empty_like(probs).exponential_()``

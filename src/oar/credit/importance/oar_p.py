@@ -22,17 +22,17 @@ from typing import Any
 
 import torch
 
-from oar.credit.importance._common import (
-    _answered,
-    _check_mode,
-    _divergence,
-    _eval_mode,
-    _keep,
-    _logits_tail,
-    _make_cache,
-    _model_device,
-    _plain_cache_layers,
-    _warn_naive_fallback,
+from oar.credit.importance.common import (
+    answered,
+    check_mode,
+    divergence,
+    eval_mode,
+    logits_to_keep,
+    logits_tail,
+    make_cache,
+    model_device,
+    plain_cache_layers,
+    warn_naive_fallback,
     outcome,
 )
 from oar.credit.probe import Probe
@@ -79,16 +79,16 @@ def perturbation_importance(
     Returns:
         ``(B, L)`` float32 scores on the probe's device, 0 where ``probe.reasoning_mask`` is 0.
     """
-    _check_mode(mode, "perturbation_importance")
+    check_mode(mode, "perturbation_importance")
     if chunk_size < 1:
         raise ValueError(f"oar.credit.importance.perturbation_importance: chunk_size must be >= 1, got {chunk_size}")
     mask_id = probe.pad_token_id if mask_token_id is None else int(mask_token_id)
     scores = torch.zeros(probe.input_ids.shape, dtype=torch.float32, device=probe.input_ids.device)
-    rows_all, sub_all = _answered(probe)
+    rows_all, sub_all = answered(probe)
     if rows_all.numel() == 0 or not bool(sub_all.reasoning_mask.any()):
         return scores
-    dev = _model_device(model)
-    with _eval_mode(model), torch.no_grad():
+    dev = model_device(model)
+    with eval_mode(model), torch.no_grad():
         for g0 in range(0, rows_all.numel(), chunk_size):
             rows = rows_all[g0 : g0 + chunk_size]
             sub = probe.select(rows).to(dev)
@@ -116,7 +116,7 @@ def value_tie_ids(tokenizer: Any, probe: Probe, response_ids: torch.Tensor, resp
 
     In ``3+4=7, 7*2=14`` the two 7s share an id; 3, 4, 2 and 14 have one each.
     """
-    from oar.attribution.parsing import token_char_spans
+    from oar.task.parsing import token_char_spans
 
     B, T = response_ids.shape
     ties = torch.zeros((B, T), dtype=torch.long)
@@ -140,9 +140,9 @@ def _oar_p_group(
     """OAR-P scores ``(N, L)`` of a probe whose rows all have an answer (on the model device)."""
     N, L = sub.input_ids.shape
     pos = sub.position_ids
-    keep = _keep(sub)
+    keep = logits_to_keep(sub)
     tail = L - keep
-    logits, cache = _logits_tail(
+    logits, cache = logits_tail(
         model,
         keep,
         input_ids=sub.input_ids,
@@ -153,9 +153,9 @@ def _oar_p_group(
     orig = outcome(logits, tail, sub.input_ids, sub.answer_mask, sub.last_index, mode)
     kv = None
     if not naive:
-        kv = _plain_cache_layers(cache)
+        kv = plain_cache_layers(cache)
         if kv is None:
-            _warn_naive_fallback("perturbation_importance", stacklevel=3)
+            warn_naive_fallback("perturbation_importance", stacklevel=3)
     del cache
 
     r_idx, t_idx = sub.reasoning_mask.nonzero(as_tuple=True)
@@ -178,18 +178,18 @@ def _oar_p_group(
         t0 = int(t.min()) if kv is not None else 0
         if t0 > 0:
             prefix = [(k[r, :, :t0], v[r, :, :t0]) for k, v in kv]
-            logits_c, _ = _logits_tail(
+            logits_c, _ = logits_tail(
                 model,
                 k_c,
                 input_ids=ids[:, t0:],
                 attention_mask=am,
                 position_ids=pos[r, t0:],
-                cache=_make_cache(prefix),
+                cache=make_cache(prefix),
             )
         else:
-            logits_c, _ = _logits_tail(model, k_c, input_ids=ids, attention_mask=am, position_ids=pos[r])
+            logits_c, _ = logits_tail(model, k_c, input_ids=ids, attention_mask=am, position_ids=pos[r])
         new = outcome(logits_c, L - k_c, ids, sub.answer_mask[r], sub.last_index[r], mode)
-        out[r, t] = _divergence(orig[r], new, mode)
+        out[r, t] = divergence(orig[r], new, mode)
     return out
 
 

@@ -23,13 +23,13 @@ from oar.models import cache_argument
 MODES: tuple[str, ...] = ("last", "answer_mean", "answer_joint")
 
 
-def _check_mode(mode: str, where: str) -> None:
+def check_mode(mode: str, where: str) -> None:
     if mode not in MODES:
         raise ValueError(f"oar.credit.importance.{where}: unknown mode {mode!r}; use one of {list(MODES)}")
 
 
 @contextlib.contextmanager
-def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
+def eval_mode(model: torch.nn.Module) -> Iterator[None]:
     """Put ``model`` in eval mode (no dropout) and restore its previous mode afterwards."""
     was_training = model.training
     model.eval()
@@ -39,7 +39,7 @@ def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
         model.train(was_training)
 
 
-def _model_device(model: torch.nn.Module) -> torch.device:
+def model_device(model: torch.nn.Module) -> torch.device:
     try:
         return next(model.parameters()).device
     except StopIteration:
@@ -50,7 +50,7 @@ def _forward_params(model: torch.nn.Module) -> set[str]:
     return set(inspect.signature(model.forward).parameters)
 
 
-def _logits_tail(
+def logits_tail(
     model: torch.nn.Module,
     keep: int,
     *,
@@ -128,24 +128,24 @@ def outcome(
     raise ValueError(f"oar.credit.importance.outcome: unknown mode {mode!r}; use one of {list(MODES)}")
 
 
-def _divergence(orig: torch.Tensor, new: torch.Tensor, mode: str) -> torch.Tensor:
+def divergence(orig: torch.Tensor, new: torch.Tensor, mode: str) -> torch.Tensor:
     """``KL(P_orig || P_new)`` per row from log-probs, or ``phi_orig - phi_new`` (answer_joint)."""
     if mode == "answer_joint":
         return orig - new
     return (orig.exp() * (orig - new)).sum(-1)
 
 
-def _keep(probe: Probe) -> int:
+def logits_to_keep(probe: Probe) -> int:
     """Number of tail logits covering every answer-predicting position of the probe."""
     return int(probe.answer_length.max()) + 1 if probe.answer_length.numel() else 1
 
 
-def _answered(probe: Probe) -> tuple[torch.Tensor, Probe]:
+def answered(probe: Probe) -> tuple[torch.Tensor, Probe]:
     rows = probe.has_answer.nonzero().flatten()
     return rows, probe.select(rows)
 
 
-def _plain_cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+def plain_cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
     """``[(keys, values)]`` per layer of a full-attention DynamicCache, None if not that kind."""
     try:
         from transformers.cache_utils import DynamicLayer
@@ -157,7 +157,7 @@ def _plain_cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]] |
     return [(layer.keys, layer.values) for layer in layers]
 
 
-def _warn_naive_fallback(where: str, stacklevel: int) -> None:
+def warn_naive_fallback(where: str, stacklevel: int) -> None:
     """Warn that ``where`` falls back to its naive path (the model's cache cannot be reused)."""
     warnings.warn(
         f"oar.credit.importance.{where}: the model's cache is not a plain full-attention DynamicCache; "
@@ -166,7 +166,7 @@ def _warn_naive_fallback(where: str, stacklevel: int) -> None:
     )
 
 
-def _make_cache(kv: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+def make_cache(kv: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
     from transformers.cache_utils import DynamicCache
 
     return DynamicCache(ddp_cache_data=kv)

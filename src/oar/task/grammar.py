@@ -30,7 +30,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from oar.data.synthetic import _parse_question, apply_op, format_solution, next_operation, reduce_steps, solve_steps
+from oar.data.synthetic import parse_question, apply_op, format_solution, next_operation, reduce_steps, solve_steps
 
 __all__ = [
     "STEP_STATUSES",
@@ -58,7 +58,7 @@ STEP_STATUSES: tuple[str, ...] = (
 def question_terms(question: str) -> tuple[list[int], list[str]]:
     """Operands and operators of a synthetic question (``"Compute 47+18-25."`` ->
     ``([47, 18, 25], ["+", "-"])``)."""
-    return _parse_question(question)
+    return parse_question(question)
 
 
 @dataclass(frozen=True)
@@ -241,7 +241,7 @@ def mistake_spans(parsed: Any, step: int) -> tuple[list[list[int]], list[list[in
     Separators, fillers and the operands of the mistaken step belong to neither.
 
     Args:
-        parsed: a :class:`oar.attribution.parsing.ParsedResponse`.
+        parsed: a :class:`oar.task.parsing.ParsedResponse`.
         step: index of the mistaken step.
     """
     if not 0 <= step < len(parsed.steps):
