@@ -551,6 +551,18 @@ def test_train_init_model_that_cannot_load_is_one_line_and_leaves_the_run(saved_
     assert _snapshot(run) == before  # not locked, repaired or reset
 
 
+def test_train_init_that_does_not_exist_is_one_line_and_leaves_the_run(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run = _existing_run(tmp_path)
+    before = _snapshot(run)
+    missing = tmp_path / "no_such_model"
+    rc, err = _cli(["train", "--config", str(SMOKE), "--method", "grpo", "--init", str(missing), "--output", str(run),
+                    "--restart", "--no-progress"], capsys)
+    assert rc == 2, err
+    assert f"model.source: {str(missing)!r} does not exist" in _last_error_line(err, "train")
+    assert _snapshot(run) == before
+
+
 @pytest.mark.parametrize("damage", list(MODEL_DAMAGES))
 def test_evaluate_model_that_cannot_load_is_one_line_and_leaves_the_output(saved_model, tmp_path, capsys,
                                                                           monkeypatch, damage):

@@ -153,6 +153,28 @@ def _check_weights(folder: Path) -> None:
                 raise _model_error(path, problem)
 
 
+def _local_path(source: str, gguf_file: str | None) -> Path | None:
+    """The local ``.gguf`` file or model folder ``source`` names; None when it is a hub id.
+
+    Raises:
+        FileNotFoundError: ``source`` is neither an existing path nor a hub id ``org/name``, or the
+            folder has no ``gguf_file``.
+        ValueError: ``source`` is a file but not a ``.gguf``.
+    """
+    path = Path(source).expanduser()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ValueError(f"model.source: {path} is a file but not a .gguf; give a model folder or a .gguf file")
+        return path
+    if path.is_dir():
+        if gguf_file and not (path / gguf_file).is_file():
+            raise FileNotFoundError(f"model.gguf_file: {path / gguf_file} does not exist")
+        return path
+    if _HUB_ID.match(source) and not source.startswith((".", "~")):
+        return None
+    raise FileNotFoundError(f"model.source: {source!r} does not exist (and is not 'tiny' or a hub id 'org/name')")
+
+
 def check_model_files(spec: Mapping[str, Any] | str | os.PathLike) -> None:
     """Check the files of the local model ``spec`` names, without loading it (headers only).
 
@@ -163,9 +185,11 @@ def check_model_files(spec: Mapping[str, Any] | str | os.PathLike) -> None:
       and a tokenizer vocabulary exists (:data:`TOKENIZER_VOCAB_FILES`; not checked with
       ``trust_remote_code``, whose code may load it from elsewhere).
 
-    ``"tiny"``, a hub id and a path that does not exist are left to :func:`load_policy`.
+    ``"tiny"`` and a hub id are left to :func:`load_policy`.
 
     Raises:
+        FileNotFoundError: ``source`` is neither an existing path nor a hub id, or ``gguf_file`` is missing.
+        ValueError: ``source`` is a file but not a ``.gguf``.
         ModelLoadError: naming the first file that cannot be loaded (the folder, for a missing
             file) and what to do.
     """
@@ -176,17 +200,15 @@ def check_model_files(spec: Mapping[str, Any] | str | os.PathLike) -> None:
     source = resolve_source(os.fspath(spec.get("source") or ""))
     if not source or source == "tiny":
         return
-    path = Path(source).expanduser()
     gguf_file = spec.get("gguf_file")
-    if path.is_file():
-        if path.suffix.lower() == ".gguf":
-            _check_gguf(path)
+    path = _local_path(source, gguf_file)
+    if path is None:
         return
-    if not path.is_dir():
+    if path.is_file():
+        _check_gguf(path)
         return
     if gguf_file:
-        if (path / gguf_file).is_file():
-            _check_gguf(path / gguf_file)
+        _check_gguf(path / gguf_file)
         return
     if not (path / "config.json").is_file():
         ggufs = sorted(p.name for p in path.glob("*.gguf"))
@@ -434,19 +456,13 @@ def load_policy(spec: Mapping[str, Any] | str | os.PathLike):
             model = model.to(dtype)
         return model, tok
 
-    path = Path(source).expanduser()
-    if path.is_file() or path.is_dir():
-        if path.is_file() and path.suffix.lower() != ".gguf":
-            raise ValueError(f"model.source: {path} is a file but not a .gguf; give a model folder or a .gguf file")
-        if path.is_dir() and gguf_file and not (path / gguf_file).is_file():
-            raise FileNotFoundError(f"model.gguf_file: {path / gguf_file} does not exist")
+    path = _local_path(source, gguf_file)
+    if path is not None:
         check_model_files(dict(spec, source=source))
         return _load_local(path, gguf_file, dtype=dtype, trust_remote_code=trust)
-    if _HUB_ID.match(source) and not source.startswith((".", "~")):
-        model, tok = _load_hub(source, gguf_file=gguf_file, dtype=dtype, trust_remote_code=trust)
-        _finish_tokenizer(tok, model)
-        return model, tok
-    raise FileNotFoundError(f"model.source: {source!r} does not exist (and is not 'tiny' or a hub id 'org/name')")
+    model, tok = _load_hub(source, gguf_file=gguf_file, dtype=dtype, trust_remote_code=trust)
+    _finish_tokenizer(tok, model)
+    return model, tok
 
 
 def _load_local(path: Path, gguf_file: str | None, *, dtype: torch.dtype | None, trust_remote_code: bool):

@@ -216,6 +216,7 @@ def check_train_inputs(config: dict, start_spec: dict, output: Path) -> None:
     Raises:
         oar.io.OutputPathError, oar.tracking.TrackingStoreError, oar.models.ModelLoadError: naming
             the file and what to do.
+        FileNotFoundError: the start model is neither an existing path nor a hub id.
     """
     from oar.io import check_output_folder
     from oar.models import check_model_files
