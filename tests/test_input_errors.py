@@ -1,6 +1,7 @@
 """Bad input fails early with one clear line naming the file, line, flag or key (issue 11, item 6):
 hub ids offline, CLI numbers, --config overrides in Snakemake, unbounded dynamic sampling,
-non-UTF-8 data files, and empty benchmark or training sets."""
+non-UTF-8 data files, and empty benchmark or training sets; and (issue 31) a model that cannot
+load, a corrupt MLflow store, and an output that cannot be a folder written here."""
 
 from __future__ import annotations
 
@@ -378,3 +379,303 @@ def test_extends_chain_merges_and_names_the_file_for_a_missing_base_or_a_loop(tm
     (tmp_path / "y.yaml").write_text("extends: x.yaml\n")
     with pytest.raises(ConfigError, match="loop"):
         resolve_extends({"extends": "x.yaml"}, tmp_path / "z.yaml")
+
+
+# ------------------------------------------- 8. the user's files: a model, the MLflow store, an output
+# (issue 31, failure 3) A model folder or GGUF that cannot load, a corrupt MLflow store and an output
+# path that cannot be a folder are one line naming the file and what to do, exit 2, found before any
+# work: an existing run folder is left as it was, even with --restart (which would discard its state).
+SMOKE = ROOT / "config" / "smoke.yaml"
+#: The tiny model of config/smoke.yaml.
+SMOKE_TINY = {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64,
+              "max_position_embeddings": 128}
+#: A GGUF header: the magic bytes, version 3, no tensors, no metadata.
+GGUF_HEADER = b"GGUF" + (3).to_bytes(4, "little") + bytes(16)
+
+
+def _smoke_config(tmp_path: Path, change: dict) -> Path:
+    """config/smoke.yaml with ``change`` merged in, written to ``tmp_path/smoke.yaml``."""
+    from oar.config import deep_merge
+
+    path = tmp_path / "smoke.yaml"
+    path.write_text(yaml.safe_dump(deep_merge(yaml.safe_load(SMOKE.read_text()), change), sort_keys=False))
+    return path
+
+
+def _last_error_line(err: str, command: str) -> str:
+    """:func:`_one_error_line`, asserting it is also the last line of ``err`` (what the user reads)."""
+    line = _one_error_line(err, command)
+    assert err.strip().splitlines()[-1] == line, err
+    return line
+
+
+def _snapshot(folder: Path) -> dict[str, bytes | None]:
+    """Every file (its bytes) and folder (None) under ``folder``, by relative path."""
+    return {p.relative_to(folder).as_posix(): (p.read_bytes() if p.is_file() else None)
+            for p in sorted(folder.rglob("*"))}
+
+
+def _existing_run(tmp_path: Path) -> Path:
+    """A run folder as a run leaves it: checkpoint, final model, metrics, MLflow run id, summary."""
+    run = tmp_path / "run"
+    for rel, data in {"checkpoint/model.safetensors": b"weights", "checkpoint/trainer_state.pt": b"state",
+                      "checkpoint/checkpoint.json": b'{"step": 2, "files": {}}\n',
+                      "model/model.safetensors": b"final weights", "metrics.jsonl": b'{"step": 0}\n{"step": 1}\n',
+                      "run.json": b'{"run_id": "abc"}\n', "train_summary.json": b'{"steps": 2}\n'}.items():
+        (run / rel).parent.mkdir(parents=True, exist_ok=True)
+        (run / rel).write_bytes(data)
+    return run
+
+
+@pytest.fixture(scope="module")
+def saved_model(tmp_path_factory) -> Path:
+    """The smoke config's tiny model and tokenizer, saved with save_pretrained (as SFT leaves them)."""
+    from oar.models import build_tiny
+
+    folder = tmp_path_factory.mktemp("saved") / "model"
+    model, tok = build_tiny(**SMOKE_TINY)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def _truncate(path: Path, size: int) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(size)
+
+
+def _truncate_weights(size: int):
+    def damage(folder: Path) -> Path:
+        _truncate(folder / "model.safetensors", size)
+        return folder
+    return damage
+
+
+def _bad_config_json(folder: Path) -> Path:
+    (folder / "config.json").write_text('{"model_type": "llama",\n')
+    return folder
+
+
+def _remove(name: str):
+    def damage(folder: Path) -> Path:
+        (folder / name).unlink()
+        return folder
+    return damage
+
+
+def _gguf_file(content: bytes):
+    def damage(folder: Path) -> Path:
+        (folder / "model.gguf").write_bytes(content)
+        return folder / "model.gguf"
+    return damage
+
+
+#: How a model is damaged: (the damage, given the model folder and returning the path to load; the
+#: file the message names, relative to the folder; what the message says).
+MODEL_DAMAGES = {
+    "truncated safetensors": (_truncate_weights(4), "model.safetensors",
+                              "4 bytes, shorter than a safetensors header: truncated"),
+    "half a safetensors": (_truncate_weights(50_000), "model.safetensors", "50000 bytes where its header describes"),
+    "config.json not JSON": (_bad_config_json, "config.json", "not valid JSON"),
+    "no weights": (_remove("model.safetensors"), ".", "no weights: none of model.safetensors"),
+    "no tokenizer": (_remove("tokenizer.json"), ".", "no tokenizer: none of tokenizer.json"),
+    "not a GGUF": (_gguf_file(b"not a gguf file at all"), "model.gguf", "not a GGUF file"),
+    "truncated GGUF": (_gguf_file(GGUF_HEADER[:8]), "model.gguf", "8 bytes, shorter than a GGUF header"),
+}
+
+
+def _damaged_model(saved_model: Path, tmp_path: Path, damage: str) -> tuple[Path, Path, str]:
+    """A copy of ``saved_model`` damaged as :data:`MODEL_DAMAGES` says: (path to load, file named, what is said)."""
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(saved_model, folder)
+    fn, named, says = MODEL_DAMAGES[damage]
+    return fn(folder), (folder / named if named != "." else folder), says
+
+
+def test_check_model_files_accepts_what_save_pretrained_writes_whole_or_sharded(saved_model, tmp_path):
+    from oar.models import ModelLoadError, build_tiny, check_model_files
+
+    check_model_files(saved_model)
+    check_model_files({"source": "tiny"})
+    sharded = tmp_path / "sharded"
+    model, tok = build_tiny(**SMOKE_TINY)
+    model.save_pretrained(sharded, max_shard_size="40KB")
+    tok.save_pretrained(sharded)
+    shards = sorted(sharded.glob("model-*.safetensors"))
+    assert len(shards) > 1 and (sharded / "model.safetensors.index.json").is_file()
+    check_model_files(sharded)
+    shards[-1].unlink()
+    with pytest.raises(ModelLoadError, match=rf"^{shards[-1]}: cannot load the model: missing \(listed in "
+                                             r"model\.safetensors\.index\.json\)"):
+        check_model_files(sharded)
+
+
+@pytest.mark.parametrize("damage", list(MODEL_DAMAGES))
+def test_load_policy_names_the_file_of_a_model_that_cannot_load(saved_model, tmp_path, damage):
+    from oar.models import ModelLoadError, load_policy
+
+    source, named, says = _damaged_model(saved_model, tmp_path, damage)
+    with pytest.raises(ModelLoadError) as info:
+        load_policy(source)
+    message = str(info.value)
+    assert message.startswith(f"{named}: cannot load the model: ") and says in message, message
+    assert "give another model" in message and "\n" not in message
+
+
+def test_load_policy_names_the_model_whose_loader_fails_without_a_traceback(saved_model, tmp_path):
+    """What the checks cannot see (pickled weights that do not unpickle) is the loader's first line."""
+    from oar.models import ModelLoadError, load_policy
+
+    source, _, _ = _damaged_model(saved_model, tmp_path, "no weights")
+    (source / "pytorch_model.bin").write_bytes(b"not a pickle")
+    with pytest.raises(ModelLoadError, match=rf"^{source}: cannot load the model: UnpicklingError: ") as info:
+        load_policy(source)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("damage", list(MODEL_DAMAGES))
+def test_train_init_model_that_cannot_load_is_one_line_and_leaves_the_run(saved_model, tmp_path, capsys,
+                                                                         monkeypatch, damage):
+    monkeypatch.chdir(tmp_path)  # smoke.yaml's MLflow store (results/mlflow.db) goes here
+    source, named, says = _damaged_model(saved_model, tmp_path, damage)
+    run = _existing_run(tmp_path)
+    before = _snapshot(run)
+    rc, err = _cli(["train", "--config", str(SMOKE), "--method", "grpo", "--init", str(source), "--output", str(run),
+                    "--restart", "--no-progress"], capsys)
+    assert rc == 2, err
+    line = _last_error_line(err, "train")
+    assert line.startswith(f"oar train: error: {named}: cannot load the model: ") and says in line, line
+    assert "give another model" in line
+    assert _snapshot(run) == before  # not locked, repaired or reset
+
+
+def test_train_init_that_does_not_exist_is_one_line_and_leaves_the_run(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run = _existing_run(tmp_path)
+    before = _snapshot(run)
+    missing = tmp_path / "no_such_model"
+    rc, err = _cli(["train", "--config", str(SMOKE), "--method", "grpo", "--init", str(missing), "--output", str(run),
+                    "--restart", "--no-progress"], capsys)
+    assert rc == 2, err
+    assert f"model.source: {str(missing)!r} does not exist" in _last_error_line(err, "train")
+    assert _snapshot(run) == before
+
+
+@pytest.mark.parametrize("damage", list(MODEL_DAMAGES))
+def test_evaluate_model_that_cannot_load_is_one_line_and_leaves_the_output(saved_model, tmp_path, capsys,
+                                                                          monkeypatch, damage):
+    monkeypatch.chdir(tmp_path)
+    source, named, says = _damaged_model(saved_model, tmp_path, damage)
+    out = tmp_path / "eval"
+    out.mkdir()
+    (out / "summary.json").write_text('{"average": {}}\n')
+    before = _snapshot(out)
+    rc, err = _cli(["evaluate", "--config", str(SMOKE), "--model", str(source), "--output", str(out)], capsys)
+    assert rc == 2, err
+    line = _last_error_line(err, "evaluate")
+    assert line.startswith(f"oar evaluate: error: {named}: cannot load the model: ") and says in line, line
+    assert _snapshot(out) == before
+
+
+@pytest.mark.parametrize("command", ["sft", "train"])
+def test_output_naming_an_existing_file_is_one_line_exit_2(tmp_path, capsys, monkeypatch, command):
+    monkeypatch.chdir(tmp_path)
+    cfg = _smoke_config(tmp_path, {"sft": {"steps": 1, "eval_size": 1}})  # small, should it ever run
+    target = tmp_path / "a_file"
+    target.write_bytes(b"the user's file\n")
+    argv = [command, "--config", str(cfg), "--output", str(target)]
+    if command == "train":
+        argv += ["--method", "grpo", "--no-progress"]
+    before = _snapshot(tmp_path)
+    rc, err = _cli(argv, capsys)
+    assert rc == 2, err
+    line = _last_error_line(err, command)
+    assert line.startswith(f"oar {command}: error: {target}: exists and is not a folder"), line
+    assert "move the file away" in line
+    assert _snapshot(tmp_path) == before  # the file as it was; no half-made folder beside it
+
+
+needs_proc = pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+
+
+@needs_proc
+@pytest.mark.parametrize("command", ["sft", "train", "evaluate"])
+@pytest.mark.parametrize("where", ["read-only", "under a file"])
+def test_output_that_cannot_be_written_is_one_line_exit_2(tmp_path, capsys, monkeypatch, command, where):
+    """Nothing can be created in /proc, even by root (whom a chmod 0o555 folder does not stop)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a_file").write_text("x\n")
+    out = Path("/proc/oar_results") / command if where == "read-only" else tmp_path / "a_file" / command
+    argv = [command, "--config", str(SMOKE), "--output", str(out)]
+    if command == "train":
+        argv += ["--method", "grpo"]
+    rc, err = _cli(argv, capsys)
+    assert rc == 2, err
+    line = _last_error_line(err, command)
+    assert line.startswith(f"oar {command}: error: {out}: "), line
+    if where == "read-only":
+        assert "cannot write there (/proc: " in line and "writable file system" in line
+    else:
+        assert f"{tmp_path / 'a_file'} is a file, not a folder" in line
+    assert not out.exists()
+
+
+def test_check_output_folder_on_a_read_only_file_system_says_it_cannot_write(tmp_path, monkeypatch):
+    """EROFS as a read-only mount gives it (mounting needs privileges a test does not have)."""
+    import errno
+    import tempfile
+
+    from oar.io import OutputPathError, check_output_folder
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    with pytest.raises(OutputPathError, match=rf"^{tmp_path / 'out'}: cannot write there \({tmp_path}: Read-only "
+                                              r"file system\), so it cannot be --output; give a folder on a writable"):
+        check_output_folder(tmp_path / "out", what="--output")
+    assert not (tmp_path / "out").exists()
+
+
+def test_check_output_folder_leaves_nothing_behind(tmp_path):
+    from oar.io import check_output_folder
+
+    (tmp_path / "run").mkdir()
+    check_output_folder(tmp_path / "run")
+    check_output_folder(tmp_path / "new" / "run")
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["run"]
+
+
+@pytest.mark.parametrize("command", ["train", "init-tracking"])
+def test_a_corrupt_mlflow_store_stops_before_any_work(tmp_path, capsys, monkeypatch, command):
+    monkeypatch.chdir(tmp_path)  # smoke.yaml's tracking.uri is sqlite:///results/mlflow.db
+    store = tmp_path / "results" / "mlflow.db"
+    store.parent.mkdir()
+    store.write_bytes(b"this is not an SQLite database, it was overwritten\n" * 4)
+    run = _existing_run(tmp_path)
+    before = _snapshot(tmp_path)
+    argv = [command, "--config", str(SMOKE)]
+    if command == "train":
+        argv += ["--method", "grpo", "--output", str(run), "--restart", "--no-progress"]
+    rc, err = _cli(argv, capsys)
+    assert rc == 2, err
+    line = _last_error_line(err, command)
+    assert line.startswith(f"oar {command}: error: results/mlflow.db: the MLflow store "
+                           f"(tracking.uri sqlite:///results/mlflow.db) cannot be read: file is not a database; "), line
+    assert "move the file away" in line and "set tracking.uri to another store" in line
+    assert _snapshot(tmp_path) == before  # the store and the run as they were
+
+
+def test_check_store_accepts_a_missing_an_empty_and_a_real_store(tmp_path):
+    from oar.tracking import check_store, ensure_experiment
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    check_store(uri)  # missing: MLflow makes it
+    (tmp_path / "mlflow.db").write_bytes(b"")
+    check_store(uri)  # empty: SQLite makes it a database
+    (tmp_path / "mlflow.db").unlink()
+    ensure_experiment(uri, "x")
+    check_store(uri)
+    check_store("http://localhost:5000")  # not a file: not checked

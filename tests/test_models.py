@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import struct
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -194,7 +196,8 @@ def test_load_policy_gguf_dispatch(monkeypatch, tmp_path):
         return build_tiny(**SMALL)
 
     monkeypatch.setattr(om, "_load_gguf", fake)
-    (tmp_path / "m.Q4.gguf").write_bytes(b"")
+    # a GGUF header (magic, version 3, no tensors, no metadata): load_policy checks it before loading
+    (tmp_path / "m.Q4.gguf").write_bytes(om.GGUF_MAGIC + struct.pack("<IQQ", 3, 0, 0))
     load_policy(str(tmp_path / "m.Q4.gguf"))
     load_policy({"source": str(tmp_path), "gguf_file": "m.Q4.gguf", "dtype": "bfloat16", "trust_remote_code": True})
     assert calls == [(tmp_path, "m.Q4.gguf", torch.float32, False), (tmp_path, "m.Q4.gguf", torch.bfloat16, True)]

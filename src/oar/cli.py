@@ -300,12 +300,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from oar.io import DiskFullError, FolderLockedError, SharedWriteError
+    from oar.io import DiskFullError, FolderLockedError, OutputPathError, SharedWriteError
 
     args = build_parser().parse_args(argv)
     try:
         return int(args.fn(args) or 0)
-    except (FileNotFoundError, ValueError, KeyError, FolderLockedError, DiskFullError, SharedWriteError) as e:
+    # the user's files: ConfigError, oar.models.ModelLoadError, oar.tracking.TrackingStoreError and
+    # oar.runs.CheckpointError are ValueErrors; OutputPathError an OSError (an --output that cannot be written)
+    except (FileNotFoundError, ValueError, KeyError, FolderLockedError, DiskFullError, SharedWriteError,
+            OutputPathError) as e:
         print(f"oar {args.command}: error: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:  # a benchmark given as a hub id while the hub cannot be used

@@ -172,14 +172,22 @@ def evaluate_from_config(config: dict, model_dir: str | Path | None, output_dir:
     """Evaluate the checkpoint ``model_dir`` (None: the config's ``model``) on ``eval.benchmarks``.
 
     Writes ``<output_dir>/<bench>.jsonl``, ``<output_dir>/<bench>.json`` and ``<output_dir>/summary.json``.
+
+    Raises:
+        oar.io.OutputPathError: ``output_dir`` cannot be a folder this process writes.
+        oar.models.ModelLoadError: a file of the model cannot be loaded (both before anything is written).
     """
-    from oar.models import load_policy, model_identity
+    from oar.io import check_output_folder
+    from oar.models import check_model_files, load_policy, model_identity
     from oar.rollout import make_engine
 
     ev = config["eval"]
     output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
     spec = dict(config["model"], source=str(model_dir), gguf_file=None) if model_dir else config["model"]
+    # the user's files first, before anything is written: a named error, and an existing folder as it was
+    check_output_folder(output_dir, what="the evaluation folder (--output)")
+    check_model_files(spec)
+    output_dir.mkdir(parents=True, exist_ok=True)
     # cached results are reused only for the same model content, generation and scoring settings
     settings = {k: ev[k] for k in ("greedy", "samples", "temperature", "top_p", "max_new_tokens", "chunk_size")}
     settings.update(model_identity=model_identity(spec), seed=seed, template=config["task"]["template"],

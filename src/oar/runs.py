@@ -40,7 +40,8 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 import torch
 
-from oar.io import DiskFullError, atomic_path, atomic_write_json, atomic_write_jsonl, read_jsonl, recover_atomic_dir
+from oar.io import (DiskFullError, atomic_path, atomic_write_json, atomic_write_jsonl, read_jsonl, recover_atomic_dir,
+                    safetensors_problem)
 from oar.tracking import flatten
 
 __all__ = [
@@ -114,22 +115,9 @@ def write_manifest(folder: str | Path, **fields: Any) -> None:
 
 def _check_safetensors(folder: Path, path: Path) -> None:
     """A ``.safetensors`` file whose header reads and whose size is what the header describes."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise unreadable(folder, path, f"{size} bytes, shorter than a safetensors header: truncated")
-        n = int.from_bytes(head, "little")
-        if 8 + n > size:
-            raise unreadable(folder, path, f"truncated: its header takes {n} bytes and the file has {size}")
-        try:
-            header = json.loads(f.read(n))
-            end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
-        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
-            raise unreadable(folder, path, "its safetensors header is corrupt") from None
-    if 8 + n + end != size:
-        raise unreadable(folder, path, f"{size} bytes where its header describes {8 + n + end}: "
-                                       f"{'truncated' if size < 8 + n + end else 'corrupt'}")
+    problem = safetensors_problem(path)
+    if problem is not None:
+        raise unreadable(folder, path, problem)
 
 
 def check_checkpoint_files(folder: str | Path) -> dict[str, Any] | None:

@@ -477,11 +477,16 @@ def sft_from_config(
         call), ``sft`` (the :func:`run_sft` result incl. ``loss_curve``), ``examples`` (first
         ``n_examples`` questions of the first set with response and gold), the ``sft`` config section
         used, and model facts (parameters, attention implementation, threads).
+    Raises:
+        oar.io.OutputPathError: ``output_dir`` cannot be a folder this process writes (checked first).
+        oar.models.ModelLoadError: a file of the model cannot be loaded.
     """
+    from oar.io import check_output_folder
     from oar.models import load_policy
     from oar.reward import extracted_answer
 
     t0 = time.perf_counter()
+    check_output_folder(output_dir, what="the SFT output folder (--output)")  # before the training, not after
     model_spec = dict(_section(config, "model"))
     task = _section(config, "task")
     sft = _section(config, "sft")
@@ -579,11 +584,13 @@ def sft_or_cached(config: Mapping[str, Any], output_dir: str | os.PathLike, *, p
     import json
     import shutil
 
-    from oar.io import atomic_path, atomic_write_json
+    from oar.io import atomic_path, atomic_write_json, check_output_folder
 
+    check_output_folder(output_dir, what="the SFT output folder (--output)")
     cache_dir = config["sft"].get("cache_dir")
     if not cache_dir:
         return sft_from_config(config, output_dir, progress=progress, log_fn=log_fn)
+    check_output_folder(cache_dir, what="the SFT cache (sft.cache_dir)")
     entry = Path(cache_dir) / sft_cache_key(config)
     if (entry / "sft_summary.json").is_file():
         summary = json.loads((entry / "sft_summary.json").read_text(encoding="utf-8"))

@@ -19,7 +19,8 @@ from typing import Any, Callable, Mapping, TypeVar
 
 from oar.io import append_jsonl
 
-__all__ = ["ensure_experiment", "end_orphan_run", "flatten", "Tracker", "with_retry", "sqlite_path"]
+__all__ = ["ensure_experiment", "end_orphan_run", "flatten", "Tracker", "with_retry", "sqlite_path",
+           "TrackingStoreError", "check_store"]
 
 T = TypeVar("T")
 
@@ -46,13 +47,57 @@ def sqlite_path(uri: str) -> Path | None:
     return None
 
 
+class TrackingStoreError(ValueError):
+    """The MLflow store of ``tracking.uri`` cannot be read (a file that is not an SQLite database, a
+    corrupt one); the message names the file and what to do (:func:`check_store`)."""
+
+
+#: Seconds :func:`check_store` waits for a store another process is writing.
+_STORE_BUSY_TIMEOUT_S = 30.0
+
+
+def check_store(uri: str) -> None:
+    """Check, before any work, that the SQLite store of ``uri`` is a database MLflow can open.
+
+    A store that does not exist yet (or is empty) is fine: MLflow creates it. Other stores (not
+    ``sqlite:///``) are not checked. The file is opened read-only and only its schema is read; a
+    store another process has locked is left to the retries of the calls that use it.
+
+    Raises:
+        TrackingStoreError: the file is not an SQLite database, or a corrupt one; naming it and what
+            to do (move it away, or set ``tracking.uri`` to another store).
+    """
+    import sqlite3
+
+    db = sqlite_path(uri)
+    if db is None or not db.is_file() or db.stat().st_size == 0:
+        return
+    try:
+        con = sqlite3.connect(db.resolve().as_uri() + "?mode=ro", uri=True, timeout=_STORE_BUSY_TIMEOUT_S)
+        try:
+            con.execute("SELECT name FROM sqlite_master LIMIT 1").fetchall()
+        finally:
+            con.close()
+    except sqlite3.DatabaseError as e:
+        if any(s in str(e).lower() for s in _RETRYABLE):
+            return
+        raise TrackingStoreError(
+            f"{db}: the MLflow store (tracking.uri {uri}) cannot be read: {e}; move the file away (a new store "
+            f"is made on the next run) or set tracking.uri to another store (tracking.enabled: false for none)"
+        ) from None
+
+
 def ensure_experiment(uri: str, experiment: str) -> str:
     """Create the tracking store (and its folder) and the experiment if missing; return its id.
 
     Call this once before starting parallel jobs that log into the same new SQLite store.
+
+    Raises:
+        TrackingStoreError: the SQLite store exists and cannot be read (:func:`check_store`).
     """
     from mlflow.tracking import MlflowClient
 
+    check_store(uri)
     db = sqlite_path(uri)
     if db is not None:
         db.parent.mkdir(parents=True, exist_ok=True)

@@ -49,6 +49,7 @@ from oar.runs import (STATE_FILE, RunFolder, disk_full_error, is_disk_full, load
 __all__ = [
     "TrainingError",
     "train",
+    "check_train_inputs",
     "train_from_config",
     "policy_forward",
     "load_training_records",
@@ -206,6 +207,27 @@ def _step_seed(seed: int, step: int, round_: int = 0) -> int:
 # the loop
 
 
+def check_train_inputs(config: dict, start_spec: dict, output: Path) -> None:
+    """The user's files a run needs, checked before it touches anything: ``output`` can be a folder
+    this process writes (:func:`oar.io.check_output_folder`), the MLflow store reads
+    (:func:`oar.tracking.check_store`, when tracking is on) and the start model's files are whole
+    (:func:`oar.models.check_model_files`). A failed check leaves an existing run folder as it was.
+
+    Raises:
+        oar.io.OutputPathError, oar.tracking.TrackingStoreError, oar.models.ModelLoadError: naming
+            the file and what to do.
+        FileNotFoundError: the start model is neither an existing path nor a hub id.
+    """
+    from oar.io import check_output_folder
+    from oar.models import check_model_files
+    from oar.tracking import check_store
+
+    check_output_folder(output, what="the run folder (--output)")
+    if config["tracking"]["enabled"]:
+        check_store(config["tracking"]["uri"])
+    check_model_files(start_spec)
+
+
 def train(
     config: dict,
     method_name: str,
@@ -244,6 +266,8 @@ def train(
         oar.runs.RunMismatchError: the checkpoint belongs to a run with other settings.
         oar.runs.CheckpointError: a file of the checkpoint cannot be read.
         oar.runs.DiskFullError: the disk filled up while writing a checkpoint or the model.
+        oar.io.OutputPathError, oar.models.ModelLoadError, oar.tracking.TrackingStoreError: from
+            :func:`check_train_inputs`, before anything of ``output`` is touched.
     """
     from oar.io import exclusive_lock
     from oar.models import model_identity
@@ -253,6 +277,7 @@ def train(
     folder = RunFolder(Path(output))
     start = init if init is not None else config["train"].get("init")
     start_spec = dict(config["model"], source=start, gguf_file=None) if start else dict(config["model"])
+    check_train_inputs(config, start_spec, folder.path)  # before the folder is locked, repaired or reset
     signals = (contextlib.nullcontext(stop) if stop is not None
                else StopSignal(repeat_seconds=config["train"]["preemption"]["repeat_seconds"]))
     with signals as stop:
