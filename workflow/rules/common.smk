@@ -15,6 +15,8 @@ if SRC_DIR not in sys.path:
     sys.path.insert(0, SRC_DIR)
 
 from oar.config import ConfigError, resolve_methods, validate_config, workflow_config, write_resolved
+from oar.fetch import hub_model
+from oar.preflight import PreflightError, path_problems, profile_files, profile_problems
 from oar.launch import SHELL_PREFIX, LaunchError, conda_env_choice, fingerprint, oar_env, resource, train_signal_seconds
 from oar.launch import train_launcher as _train_launcher, train_resources as _train_resources
 from oar.launch import config_sections, eval_fingerprint, method_fingerprint, plan_fingerprint
@@ -53,6 +55,16 @@ if _clash:
     raise WorkflowError(f"{CONFIG_SOURCE}: key methods: reserved name(s) {_clash} (they are result folders)")
 if not BENCHMARKS:
     raise WorkflowError(f"{CONFIG_SOURCE}: key eval.benchmarks: empty; the tables need at least one benchmark")
+
+# pre-flight (oar.preflight), at load so that a dry run stops too: every path the config names
+# exists, and the profile's resources hold no placeholder such as <your-account>; not in a job's
+# own Snakemake (remote, subprocess): the submitting one has checked
+if not (workflow.remote_exec or workflow.subprocess_exec):
+    _problems = path_problems(config, source=CONFIG_SOURCE) + profile_problems(
+        workflow.resource_settings.default_resources, workflow.resource_settings.overwrite_resources,
+        profiles=profile_files(sys.argv, workflow_dir=workflow.basedir))
+    if _problems:
+        raise WorkflowError(str(PreflightError(_problems)))
 
 
 wildcard_constraints:
