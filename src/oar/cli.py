@@ -32,9 +32,11 @@ _seed = _int_at_least(0, "a non-negative integer")
 
 def _cmd_sft(args: argparse.Namespace) -> int:
     from oar.config import load_config
+    from oar.fetch import with_fetched_model
     from oar.sft import sft_or_cached
 
-    summary = sft_or_cached(load_config(args.config), args.output)
+    # a hub model.source: the copy the workflow fetched (rule fetch_model), when there is one
+    summary = sft_or_cached(with_fetched_model(load_config(args.config)), args.output)
     print(json.dumps({k: v for k, v in summary.items() if k != "loss_curve"}, indent=2, default=str))
     return 0
 

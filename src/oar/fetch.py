@@ -141,6 +141,10 @@ def _refused(e: BaseException) -> bool:
 def _link_or_copy(src: str, dst: str) -> str:
     """Hard-link ``src`` (resolved: the cache's files are links to its blobs) to ``dst``, else copy it."""
     real = os.path.realpath(src)
+    if os.path.lexists(dst):  # a file of an earlier fetch
+        if os.path.exists(dst) and os.path.samefile(real, dst):
+            return dst
+        os.unlink(dst)
     try:
         os.link(real, dst)
     except OSError:

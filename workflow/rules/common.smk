@@ -135,11 +135,27 @@ SFT_DIR = f"{R}/sft/model"
 SFT_SUMMARY = f"{SFT_DIR}/sft_summary.json"
 
 
+# a hub model.source is fetched once, on this host, into <models_dir>/<org>--<name>/ (rules/model.smk,
+# oar.fetch.hub_model; None for tiny, smollm2 or a local folder or file): the jobs load that folder
+HUB_MODEL = hub_model(config)
+
+
+def model_source():
+    """model.source as the jobs load it: the fetched folder (or its GGUF file) of a hub id, else model.source."""
+    return HUB_MODEL.source if HUB_MODEL else config["model"]["source"]
+
+
+def model_inputs():
+    """Inputs of rules that load model.source: the fetched folder's marker (none for a local model)."""
+    return {"model": HUB_MODEL.marker} if HUB_MODEL else {}
+
+
 def start_model():
-    """The model RL starts from (and the base row evaluates): the SFT output, else train.init, else model.source."""
+    """The model RL starts from (and the base row evaluates): the SFT output, else train.init, else model.source
+    (its fetched folder for a hub id)."""
     if SFT:
         return SFT_DIR
-    return config["train"].get("init") or config["model"]["source"]
+    return config["train"].get("init") or model_source()
 
 
 def start_model_param(wildcards, input):
@@ -148,8 +164,17 @@ def start_model_param(wildcards, input):
 
 
 def start_inputs():
-    """Inputs of rules that read the starting model."""
-    return {"manifest": MANIFEST, **({"start": SFT_SUMMARY} if SFT else {})}
+    """Inputs of rules that read the starting model: the SFT output, or the fetched model.source."""
+    start = {"start": SFT_SUMMARY} if SFT else {} if config["train"].get("init") else model_inputs()
+    return {"manifest": MANIFEST, **start}
+
+
+def start_init_param(wildcards, input):
+    """The train rule's `--init`: the SFT output, or the fetched model.source (empty: train.init or
+    model.source, as the config says). Inserted unquoted (it may be empty), so the path is quoted here."""
+    if SFT:
+        return f"--init {shlex.quote(os.path.dirname(input.start))}"
+    return f"--init {shlex.quote(start_model())}" if "model" in start_inputs() else ""
 
 
 def run_dir(method, seed):
