@@ -10,6 +10,30 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
 
 
+def _paper_sources() -> list[str]:
+    import yaml
+
+    cfg = yaml.safe_load((ROOT / "config" / "paper.yaml").read_text())
+    return [cfg["task"]["benchmark"]["source"]] + [b["source"] for b in cfg["eval"]["benchmarks"]]
+
+
+#: Whether config/paper.yaml's data files (../shared/data/...) are here: the pre-flight
+#: (oar.preflight) stops a workflow or `oar plan` run of a config whose files are missing.
+PAPER_DATA = all((ROOT / s).exists() for s in _paper_sources())
+
+
+def stub_paper_data(tmp_path: Path) -> Path:
+    """Empty stand-ins for config/paper.yaml's data files, laid out as they are named
+    (``../shared/data/<name>/...``) beside a working directory ``<tmp_path>/repo``, which is returned."""
+    work = tmp_path / "repo"
+    work.mkdir(exist_ok=True)
+    for source in _paper_sources():
+        f = work / source
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.touch()
+    return work
+
+
 def small_overrides(tmp_path: Path, **extra) -> dict:
     """Overrides that shrink config/config.yaml to a run of a few seconds (tiny model, few prompts)."""
     from oar.config import deep_merge
