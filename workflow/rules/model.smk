@@ -14,7 +14,7 @@ if HUB_MODEL:
         params:
             oar=oar_command,
             source=HUB_MODEL.repo_id,
-            folder=HUB_MODEL.folder,
+            folder=lambda wc, output: os.path.dirname(output[0]),  # HUB_MODEL.folder
             gguf=f"--gguf-file {shlex.quote(HUB_MODEL.gguf_file)}" if HUB_MODEL.gguf_file else "",
         log:
             f"{R}/logs/fetch_model.log",
