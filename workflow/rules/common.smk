@@ -59,7 +59,7 @@ if not BENCHMARKS:
 # pre-flight (oar.preflight), at load so that a dry run stops too: every path the config names
 # exists, and the profile's resources hold no placeholder such as <your-account>; not in a job's
 # own Snakemake (remote, subprocess): the submitting one has checked
-if not (workflow.remote_exec or workflow.subprocess_exec):
+if not (getattr(workflow, "remote_exec", False) or getattr(workflow, "subprocess_exec", False)):
     _problems = path_problems(config, source=CONFIG_SOURCE) + profile_problems(
         workflow.resource_settings.default_resources, workflow.resource_settings.overwrite_resources,
         profiles=profile_files(sys.argv, workflow_dir=workflow.basedir))
