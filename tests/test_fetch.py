@@ -143,8 +143,8 @@ def test_dry_run_of_a_hub_model_fetches_it_once_before_every_job_that_loads_it(t
     folder = f"{tmp_path}/models/Qwen--Qwen2.5-Math-1.5B"
     marker = f"{folder}/{MARKER}"
     for sft in (False, True):
-        cfg = dict(smoke, model=dict(smoke["model"], source="Qwen/Qwen2.5-Math-1.5B"), sft=dict(smoke["sft"], enabled=sft),
-                   attribution={"enabled": False})
+        cfg = dict(smoke, model=dict(smoke["model"], source="Qwen/Qwen2.5-Math-1.5B"),
+                   sft=dict(smoke["sft"], enabled=sft), attribution={"enabled": False})
         path = tmp_path / f"hub_sft{int(sft)}.yaml"
         path.write_text(yaml.safe_dump(cfg))
         jobs = _jobs(_dry_run(path, tmp_path))

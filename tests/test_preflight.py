@@ -36,7 +36,8 @@ def repo(tmp_path, monkeypatch):
 
 
 def _config(tmp_path: Path, **over) -> dict:
-    base = small_overrides(tmp_path, eval={"benchmarks": [{"name": "gsm8k", "source": "../shared/data/gsm8k/test.jsonl"}]})
+    gsm8k = {"name": "gsm8k", "source": "../shared/data/gsm8k/test.jsonl"}
+    base = small_overrides(tmp_path, eval={"benchmarks": [gsm8k]})
     return load_config(ROOT / "config" / "config.yaml", deep_merge(base, over))
 
 
@@ -71,7 +72,8 @@ def test_a_misspelt_benchmark_path_is_one_line_naming_file_key_and_the_fix(repo)
     ({"model": {"source": "../models/qwen"}}, "model.source", "no model folder ../models/qwen"),
     ({"model": {"source": "../shared/data"}}, "model.source", "folder ../shared/data has no config.json"),
     ({"model": {"source": "../shared/data/gsm8k/test.jsonl"}}, "model.source", "is a file but not a .gguf"),
-    ({"model": {"source": "../shared/data", "gguf_file": "m.gguf"}}, "model.gguf_file", "no GGUF file ../shared/data/m.gguf"),
+    ({"model": {"source": "../shared/data", "gguf_file": "m.gguf"}}, "model.gguf_file",
+     "no GGUF file ../shared/data/m.gguf"),
     ({"train": {"init": "../results/tiny/sft/modle"}}, "train.init", "no model folder ../results/tiny/sft/modle"),
     ({"train": {"heldout": {"every": 2, "benchmark": "math500"}}}, "train.heldout.benchmark",
      "'math500' is not an eval.benchmarks name (gsm8k)"),
@@ -87,7 +89,8 @@ def test_hub_ids_pass_unless_their_org_is_a_local_folder(repo):
     assert path_problems(hub, source="c.yaml") == []
     (repo / "models" / "qwen-7b").mkdir(parents=True)
     (problem,) = path_problems(_config(repo, model={"source": "models/qwen7b"}), source="c.yaml")
-    assert problem.key == "key model.source" and "no model folder models/qwen7b (did you mean qwen-7b?)" in problem.message
+    assert problem.key == "key model.source"
+    assert "no model folder models/qwen7b (did you mean qwen-7b?)" in problem.message
 
 
 def test_the_shipped_configs_pass(monkeypatch):

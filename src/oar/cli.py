@@ -150,7 +150,8 @@ def _cmd_fetch_model(args: argparse.Namespace) -> int:
     from oar.fetch import fetch_model
 
     marker = fetch_model(args.source, args.output, gguf_file=args.gguf_file)
-    print(f"{args.source} ({marker['origin']}, commit {marker['commit']}): {len(marker['files'])} files in {args.output}")
+    print(f"{args.source} ({marker['origin']}, commit {marker['commit']}): {len(marker['files'])} files in "
+          f"{args.output}")
     return 0
 
 

@@ -119,7 +119,8 @@ def _missing(path: Path, what: str, note: str = "") -> str:
     return f"no {what} {path}{_suggestion(path)}{note}{_where(path)}"
 
 
-def _model_problem(source: str, gguf_file: str | None, *, source_key: str, gguf_key: str | None) -> tuple[str, str] | None:
+def _model_problem(source: str, gguf_file: str | None, *, source_key: str,
+                   gguf_key: str | None) -> tuple[str, str] | None:
     """(key, message) of what would keep :func:`oar.models.load_policy` from loading ``source``."""
     from oar.fetch import SYMBOLIC_SOURCES, is_hub_model_id
 
@@ -146,7 +147,7 @@ def _model_problem(source: str, gguf_file: str | None, *, source_key: str, gguf_
                                           f"org/name)")
 
 
-def _data_problem(name: str, source: str | None, key: str, *, hub_ok: bool = True) -> tuple[str, str] | None:
+def _data_problem(name: str, source: str | None, key: str) -> tuple[str, str] | None:
     """(key, message) of what would keep :func:`oar.data.benchmarks.load_benchmark` from reading ``source``."""
     from oar.data.benchmarks import _LOCAL_SUFFIXES, BENCHMARK_NAMES, BENCHMARKS, _looks_like_hub_id
 
@@ -170,7 +171,7 @@ def _data_problem(name: str, source: str | None, key: str, *, hub_ok: bool = Tru
         if path.suffix.lower() not in _LOCAL_SUFFIXES:
             return f"{key}.source", f"{path}: unsupported file type {path.suffix!r}; use one of {list(_LOCAL_SUFFIXES)}"
         return None
-    if hub_ok and _looks_like_hub_id(str(source)) and not _local_org(str(source)):
+    if _looks_like_hub_id(str(source)) and not _local_org(str(source)):
         return None  # a hub dataset id (the data job says when the hub cannot be used)
     what = "file" if path.suffix.lower() in _LOCAL_SUFFIXES else "file or folder"
     return f"{key}.source", _missing(path, what)
