@@ -10,6 +10,55 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
 
 
+def _sources(config: dict) -> list[str]:
+    """The data files a raw config names (task.benchmark, eval.benchmarks)."""
+    task = (config.get("task") or {}).get("benchmark") or {}
+    return [s for s in [task.get("source")] + [b.get("source") for b in (config.get("eval") or {}).get("benchmarks", [])]
+            if s]
+
+
+def _shared_sources() -> list[str]:
+    import yaml
+
+    return [s for name in ("paper.yaml", "smollm2.yaml")
+            for s in _sources(yaml.safe_load((ROOT / "config" / name).read_text()))]
+
+
+#: Whether the data files of config/paper.yaml and config/smollm2.yaml (../shared/data/...) are here:
+#: the pre-flight (oar.preflight) stops a workflow or `oar plan` run of a config whose files are missing.
+PAPER_DATA = all((ROOT / s).exists() for s in _shared_sources())
+
+
+def stub_paper_data(tmp_path: Path) -> Path:
+    """Empty stand-ins for the data files of config/paper.yaml and config/smollm2.yaml, laid out as
+    they are named (``../shared/data/<name>/...``) beside a working directory ``<tmp_path>/repo``,
+    which is returned."""
+    work = tmp_path / "repo"
+    work.mkdir(exist_ok=True)
+    for source in _shared_sources():
+        f = work / source
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.touch()
+    return work
+
+
+def with_stub_data(config: dict, folder: Path) -> dict:
+    """``config`` (a raw config) with every data file it names replaced by an empty stand-in under
+    ``folder``, named by its absolute path: a dry run from another directory, which the pre-flight
+    would stop on the relative ../shared/data paths."""
+    import copy
+
+    out = copy.deepcopy(config)
+    entries = [(out.get("task") or {}).get("benchmark") or {}] + list((out.get("eval") or {}).get("benchmarks", []))
+    for entry in entries:
+        if entry.get("source"):
+            f = folder / "data" / str(entry["source"]).replace("../", "")
+            f.parent.mkdir(parents=True, exist_ok=True)
+            f.touch()
+            entry["source"] = str(f)
+    return out
+
+
 def small_overrides(tmp_path: Path, **extra) -> dict:
     """Overrides that shrink config/config.yaml to a run of a few seconds (tiny model, few prompts)."""
     from oar.config import deep_merge

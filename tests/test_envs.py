@@ -35,7 +35,7 @@ import pytest
 import yaml
 from packaging.requirements import Requirement
 
-from helpers import ROOT
+from helpers import ROOT, with_stub_data
 from test_workflow import OAR_ENV, SNAKEFILE, _config, shell_commands, snakemake
 
 ENVS = ROOT / "workflow" / "envs"
@@ -256,6 +256,7 @@ def test_dry_run_with_conda_builds_the_env_of_the_config(configfile, override, e
     if override:
         cfg = {**cfg, **{k: {**(cfg.get(k) or {}), **v} for k, v in override.items()}}
     cfg["results_dir"] = str(tmp_path / "results")
+    cfg = with_stub_data(cfg, tmp_path)  # its data files, which the pre-flight checks, from this directory
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(cfg))
     (tmp_path / "my-env.yaml").write_text("dependencies: [python=3.11]\n")
@@ -275,8 +276,10 @@ def test_snakemake_deploys_the_env_from_its_copy(configfile, env_name, tmp_path,
     log = _fake_conda(tmp_path, monkeypatch)
     work = tmp_path / "work"
     work.mkdir()
+    config = tmp_path / "config.yaml"  # with its data files, which the pre-flight checks, from work/
+    config.write_text(yaml.safe_dump(with_stub_data(_config(Path(configfile).name), tmp_path)))
     snakemake("--use-conda", "--conda-create-envs-only", "--cores", "1", "--snakefile", str(SNAKEFILE),
-              "--directory", str(work), "--configfile", str(ROOT / configfile), "--config",
+              "--directory", str(work), "--configfile", str(config), "--config",
               f"results_dir={tmp_path / 'results'}", cwd=ROOT)
     creates = [c["args"] for c in map(json.loads, log.read_text().splitlines()) if c["args"][:2] == ["env", "create"]]
     assert len(creates) == 1, creates
@@ -407,8 +410,10 @@ def test_snakemake_itself_needs_none_of_the_rules_software(configfile, tmp_path)
     blocked = ("torch", "transformers", "accelerate", "mlflow", "vllm", "safetensors", "math_verify")
     code = (f"import sys\nfor m in {blocked!r}:\n    sys.modules[m] = None\n"
             "from snakemake.cli import main\nsys.argv[0] = 'snakemake'\nsys.exit(main())\n")
+    config = tmp_path / "config.yaml"  # with its data files, which the pre-flight checks, from tmp_path
+    config.write_text(yaml.safe_dump(with_stub_data(_config(Path(configfile).name), tmp_path)))
     proc = subprocess.run([sys.executable, "-c", code, "-n", "--snakefile", str(SNAKEFILE), "--directory",
-                           str(tmp_path), "--configfile", str(ROOT / configfile)],
+                           str(tmp_path), "--configfile", str(config)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "This was a dry-run" in proc.stdout + proc.stderr

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import ROOT
+from helpers import PAPER_DATA, ROOT, stub_paper_data
 from oar.config import load_config
 from oar.plan import (GiB, KNOWN_MODELS, LOGITS_COPIES, ModelShape, PlanError, engine_memory, format_plan,
                       layer_activation_bytes, model_shape, plan, training_memory, training_terms, world_size)
@@ -234,8 +234,10 @@ def _write(tmp_path: Path, over: dict) -> Path:
     return path
 
 
-def test_cli_plan(tmp_path, capsys):
+def test_cli_plan(tmp_path, capsys, monkeypatch):
     from oar.cli import main
+
+    monkeypatch.chdir(stub_paper_data(tmp_path))  # its data files, which `oar plan` checks are there
 
     out = tmp_path / "plan.txt"
     assert main(["plan", "--config", str(PAPER), "--output", str(out)]) == 0
@@ -269,6 +271,7 @@ def test_format_lists_every_term_and_phase():
 
 
 @pytest.mark.slow  # one snakemake process running the plan rule: a few seconds
+@pytest.mark.skipif(not PAPER_DATA, reason="config/paper.yaml's data (../shared/data) is not here")
 def test_workflow_refuses_an_unfittable_config_before_training(tmp_path):
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     over = {**DDP_EVERYTHING, "tracking": {"enabled": False}}
@@ -287,3 +290,47 @@ def test_workflow_refuses_an_unfittable_config_before_training(tmp_path):
     assert proc.returncode != 0, text[-3000:]
     assert "largest term: activations" in text and "train.gradient_checkpointing" in text
     assert not (tmp_path / "paper" / "plan.txt").exists()
+
+
+# ---------------------------------------------------------------------- what the plan says it is
+
+
+def test_plan_names_the_passes_it_does_not_count_and_speaks_of_gpus():
+    cfg = load_config(PAPER)
+    r = plan(cfg)
+    text = format_plan(r)
+    assert f"\npeak {r.peak_bytes / GiB:.2f} GiB of 80 GiB per GPU: fits\n" in text
+    free = (r.gpu_bytes - r.phase_totals["rollout"]) / GiB
+    assert (f"\nnot counted: OAR-P perturbation passes (method oar_p), OAR-G input-gradient pass (methods oar_g, "
+            f"oar_g_q50, oar_g_nomass, dapo_oar_g); they run in the rollout phase, in the {free:.2f} GiB it leaves "
+            f"free\n") in text
+    assert "host memory" not in text
+    # no method that runs its own passes: nothing to name
+    only = load_config(PAPER, {"only_methods": ["grpo", "dapo_ktae"]})
+    assert "not counted" not in format_plan(plan(only))
+
+
+def test_plan_of_a_cpu_config_speaks_of_host_memory_per_process():
+    cfg = load_config(DEFAULT)
+    r = plan(cfg)
+    text = format_plan(r)
+    assert cfg["device"] == "cpu" and "GPU" not in text.replace("GiB", "")
+    assert f"\npeak {r.peak_bytes / GiB:.2f} GiB of 80 GiB host memory per process: fits\n" in text
+    assert "training, per process" in text and "1 process(es) x 80 GiB host memory" in text
+    assert "not counted: OAR-P perturbation passes (method oar_p), OAR-G input-gradient pass (method oar_g)" in text
+
+
+def test_the_uncounted_passes_are_those_of_every_estimator_that_calls_the_policy():
+    from oar.credit import estimator_needs_model, list_estimators
+    from oar.plan import UNCOUNTED_PASSES
+
+    assert set(UNCOUNTED_PASSES) == {e for e in list_estimators() if estimator_needs_model(e)}
+
+
+def test_the_paper_config_header_quotes_the_plan():
+    """config/paper.yaml's header gives the plan's phase totals; they may not drift from it."""
+    r = plan(load_config(PAPER))
+    header = PAPER.read_text().split("\nname:", 1)[0].replace("\n# ", " ")
+    assert f"= {r.phase_totals[r.peak_phase] / GiB:.1f} GiB, the peak, of 80" in header and r.peak_phase == "logits"
+    free = (r.gpu_bytes - r.phase_totals["rollout"]) / GiB
+    assert f"{r.phase_totals['rollout'] / GiB:.1f} GiB, leaving {free:.1f} for OAR-P's and OAR-G's own passes" in header

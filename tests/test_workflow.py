@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import ROOT
+from helpers import PAPER_DATA, ROOT
 
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 SNAKEFILE = ROOT / "workflow" / "Snakefile"
@@ -71,6 +71,23 @@ def _config(name: str) -> dict:
     return yaml.safe_load((ROOT / "config" / name).read_text())
 
 
+#: config/paper.yaml and config/smollm2.yaml read ../shared/data; without it the pre-flight stops them
+needs_paper_data = pytest.mark.skipif(not PAPER_DATA, reason="config/paper.yaml's data (../shared/data) is not here")
+#: the placeholders of workflow/profiles/slurm (the pre-flight refuses them) and what a copy fills in
+PROFILE_FILLED = {"<your-account>": "acct", "<cpu-partition>": "cpu", "<gpu-partition>": "gpu"}
+
+
+def _filled_profile(tmp_path: Path) -> Path:
+    """A copy of workflow/profiles/slurm with its placeholders filled in (PROFILE_FILLED)."""
+    text = (ROOT / "workflow" / "profiles" / "slurm" / "config.yaml").read_text()
+    for placeholder, value in PROFILE_FILLED.items():
+        text = text.replace(placeholder, value)
+    folder = tmp_path / "profile"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.yaml").write_text(text)
+    return folder
+
+
 @pytest.mark.slow  # one snakemake process: a few seconds
 def test_lint_is_clean():
     proc = snakemake("--lint")
@@ -105,6 +122,7 @@ def test_dry_run_smoke_config_runs_every_method_once(tmp_path):
 
 
 @pytest.mark.slow  # one snakemake process: a few seconds
+@needs_paper_data
 def test_dry_run_paper_config(tmp_path):
     from oar.config import load_config
 
@@ -114,9 +132,14 @@ def test_dry_run_paper_config(tmp_path):
                                                               "olympiadbench", "gsm8k"]
     counts, jobs = dry_run("--configfile", "config/paper.yaml", results=tmp_path)
     n_runs = len(cfg["methods"]) * len(cfg["seeds"])
-    # sft and attribution are disabled: RL starts from the hub model; GPU training waits for the memory plan
-    assert counts == Counter({"data": 1, "plan": 1, "train": n_runs, "evaluate": n_runs, "evaluate_base": 1,
-                              "report": 1, "all": 1})
+    # sft and attribution are disabled: RL starts from the hub model, fetched once (rule fetch_model) into
+    # results/models/; GPU training waits for the memory plan
+    assert counts == Counter({"data": 1, "fetch_model": 1, "plan": 1, "train": n_runs, "evaluate": n_runs,
+                              "evaluate_base": 1, "report": 1, "all": 1})
+    marker = f"{tmp_path}/models/Qwen--Qwen2.5-Math-7B/oar_fetch.json"
+    (fetch,) = [j for j in jobs if j["rule"] == "fetch_model"]
+    assert fetch["output"] == [marker]
+    assert all(marker in j["input"] for j in jobs if j["rule"] in ("train", "evaluate_base"))
     (plan,) = [j for j in jobs if j["rule"] == "plan"]
     assert plan["output"] == [f"{tmp_path}/{cfg['name']}/plan.txt"]
     for j in jobs:
@@ -216,6 +239,7 @@ def test_bad_config_fails_with_key_path(tmp_path, change, message):
 
 
 @pytest.mark.slow
+@needs_paper_data
 @pytest.mark.skipif(importlib.util.find_spec("snakemake_executor_plugin_slurm") is None,
                     reason="snakemake-executor-plugin-slurm not installed")
 def test_slurm_profile_dry_run_gives_training_the_promised_gpus(tmp_path):
@@ -223,11 +247,11 @@ def test_slurm_profile_dry_run_gives_training_the_promised_gpus(tmp_path):
 
     from snakemake_executor_plugin_slurm.utils import set_gres_string
 
-    profile = yaml.safe_load((ROOT / "workflow" / "profiles" / "slurm" / "config.yaml").read_text())
+    filled = _filled_profile(tmp_path)  # the shipped profile's placeholders stop a run (tests/test_preflight.py)
+    profile = yaml.safe_load((filled / "config.yaml").read_text())
     assert profile["executor"] == "slurm" and profile["jobs"] > 0
     paper = _config("paper.yaml")
-    counts, jobs = dry_run("--workflow-profile", "workflow/profiles/slurm", "--configfile", "config/paper.yaml",
-                           results=tmp_path)
+    counts, jobs = dry_run("--workflow-profile", str(filled), "--configfile", "config/paper.yaml", results=tmp_path)
     train = [j for j in jobs if j["rule"] == "train"]
     assert len(train) == counts["train"] == len(paper["methods"]) * len(paper["seeds"])
     for j in train:
@@ -243,7 +267,7 @@ def test_slurm_profile_dry_run_gives_training_the_promised_gpus(tmp_path):
         assert set_gres_string(job).strip() == f"--gpus={paper['resources']['train']['gpu']}"
     for j in jobs:
         if j["rule"] in ("data", "report"):
-            assert int(j["resources"]["gpu"]) == 0 and j["resources"]["slurm_partition"] == "<cpu-partition>"
+            assert int(j["resources"]["gpu"]) == 0 and j["resources"]["slurm_partition"] == "cpu"
 
 
 def _train_launchers(*args: str, results: Path, cores: int = 64) -> list[str]:
@@ -298,6 +322,7 @@ MULTI_NODE_TORCHRUN = (f'torchrun {_torchrun_signals("paper.yaml")} --nnodes 2 -
 
 
 @pytest.mark.slow  # four snakemake dry runs: a few seconds each
+@needs_paper_data
 def test_dry_run_train_launch_commands_one_and_several_nodes(tmp_path):
     """One process: `python -m oar.cli`; several on one node (8 GPUs, or 2 CPU processes): torchrun
     --standalone, never `accelerate launch` (whose `--cpu --num_processes 2` starts ONE process);
@@ -394,6 +419,7 @@ def test_multi_node_launcher_rendezvous_starts_every_rank(tmp_path):
 
 
 @pytest.mark.slow  # two snakemake dry runs: a few seconds each
+@needs_paper_data
 @pytest.mark.skipif(importlib.util.find_spec("snakemake_executor_plugin_slurm") is None,
                     reason="snakemake-executor-plugin-slurm not installed")
 def test_slurm_sbatch_line_of_one_and_several_node_training(tmp_path):
@@ -417,7 +443,7 @@ def test_slurm_sbatch_line_of_one_and_several_node_training(tmp_path):
         return shlex.split(submit_string.get_submit_command(job, params) + set_gres_string(job))
 
     paper = _config("paper.yaml")["resources"]["train"]
-    profile = ["--workflow-profile", "workflow/profiles/slurm"]
+    profile = ["--workflow-profile", str(_filled_profile(tmp_path))]
     for nodes, expect, absent in (
         (1, ["--nodes=1", "--gpus=8", "--cpus-per-task=32", "--mem", "512000"], ["--ntasks", "--gres"]),
         (2, ["--nodes=2", "--ntasks=2", "--gres=gpu:8", "--cpus-per-task=32", "--mem", "512000"],
@@ -435,6 +461,7 @@ def test_slurm_sbatch_line_of_one_and_several_node_training(tmp_path):
 
 
 @pytest.mark.slow  # one snakemake dry run: a few seconds
+@needs_paper_data
 def test_dry_run_smollm2_config(tmp_path):
     """config/smollm2.yaml: a format warm-up SFT on GSM8K's training solutions, then GRPO and both OAR
     signals on SmolLM2-135M (model.source `smollm2`, no site-packages path), every
@@ -584,6 +611,8 @@ def test_dry_run_quotes_every_value_that_reaches_a_shell(tmp_path):
     cfg = _config("smoke.yaml")
     cfg["sft"]["enabled"] = False
     cfg["train"]["init"] = start = "my models/init $(touch PWNED)"
+    (tmp_path / start).mkdir(parents=True)  # a model folder (the pre-flight checks it is one)
+    (tmp_path / start / "config.json").write_text("{}")
     _write_config(tmp_path, cfg)
     cmds = shell_commands((p := snakemake(*base)).stdout + p.stderr)
     _check_quoted(cmds, "my models/init $(touch PWNED)")

@@ -18,6 +18,9 @@ Subpackages and modules:
 - :mod:`oar.plan` -- the memory plan of a config (``oar plan``) and the training job's layout.
 - :mod:`oar.launch` -- how the workflow sizes and starts its jobs (resources, torchrun / srun, conda env).
 - :mod:`oar.models` -- policy loading (local dir, hub id, GGUF) and the tiny model factory.
+- :mod:`oar.fetch` -- a hub model fetched once into a local folder before any job reads it.
+- :mod:`oar.preflight` -- checks before anything runs: every path the config names, the
+  profile's placeholders.
 - :mod:`oar.sft` -- warm-start supervised fine-tuning on reference solutions.
 - :mod:`oar.reward` -- answer checking with math-verify in a pool of worker processes.
 - :mod:`oar.answer` -- locating final answers in model outputs and reference solutions.

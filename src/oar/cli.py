@@ -59,18 +59,22 @@ def _load(args: argparse.Namespace, overrides: dict | None = None, overrides_sou
 
 
 def _cmd_sft(args: argparse.Namespace) -> int:
+    from oar.fetch import with_fetched_model
     from oar.sft import sft_or_cached
 
-    summary = sft_or_cached(_load(args), args.output)
+    # a hub model.source: the copy the workflow fetched (rule fetch_model), when there is one
+    summary = sft_or_cached(with_fetched_model(_load(args)), args.output)
     print(json.dumps({k: v for k, v in summary.items() if k != "loss_curve"}, indent=2, default=str))
     return 0
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from oar.preemption import EXIT_INTERRUPTED, StopSignal
+    from oar.preflight import check_config
 
     overrides = {"train": {"steps": args.steps}} if args.steps is not None else None
     config = _load(args, overrides, f"command line: --steps {args.steps}")
+    check_config(config, source=args.config)  # every path it names exists (oar.preflight)
     # signals are caught from here on, before the slow imports and the model load: a SIGTERM while
     # starting stops the run before its first step instead of killing it
     with StopSignal(repeat_seconds=config["train"]["preemption"]["repeat_seconds"]) as stop:
@@ -99,8 +103,11 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 
 def _cmd_data(args: argparse.Namespace) -> int:
     from oar.data.manifest import write_data_manifest
+    from oar.preflight import check_config
 
-    manifest = write_data_manifest(_load(args), args.output)
+    config = _load(args)
+    check_config(config, source=args.config)  # every path it names exists (oar.preflight)
+    manifest = write_data_manifest(config, args.output)
     print(json.dumps(manifest, indent=2, default=str))
     return 0
 
@@ -188,11 +195,22 @@ def _cmd_methods(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_fetch_model(args: argparse.Namespace) -> int:
+    from oar.fetch import fetch_model
+
+    marker = fetch_model(args.source, args.output, gguf_file=args.gguf_file)
+    print(f"{args.source} ({marker['origin']}, commit {marker['commit']}): {len(marker['files'])} files in "
+          f"{args.output}")
+    return 0
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from oar.io import atomic_write_text
     from oar.plan import format_plan, plan
+    from oar.preflight import check_config
 
     config = _load(args)
+    check_config(config, source=args.config)  # every path it names exists (oar.preflight)
     result = plan(config, args.gpus)
     text = format_plan(result, source=args.config)
     print(text, end="")
@@ -292,6 +310,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="training processes, one per GPU (default resources.train.gpu x nodes)")
     s.add_argument("--output", default=None, help="also write the plan to this file (when it fits)")
     s.set_defaults(fn=_cmd_plan)
+
+    s = sub.add_parser("fetch-model", help="download a hub model (or one GGUF file of it) into a folder, atomically, "
+                       "from the hub or the local Hugging Face cache; exits 2 with one line when neither has it")
+    s.add_argument("--source", required=True, help="the hub id (model.source), org/name")
+    s.add_argument("--output", required=True, help="the folder (written complete or not at all; oar_fetch.json last)")
+    s.add_argument("--gguf-file", default=None, help="only this file of the repository (model.gguf_file)")
+    s.set_defaults(fn=_cmd_fetch_model)
 
     s = sub.add_parser("methods", help="list the config's methods as resolved (recipe, credit, options)")
     _add_config(s)

@@ -21,12 +21,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import re
 import socket
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
+
+from oar.fetch import HUB_MODEL_ID as _HUB_ID
 
 __all__ = [
     "TINY_SPECIAL_TOKENS",
@@ -62,8 +63,6 @@ _DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
     "half": torch.float16,
 }
-
-_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
 class ModelLoadError(ValueError):

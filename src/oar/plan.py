@@ -61,10 +61,13 @@ The total is taken per phase (:data:`PHASES`: inside the decoder layers' forward
 end of the forward and start of the backward; the decoder layers' backward; the embedding's
 backward at its end; the optimizer step; the rollout), each phase summing the terms alive in it,
 plus ``plan.headroom`` of the GPU kept free for the CUDA context, NCCL buffers and allocator
-fragmentation; the peak phase must fit in ``plan.gpu_memory_gb``. Not modelled: the credit
-estimators' own forwards (OAR-P's perturbed forwards, OAR-G's input-gradient backward) beyond the
-gathered weights, FSDP's all-gather staging buffers (a transient ~2.5 x the gathered module at its
-pre-forward), CUDA graphs, and allocator rounding.
+fragmentation; the peak phase must fit in ``plan.gpu_memory_gb`` (a CPU config: the host memory of
+one training process, and the plan speaks of host memory). Not modelled: the credit estimators'
+own passes through the policy (OAR-P's perturbed forwards, OAR-G's input-gradient backward, and the
+others of :data:`UNCOUNTED_PASSES`) beyond the gathered weights -- :func:`format_plan` names them and
+the config's methods that run them, with what the rollout phase leaves free --, FSDP's all-gather
+staging buffers (a transient ~2.5 x the gathered module at its pre-forward), CUDA graphs, and
+allocator rounding.
 
 ``benchmarks/bench_memory.py`` checks these formulas against the measured peak of live tensor
 memory of a training micro-batch on CPU (tiny model and SmolLM2-135M, ddp and 2-process fsdp,
@@ -96,6 +99,8 @@ __all__ = [
     "training_memory",
     "engine_terms",
     "engine_memory",
+    "UNCOUNTED_PASSES",
+    "uncounted_passes",
     "plan",
     "format_plan",
     "checkpoint_bytes",
@@ -119,6 +124,16 @@ VLLM_DEFAULTS = {"gpu_memory_utilization": 0.9, "max_num_seqs": 256, "max_num_ba
                  "tensor_parallel_size": 1}
 _DTYPE_BYTES = {"float32": 4, "float": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
                 "half": 2}
+#: The credit estimators whose own passes through the policy the plan does not count, and what the
+#: passes are (every estimator registered with ``needs_model``; a test checks the two agree). They run
+#: in the rollout phase, on the gathered policy.
+UNCOUNTED_PASSES: dict[str, str] = {
+    "oar_p": "OAR-P perturbation passes",
+    "oar_g": "OAR-G input-gradient pass",
+    "shuffled": "OAR-G input-gradient pass",
+    "inverted": "OAR-G input-gradient pass",
+    "mc_value": "mc_value continuations and refine pass",
+}
 #: Vocabulary of the tiny model's character tokenizer (``oar.models.build_tiny_tokenizer``: 4
 #: special tokens and 96 characters); a test checks it against the tokenizer.
 TINY_VOCAB_SIZE = 100
@@ -434,6 +449,7 @@ def _settings(config: dict, world: int, shape: ModelShape) -> dict[str, Any]:
         "engine": r["engine"], "rollout_batch": min(int(r["batch_size"]), local_seqs),
         "sleep_mode": bool(r["sleep_mode"]), "vllm": vllm, "kl_methods": methods_kl,
         "device": str(config["device"]), "gpu_gb": float(p["gpu_memory_gb"]),
+        "on_gpu": str(config["device"]).startswith("cuda") or train_layout(config)[2] > 0,
         "headroom": float(p["headroom"]),
     }
 
@@ -525,7 +541,8 @@ def _training_terms(shape: ModelShape, s: dict, *, padded: bool) -> list[Term]:
     shard = W if s["fsdp"] else 1
     local = math.ceil(P / shard)
     off = s["cpu_offload"]
-    where = f"/ {W} GPUs (fsdp)" if s["fsdp"] else "(whole model per GPU, ddp)"
+    where = f"/ {W} {'GPUs' if s['on_gpu'] else 'processes'} (fsdp)" if s["fsdp"] else \
+        f"(whole model per {'GPU' if s['on_gpu'] else 'process'}, ddp)"
     more = "more GPUs (resources.train.gpu) or train.fsdp.cpu_offload: true" if s["fsdp"] else \
         "train.strategy: fsdp (shards it over the GPUs)"
 
@@ -743,7 +760,7 @@ def plan(config: dict, world: int | None = None, *, padded: bool = True) -> Plan
             live.append(share)
         worst = max(live, key=lambda t: t.bytes)
         breaker = worst.name
-        message = (f"does not fit: {_gib(totals[peak])} GiB per GPU at the peak ({peak}) > {s['gpu_gb']:g} GiB "
+        message = (f"does not fit: {_gib(totals[peak])} GiB {_per(s)} at the peak ({peak}) > {s['gpu_gb']:g} GiB "
                    f"(plan.gpu_memory_gb, with {s['headroom']:g} kept free); largest term: {worst.name} "
                    f"{_gib(worst.bytes)} GiB ({worst.note}); to shrink it: {worst.hint}")
         always = [t for t in terms if set(t.phases) == set(PHASES) and t.bytes]
@@ -761,9 +778,30 @@ def plan(config: dict, world: int | None = None, *, padded: bool = True) -> Plan
     s["checkpoint_bytes"] = checkpoint_bytes(config, shape)
     s["signal_seconds"] = preemption_signal_seconds(config, shape)
     s["preemption"] = dict(config["train"].get("preemption") or {})
+    s["uncounted"] = uncounted_passes(config)
     return PlanResult(shape=shape, world_size=world, gpu_bytes=gpu, headroom_bytes=headroom, terms=terms,
                       engine=engine, phase_totals=totals, peak_phase=peak, fits=fits, breaker=breaker,
                       message=message, settings=s)
+
+
+def uncounted_passes(config: dict) -> list[tuple[str, list[str]]]:
+    """The passes of :data:`UNCOUNTED_PASSES` that ``config``'s methods run, in the order of the
+    methods: ``[(pass, [method, ...]), ...]`` (empty when no method runs one)."""
+    if not config.get("methods"):
+        return []
+    from oar.config import resolve_methods
+
+    out: dict[str, list[str]] = {}
+    for name, meth in resolve_methods(config).items():
+        what = UNCOUNTED_PASSES.get(meth.estimator)
+        if what is not None:
+            out.setdefault(what, []).append(name)
+    return list(out.items())
+
+
+def _per(s: dict) -> str:
+    """What one plan's bytes are for: one GPU, or (a CPU config) one training process."""
+    return "per GPU" if s["on_gpu"] else "per process"
 
 
 def _gib(n: int | float) -> str:
@@ -785,7 +823,8 @@ def format_plan(result: PlanResult, *, source: str = "") -> str:
     s = result.settings
     shape = result.shape
     out = [f"oar plan{(' ' + source) if source else ''}: {shape.origin}", f"  {shape.describe()}",
-           f"  {result.world_size} process(es) x {s['gpu_gb']:g} GiB, train.strategy {s['strategy']}, compute "
+           f"  {result.world_size} process(es) x {s['gpu_gb']:g} GiB{'' if s['on_gpu'] else ' host memory'}, "
+           f"train.strategy {s['strategy']}, compute "
            f"{s['compute']}, master {s['master'] if s['master'] == 'float32' else s['model_dtype']}, gradient "
            f"checkpointing {'on' if s['checkpointing'] else 'off'}"
            + (", fsdp cpu_offload" if s["cpu_offload"] else ""),
@@ -799,11 +838,11 @@ def format_plan(result: PlanResult, *, source: str = "") -> str:
         ph = "all" if set(t.phases) == set(PHASES) else " ".join(short.get(p, p) for p in t.phases)
         cpu = f" [{_gib(t.cpu_bytes)} GiB CPU]" if t.cpu_bytes else ""
         rows.append([t.name, _gib(t.bytes), ph, t.note + cpu])
-    out += _table(rows, ["training, per GPU", "GiB", "phases", "what"], {1})
+    out += _table(rows, [f"training, {_per(s)}", "GiB", "phases", "what"], {1})
     if result.engine:
         out.append("")
         rows = [[t.name, _gib(t.bytes), t.note] for t in result.engine]
-        out += _table(rows, ["vLLM engine, per GPU", "GiB", "what"], {1})
+        out += _table(rows, [f"vLLM engine, {_per(s)}", "GiB", "what"], {1})
     out.append("")
     share = next((t for t in result.engine if t.name == "vLLM share"), None)
     rows = []
@@ -817,9 +856,16 @@ def format_plan(result: PlanResult, *, source: str = "") -> str:
     out += _table(rows, ["phase", "GiB", "sum"], {1})
     out.append("")
     verdict = "fits" if result.fits else "DOES NOT FIT"
-    out.append(f"peak {_gib(result.peak_bytes)} GiB of {s['gpu_gb']:g} GiB per GPU: {verdict}")
+    limit = f"{s['gpu_gb']:g} GiB per GPU" if s["on_gpu"] else f"{s['gpu_gb']:g} GiB host memory per process"
+    out.append(f"peak {_gib(result.peak_bytes)} GiB of {limit}: {verdict}")
     if not result.fits:
         out.append(result.message)
+    if s.get("uncounted"):
+        passes = ", ".join(f"{what} (method{'s' if len(names) > 1 else ''} {', '.join(names)})"
+                           for what, names in s["uncounted"])
+        free = result.gpu_bytes - result.phase_totals["rollout"]
+        out.append(f"not counted: {passes}; they run in the rollout phase, in the {_gib(max(free, 0))} GiB it "
+                   f"leaves free")
     if "checkpoint_bytes" in s:
         p = s["preemption"]
         how = ("train.preemption.signal_seconds" if p.get("signal_seconds") else

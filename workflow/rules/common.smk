@@ -15,6 +15,8 @@ if SRC_DIR not in sys.path:
     sys.path.insert(0, SRC_DIR)
 
 from oar.config import ConfigError, resolve_methods, validate_config, workflow_config, write_resolved
+from oar.fetch import hub_model
+from oar.preflight import PreflightError, path_problems, profile_files, profile_problems
 from oar.launch import SHELL_PREFIX, LaunchError, conda_env_choice, fingerprint, oar_env, resource, train_signal_seconds
 from oar.launch import train_launcher as _train_launcher, train_resources as _train_resources
 from oar.launch import config_sections, eval_fingerprint, plan_fingerprint
@@ -57,6 +59,16 @@ if config["name"] == STORE_DIR:
     raise WorkflowError(f"{CONFIG_SOURCE}: key name: {STORE_DIR!r} is the results store's folder; choose another name")
 if not BENCHMARKS:
     raise WorkflowError(f"{CONFIG_SOURCE}: key eval.benchmarks: empty; the tables need at least one benchmark")
+
+# pre-flight (oar.preflight), at load so that a dry run stops too: every path the config names
+# exists, and the profile's resources hold no placeholder such as <your-account>; not in a job's
+# own Snakemake (remote, subprocess): the submitting one has checked
+if not (getattr(workflow, "remote_exec", False) or getattr(workflow, "subprocess_exec", False)):
+    _problems = path_problems(config, source=CONFIG_SOURCE) + profile_problems(
+        workflow.resource_settings.default_resources, workflow.resource_settings.overwrite_resources,
+        profiles=profile_files(sys.argv, workflow_dir=workflow.basedir))
+    if _problems:
+        raise WorkflowError(str(PreflightError(_problems)))
 
 
 wildcard_constraints:
@@ -136,11 +148,27 @@ SFT_DIR = f"{R}/sft/model"
 SFT_SUMMARY = f"{SFT_DIR}/sft_summary.json"
 
 
+# a hub model.source is fetched once, on this host, into <models_dir>/<org>--<name>/ (rules/model.smk,
+# oar.fetch.hub_model; None for tiny, smollm2 or a local folder or file): the jobs load that folder
+HUB_MODEL = hub_model(config)
+
+
+def model_source():
+    """model.source as the jobs load it: the fetched folder (or its GGUF file) of a hub id, else model.source."""
+    return HUB_MODEL.source if HUB_MODEL else config["model"]["source"]
+
+
+def model_inputs():
+    """Inputs of rules that load model.source: the fetched folder's marker (none for a local model)."""
+    return {"model": HUB_MODEL.marker} if HUB_MODEL else {}
+
+
 def start_model():
-    """The model RL starts from (and the base row evaluates): the SFT output, else train.init, else model.source."""
+    """The model RL starts from (and the base row evaluates): the SFT output, else train.init, else model.source
+    (its fetched folder for a hub id)."""
     if SFT:
         return SFT_DIR
-    return config["train"].get("init") or config["model"]["source"]
+    return config["train"].get("init") or model_source()
 
 
 def start_model_param(wildcards, input):
@@ -149,8 +177,17 @@ def start_model_param(wildcards, input):
 
 
 def start_inputs():
-    """Inputs of rules that read the starting model."""
-    return {"manifest": MANIFEST, **({"start": SFT_SUMMARY} if SFT else {})}
+    """Inputs of rules that read the starting model: the SFT output, or the fetched model.source."""
+    start = {"start": SFT_SUMMARY} if SFT else {} if config["train"].get("init") else model_inputs()
+    return {"manifest": MANIFEST, **start}
+
+
+def start_init_param(wildcards, input):
+    """The train rule's `--init`: the SFT output, or the fetched model.source (empty: train.init or
+    model.source, as the config says). Inserted unquoted (it may be empty), so the path is quoted here."""
+    if SFT:
+        return f"--init {shlex.quote(os.path.dirname(input.start))}"
+    return f"--init {shlex.quote(start_model())}" if "model" in start_inputs() else ""
 
 
 def run_dir(method, seed):

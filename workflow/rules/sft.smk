@@ -5,6 +5,7 @@
 rule sft:
     input:
         manifest=MANIFEST,
+        **model_inputs(),  # a hub model.source: its fetched folder, which `oar sft` loads (rules/model.smk)
     output:
         summary=SFT_SUMMARY,
     params:

@@ -23,8 +23,7 @@ rule train:
         # the inputs whose checksum joins the fingerprint (not the plan: a new plan is no new run)
         checksummed=lambda wc, input: " ".join(shlex.quote(f) for k, f in input.items() if k != "plan"),
         run_dir=lambda wc, output: os.path.dirname(output.summary),
-        # inserted unquoted (it is empty without SFT), so the path is quoted here
-        init=lambda wc, input: f"--init {shlex.quote(os.path.dirname(input.start))}" if SFT else "",
+        init=start_init_param,  # the SFT output or the fetched model (common.smk)
         # what identifies the run (its store entry's key): a folder whose key changed is moved aside
         fingerprint=lambda wc: run_key(config, METHODS[wc.method], sft=SFT),
         # the keys a run may change and continue: a changed value reruns the job, which continues

@@ -1,0 +1,225 @@
+"""Pre-flight (src/oar/preflight.py): every path a config names is resolved before anything runs, each
+problem one line naming the config file, the key and what to do -- in `oar plan`, `oar data` and
+`oar train` (exit 2) and while the workflow loads (so `snakemake -n` stops too); and a profile's
+placeholders (`<your-account>`) stop the workflow, naming the profile file and keys."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from helpers import ROOT, small_overrides
+from oar.config import deep_merge, load_config
+from oar.preflight import PreflightError, check_config, path_problems, profile_files, profile_problems
+
+GSM8K_RECORD = {"question": "Tom has 2 apples and buys 3. How many?", "answer": "2 + 3 = 5\n#### 5"}
+
+
+@pytest.fixture
+def repo(tmp_path, monkeypatch):
+    """A working directory ``repo/`` beside ``shared/data/gsm8k/test.jsonl`` (the layout of
+    ../shared/data), as the current directory."""
+    data = tmp_path / "shared" / "data" / "gsm8k"
+    data.mkdir(parents=True)
+    (data / "test.jsonl").write_text(json.dumps(GSM8K_RECORD) + "\n")
+    (data / "train.jsonl").write_text(json.dumps(GSM8K_RECORD) + "\n")
+    (tmp_path / "repo").mkdir()
+    monkeypatch.chdir(tmp_path / "repo")
+    return tmp_path / "repo"
+
+
+def _config(tmp_path: Path, **over) -> dict:
+    gsm8k = {"name": "gsm8k", "source": "../shared/data/gsm8k/test.jsonl"}
+    base = small_overrides(tmp_path, eval={"benchmarks": [gsm8k]})
+    return load_config(ROOT / "config" / "config.yaml", deep_merge(base, over))
+
+
+def _write(path: Path, config: dict) -> Path:
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+# ----------------------------------------------------------------------------------- the paths
+
+
+def test_a_misspelt_benchmark_path_is_one_line_naming_file_key_and_the_fix(repo):
+    cfg = _config(repo, eval={"benchmarks": [{"name": "gsm8k", "source": "../shared/data/gsm8k/tset.jsonl"}]})
+    (problem,) = path_problems(cfg, source="config/paper.yaml")
+    assert str(problem) == ("config/paper.yaml: key eval.benchmarks[0].source: no file ../shared/data/gsm8k/tset.jsonl "
+                            f"(did you mean test.jsonl?); paths are relative to the working directory {repo}")
+    with pytest.raises(PreflightError) as e:
+        check_config(cfg, source="config/paper.yaml")
+    assert str(e.value) == str(problem) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("change, key, text", [
+    ({"eval": {"benchmarks": [{"name": "gsm8k", "source": "../shared/data/gsm8kk/test.jsonl"}]}},
+     "eval.benchmarks[0].source", "(did you mean ../shared/data/gsm8k/test.jsonl?)"),
+    ({"eval": {"benchmarks": [{"name": "gsm8k", "source": "../shared/data"}]}},
+     "eval.benchmarks[0].source", "folder ../shared/data has no test.jsonl"),
+    ({"eval": {"benchmarks": [{"name": "gsm8", "source": "../shared/data/gsm8k/test.jsonl"}]}},
+     "eval.benchmarks[0].name", "unknown benchmark 'gsm8' (did you mean gsm8k?)"),
+    ({"eval": {"benchmarks": [{"name": "gsm8k"}]}}, "eval.benchmarks[0].source", "needs a source"),
+    ({"task": {"kind": "benchmark", "benchmark": {"name": "gsm8k", "source": "../shared/data/gsm8k/trian.jsonl"}}},
+     "task.benchmark.source", "no file ../shared/data/gsm8k/trian.jsonl (did you mean train.jsonl?)"),
+    ({"model": {"source": "../models/qwen"}}, "model.source", "no model folder ../models/qwen"),
+    ({"model": {"source": "../shared/data"}}, "model.source", "folder ../shared/data has no config.json"),
+    ({"model": {"source": "../shared/data/gsm8k/test.jsonl"}}, "model.source", "is a file but not a .gguf"),
+    ({"model": {"source": "../shared/data", "gguf_file": "m.gguf"}}, "model.gguf_file",
+     "no GGUF file ../shared/data/m.gguf"),
+    ({"train": {"init": "../results/tiny/sft/modle"}}, "train.init", "no model folder ../results/tiny/sft/modle"),
+    ({"train": {"heldout": {"every": 2, "benchmark": "math500"}}}, "train.heldout.benchmark",
+     "'math500' is not an eval.benchmarks name (gsm8k)"),
+])
+def test_every_path_key_is_resolved(repo, change, key, text):
+    (problem,) = path_problems(_config(repo, **change), source="c.yaml")
+    assert problem.key == f"key {key}" and text in problem.message, problem
+
+
+def test_hub_ids_pass_unless_their_org_is_a_local_folder(repo):
+    hub = _config(repo, model={"source": "Qwen/Qwen2.5-Math-1.5B"}, train={"init": "org/some-model"},
+                  eval={"benchmarks": [{"name": "gsm8k", "source": "openai/gsm8k"}]})
+    assert path_problems(hub, source="c.yaml") == []
+    (repo / "models" / "qwen-7b").mkdir(parents=True)
+    (problem,) = path_problems(_config(repo, model={"source": "models/qwen7b"}), source="c.yaml")
+    assert problem.key == "key model.source"
+    assert "no model folder models/qwen7b (did you mean qwen-7b?)" in problem.message
+
+
+def test_the_shipped_configs_pass(monkeypatch):
+    monkeypatch.chdir(ROOT)  # paths are relative to the repository root, as the workflow runs
+    for name in ("config.yaml", "smoke.yaml", "ablations.yaml", "controls.yaml", "regimes.yaml"):
+        assert path_problems(load_config(ROOT / "config" / name), source=name) == [], name
+
+
+@pytest.mark.skipif(not (ROOT.parent / "shared" / "data").is_dir(), reason="../shared/data not here")
+def test_the_real_data_configs_pass(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    for name in ("paper.yaml", "smollm2.yaml"):  # a hub model and `smollm2` (a package's file) are not paths
+        assert path_problems(load_config(ROOT / "config" / name), source=name) == [], name
+
+
+@pytest.mark.parametrize("command", ["data", "plan", "train"])
+def test_cli_stops_with_one_line_and_exit_2(repo, capsys, command):
+    from oar.cli import main
+
+    cfg = _config(repo, eval={"benchmarks": [{"name": "gsm8k", "source": "../shared/data/gsm8k/tset.jsonl"}]})
+    path = _write(repo / "bad.yaml", cfg)
+    out = repo / "out"
+    args = {"data": ["--output", str(out / "manifest.json")], "plan": ["--output", str(out / "plan.txt")],
+            "train": ["--method", "grpo", "--output", str(out)]}[command]
+    assert main([command, "--config", str(path), *args]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"oar {command}: error: {path}: key eval.benchmarks[0].source: no file "
+                   f"../shared/data/gsm8k/tset.jsonl (did you mean test.jsonl?); paths are relative to the working "
+                   f"directory {repo}\n")
+    assert not out.exists()
+
+
+# --------------------------------------------------------------------------------- the profile
+
+
+def test_placeholders_name_the_profile_file_and_keys(tmp_path):
+    profile = tmp_path / "slurm" / "config.yaml"
+    profile.parent.mkdir()
+    profile.write_text(yaml.safe_dump({"default-resources": {"slurm_account": "<your-account>", "mem_mb": 4000},
+                                       "set-resources": {"train": {"slurm_partition": "<gpu-partition>"},
+                                                         "evaluate": {"slurm_partition": "<gpu-partition>"}}}))
+    problems = profile_problems({"slurm_account": "<your-account>", "mem_mb": 4000, "slurm_partition": "'<cpu>'"},
+                                {"train": {"slurm_partition": "<gpu-partition>"},
+                                 "evaluate": {"slurm_partition": "<gpu-partition>"}}, profiles=[profile])
+    assert [str(p) for p in problems] == [
+        f"{profile}: key default-resources.slurm_account: '<your-account>' is a placeholder; replace it (in that "
+        f"file, or in a copy of the profile) with your SLURM account (sacctmgr show associations user=$USER "
+        f"format=account lists yours)",
+        "command line: key --default-resources slurm_partition: '<cpu>' is a placeholder; replace it with a "
+        "partition of your cluster (sinfo -s lists them)",
+        f"{profile}: keys set-resources.train.slurm_partition, set-resources.evaluate.slurm_partition: "
+        f"'<gpu-partition>' is a placeholder; replace it (in that file, or in a copy of the profile) with a "
+        f"partition of your cluster (sinfo -s lists them)",
+    ]
+    assert profile_problems({"slurm_account": "acct", "runtime": 60}, {"train": {"slurm_partition": "gpu"}}) == []
+    assert profile_problems(None, {}) == []
+
+
+def test_profile_files_of_a_command_line(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for name in ("default", "slurm"):
+        (tmp_path / "workflow" / "profiles" / name).mkdir(parents=True)
+        (tmp_path / "workflow" / "profiles" / name / "config.yaml").write_text("jobs: 1\n")
+    wdir = tmp_path / "workflow"
+    assert profile_files(["snakemake", "-n"], workflow_dir=wdir, environ={}) == [
+        wdir / "profiles" / "default" / "config.yaml"]
+    assert profile_files(["snakemake", "--workflow-profile", "workflow/profiles/slurm"], workflow_dir=wdir,
+                         environ={}) == [Path("workflow/profiles/slurm/config.yaml")]
+    assert profile_files(["snakemake", "--workflow-profile=slurm"], workflow_dir=wdir, environ={}) == [
+        wdir / "profiles" / "slurm" / "config.yaml"]
+    assert profile_files(["snakemake", "--workflow-profile", "none"], workflow_dir=wdir, environ={}) == []
+
+
+# -------------------------------------------------------------------------------- the workflow
+
+SNAKEMAKE = [sys.executable, "-m", "snakemake"]
+pytestmark_snakemake = pytest.mark.skipif(importlib.util.find_spec("snakemake") is None,
+                                          reason="snakemake not installed")
+
+
+def _snakemake(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    return subprocess.run([*SNAKEMAKE, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow  # one snakemake dry run: a few seconds
+@pytestmark_snakemake
+def test_dry_run_stops_on_a_misspelt_path(tmp_path):
+    data = tmp_path / "data" / "gsm8k"
+    data.mkdir(parents=True)
+    (data / "test.jsonl").write_text(json.dumps(GSM8K_RECORD) + "\n")
+    cfg = yaml.safe_load((ROOT / "config" / "smoke.yaml").read_text())
+    cfg["eval"]["benchmarks"].append({"name": "gsm8k", "source": str(data / "tset.jsonl")})
+    path = _write(tmp_path / "typo.yaml", cfg)
+    proc = _snakemake("-n", "--configfile", str(path), "--config", f"results_dir={tmp_path}")
+    assert proc.returncode != 0
+    line = (f"{path}: key eval.benchmarks[{len(cfg['eval']['benchmarks']) - 1}].source: no file "
+            f"{data / 'tset.jsonl'} (did you mean test.jsonl?)\n")
+    assert line in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    assert "Job stats" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow  # three snakemake dry runs: a few seconds each
+@pytestmark_snakemake
+@pytest.mark.skipif(importlib.util.find_spec("snakemake_executor_plugin_slurm") is None,
+                    reason="snakemake-executor-plugin-slurm not installed")
+def test_slurm_profile_placeholders_stop_a_dry_run_and_filled_values_pass(tmp_path):
+    profile = "workflow/profiles/slurm"
+    results = ["--config", f"results_dir={tmp_path}"]
+    proc = _snakemake("-n", "--workflow-profile", profile, *results)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "Job stats" not in text
+    for key, value in (("key default-resources.slurm_account", "<your-account>"),
+                       ("key default-resources.slurm_partition", "<cpu-partition>"),
+                       ("keys set-resources.train.slurm_partition, set-resources.evaluate.slurm_partition",
+                        "<gpu-partition>")):
+        assert f"{profile}/config.yaml: {key}" in text and f"'{value}' is a placeholder" in text, text[-3000:]
+    # filled on the command line
+    filled = ["--default-resources", "slurm_account=acct", "slurm_partition=cpu", "--set-resources",
+              *(f"{r}:slurm_partition=gpu" for r in ("train", "evaluate", "evaluate_base", "attribution"))]
+    proc = _snakemake("-n", "--workflow-profile", profile, *filled, *results)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Job stats" in proc.stdout + proc.stderr
+    # a filled copy of the profile
+    copy = tmp_path / "profile" / "config.yaml"
+    copy.parent.mkdir()
+    text = (ROOT / profile / "config.yaml").read_text()
+    for placeholder, value in (("<your-account>", "acct"), ("<cpu-partition>", "cpu"), ("<gpu-partition>", "gpu")):
+        text = text.replace(placeholder, value)
+    copy.write_text(text)
+    proc = _snakemake("-n", "--workflow-profile", str(copy.parent), *results)
+    assert proc.returncode == 0, proc.stderr[-3000:]
