@@ -1,4 +1,4 @@
-"""GRPO / Dr. GRPO sequence advantages (METHODS.md section 1) and the grpo/drgrpo estimators."""
+"""GRPO / Dr. GRPO sequence advantages (docs/methods.md, 1 GRPO and Dr. GRPO) and the grpo/drgrpo estimators."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Tests of OAR-P / OAR-G token importance and the oar_p / oar_g estimators (METHODS.md 4.2-4.4).
+"""Tests of OAR-P / OAR-G token importance and the oar_p / oar_g estimators (docs/methods.md, 4.2-4.4).
 
 The tiny random model has its matrix weights scaled up (x10) so that its output distributions are
 far from uniform and the importance scores are O(0.01-1) rather than O(1e-6): comparisons at

@@ -1,4 +1,4 @@
-"""KTAE key-token scores and token advantages (METHODS.md section 3)."""
+"""KTAE key-token scores and token advantages (docs/methods.md, 3 KTAE)."""
 
 from __future__ import annotations
 

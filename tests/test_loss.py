@@ -1,4 +1,4 @@
-"""PPO-clip policy loss, aggregation modes and k3 KL (METHODS.md sections 1, 2)."""
+"""PPO-clip policy loss, aggregation modes and k3 KL (docs/methods.md, 1 GRPO and Dr. GRPO, 2 DAPO)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Credit-concentration metrics (METHODS.md 4.5)."""
+"""Credit-concentration metrics (docs/methods.md, 4.5 Credit-concentration metrics)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Tests of the OAR outcome probe (oar.credit.probe, METHODS.md 4.1)."""
+"""Tests of the OAR outcome probe (oar.credit.probe, docs/methods.md, 4.1 The outcome probe)."""
 
 from __future__ import annotations
 

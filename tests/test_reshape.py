@@ -1,4 +1,4 @@
-"""Bi-Level reshaping weights (METHODS.md 4.4)."""
+"""Bi-Level reshaping weights (docs/methods.md, 4.4 Bi-Level reshaping)."""
 
 from __future__ import annotations
 

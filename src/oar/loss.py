@@ -1,4 +1,5 @@
-"""PPO-clip policy loss, loss aggregation modes and the k3 KL estimator (METHODS.md sections 1, 2).
+"""PPO-clip policy loss, loss aggregation modes and the k3 KL estimator (docs/methods.md,
+1 GRPO and Dr. GRPO, 2 DAPO).
 
 Shapes follow verl's ``core_algos.py``: ``(B, T)`` tensors over response tokens plus a response
 mask. Per token, with ``ratio = exp(logp - old_logp)``::
@@ -35,9 +36,9 @@ def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, *, max_len:
             - ``token-mean``: ``sum(L m) / sum(m)`` over the whole batch (DAPO);
             - ``seq-mean-token-mean``: mean over sequences of ``sum_t(L m) / sum_t(m)`` (original GRPO);
             - ``seq-mean-token-sum``: mean over sequences of ``sum_t(L m)``;
-            - ``seq-mean-token-sum-norm``: ``sum(L m) / (B * max_len)`` (Dr. GRPO, METHODS.md
+            - ``seq-mean-token-sum-norm``: ``sum(L m) / (B * max_len)`` (Dr. GRPO, docs/methods.md
               section 1); ``max_len`` defaults to ``T = loss_mat.shape[-1]``. (Older verl divides
-              by ``T`` only; METHODS.md's ``B * max_len`` is used here.)
+              by ``T`` only; docs/methods.md's ``B * max_len`` is used here.)
 
             The two ``seq-mean`` modes average over sequences with at least one masked token (a
             sequence with none has no token mean); with no masked token at all every mode gives 0.

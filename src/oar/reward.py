@@ -5,7 +5,7 @@ Public API
 - :func:`score_batch` -- one reward per response (``correct`` or ``wrong``), scored in a
   module-level :class:`RewardPool` that is created on first use, reused and closed at exit.
 - :class:`RewardPool` -- the persistent pool of worker processes; also a context manager.
-- :func:`overlong_penalty` -- DAPO overlong reward shaping (METHODS.md section 2).
+- :func:`overlong_penalty` -- DAPO overlong reward shaping (docs/methods.md, 2 DAPO).
 - :func:`extracted_answer` -- the answer that was read from a response, for logging.
 
 How answers are read (our choices; math-verify 0.9 API)
@@ -663,7 +663,7 @@ def overlong_penalty(
     cache_length: int,
     penalty_factor: float = 1.0,
 ) -> torch.Tensor:
-    """DAPO overlong reward shaping (METHODS.md section 2; verl recipe/dapo), added to the score.
+    """DAPO overlong reward shaping (docs/methods.md, 2 DAPO; verl recipe/dapo), added to the score.
 
     ``penalty_i = min(-(len_i - (max_length - cache_length)) / cache_length * penalty_factor, 0)``:
     0 up to ``max_length - cache_length`` tokens, then falling linearly to ``-penalty_factor`` at

@@ -1,4 +1,4 @@
-"""Sequence-level outcome advantages: GRPO and Dr. GRPO (METHODS.md section 1).
+"""Sequence-level outcome advantages: GRPO and Dr. GRPO (docs/methods.md, 1 GRPO and Dr. GRPO).
 
 Shapes follow verl's ``core_algos.py``: ``B`` responses, ``T`` response tokens (right-padded).
 

@@ -1,4 +1,4 @@
-"""KTAE: Key-token Advantage Estimation (METHODS.md section 3; code: github xiaolizh1/KTAE).
+"""KTAE: Key-token Advantage Estimation (docs/methods.md, 3 KTAE; code: github xiaolizh1/KTAE).
 
 Per group of responses to one prompt, every token id ``v`` that occurs (inside the mask) gets a
 score ``K(v)`` in ``[-top, top]`` from a 2x2 contingency table of presence in correct / wrong
@@ -20,7 +20,7 @@ Table for token ``v`` in one group (presence, not counts)::
 - ``K_raw = (alpha F + beta IG) x / (alpha + beta)``, ``K = top (2 sigmoid(K_raw) - 1)``
   (computed as ``top * tanh(K_raw / 2)``, the same function with better rounding near 0).
 
-Differences from the released code, on purpose (METHODS.md wins): ``gamma`` scales the frequency
+Differences from the released code, on purpose (docs/methods.md wins): ``gamma`` scales the frequency
 term (the release only switches it on/off); the Fisher p-value counts tables whose probability is
 ``<= p_obs * (1 + 1e-7)`` like scipy (the release uses exact ``<=``); ``F`` is 0 when ``p`` is within
 1e-6 of 1 (the release compares ``p != 1`` exactly); ``N_C = 0`` gives ``tf_C = 0`` (the release
@@ -192,7 +192,7 @@ def ktae_scores_batch(
         rewards: ``(B,)`` rewards; a response is correct when ``r > 0``.
         group_ids: ``(B,)`` integer group ids (arbitrary values).
         alpha, beta, gamma, top: weights of the Fisher term, the information gain, the frequency
-            term, and the score range (METHODS.md section 3; all 1 by default).
+            term, and the score range (docs/methods.md, 3 KTAE; all 1 by default).
         ignore_token_ids: ids whose score is forced to 0 (e.g. the end-of-text id). They still count
             in ``N_C`` (valid tokens per class), as in the released code.
         bm25_k1, bm25_b: BM25 constants of the frequency term.
@@ -331,7 +331,7 @@ def key_token_scores(
     ignore_token_ids: Iterable[int] = (),
     **kwargs: Any,
 ) -> torch.Tensor:
-    """KTAE key-token scores for ONE group of ``G`` responses (METHODS.md section 3).
+    """KTAE key-token scores for ONE group of ``G`` responses (docs/methods.md, 3 KTAE).
 
     Args:
         token_ids: ``(G, T)`` long token ids.

@@ -1,4 +1,4 @@
-"""Credit-concentration metrics (METHODS.md 4.5; our own definitions, the paper's are not public).
+"""Credit-concentration metrics (docs/methods.md, 4.5 Credit-concentration metrics; our own definitions, the paper's are not public).
 
 - :func:`ess_ratio`: ``(sum_t w_t)^2 / (L * sum_t w_t^2)`` per row over its ``L`` masked tokens;
   1 for uniform weights, smaller when the weights concentrate.

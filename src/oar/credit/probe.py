@@ -1,4 +1,4 @@
-"""The OAR outcome probe (METHODS.md section 4.1).
+"""The OAR outcome probe (docs/methods.md, 4.1 The outcome probe).
 
 Each response is split into ``reasoning`` (the response tokens strictly before the token that
 starts its last ``\\boxed{`` marker) and ``answer`` (the tokens covering the content of that last

@@ -1,4 +1,5 @@
-"""Bi-Level (dual-tier) reshaping of token importance scores into advantage weights (METHODS.md 4.4).
+"""Bi-Level (dual-tier) reshaping of token importance scores into advantage weights
+(docs/methods.md, 4.4 Bi-Level reshaping).
 
 Per response (row) over its ``L`` scored tokens (the mask, normally the reasoning tokens):
 
@@ -83,7 +84,7 @@ def bilevel_weights(
     preserve_mass: bool = True,
     eps: float = 1e-8,
 ) -> torch.Tensor:
-    """Bi-Level weights from raw token importance scores (METHODS.md 4.4).
+    """Bi-Level weights from raw token importance scores (docs/methods.md, 4.4 Bi-Level reshaping).
 
     Args:
         scores: ``(B, T)`` raw non-negative importance scores ``s_t`` (values > -1 are accepted;

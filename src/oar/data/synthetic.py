@@ -5,7 +5,7 @@ its reference solution reduces the expression one operation at a time and ends i
 
     47+18=65, so 65-25=40. \\boxed{40}
 
-Format of the solution (all choices here are ours, see /work/shared/spec/METHODS.md for the rest):
+Format of the solution (all choices here are ours, see docs/methods.md for the rest):
 
 - Steps ``"<a><op><b>=<c>"`` are joined by ``", "``; the last step is followed by ``". "`` and
   ``"\\boxed{<answer>}"``. A k-operand problem has k-1 steps.

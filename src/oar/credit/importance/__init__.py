@@ -1,4 +1,4 @@
-"""Token importance for OAR (METHODS.md sections 4.2-4.4): OAR-P and OAR-G.
+"""Token importance for OAR (docs/methods.md, 4.2 OAR-P to 4.4 Bi-Level reshaping): OAR-P and OAR-G.
 
 Both score the reasoning positions of an outcome probe (:mod:`oar.credit.probe`) by how much they
 move the model's distribution over its own final answer ("outcome"). Three outcome modes:

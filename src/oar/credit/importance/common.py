@@ -1,5 +1,5 @@
 """Helpers shared by OAR-P and OAR-G (:mod:`oar.credit.importance`): model calls on the tail of
-a probe, the outcome of a probe row (METHODS.md 4.1), its divergence, and the prefix KV cache.
+a probe, the outcome of a probe row (docs/methods.md, 4.1 The outcome probe), its divergence, and the prefix KV cache.
 
 All model calls use explicit ``position_ids = cumsum(attention_mask) - 1`` (so left padding does
 not shift positions) and only compute logits for the tail of the sequence that holds the answer

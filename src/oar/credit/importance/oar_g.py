@@ -1,4 +1,4 @@
-"""OAR-G: input-gradient saliency (METHODS.md 4.3), with per-response noise and a
+"""OAR-G: input-gradient saliency (docs/methods.md, 4.3 OAR-G: input-gradient proxy), with per-response noise and a
 variance-reduced variant.
 
 :func:`gradient_importance` takes gradient x input saliency of the outcome divergence with respect

@@ -1,4 +1,4 @@
-"""OAR-P: perturbation importance (METHODS.md 4.2).
+"""OAR-P: perturbation importance (docs/methods.md, 4.2 OAR-P: perturbation).
 
 :func:`perturbation_importance` replaces one reasoning token at a time by a neutral token. Since a
 causal model's positions before ``t`` do not see token ``t``, the default path runs the
