@@ -102,3 +102,23 @@ def credit_batch(responses, rewards, prompts=None, task=None, model=None):
     return CreditBatch(response_ids=r_ids, response_mask=r_mask, rewards=torch.tensor(rewards),
                        group_ids=torch.zeros(B, dtype=torch.long), prompt_ids=p_ids, prompt_mask=p_mask,
                        model=model, tokenizer=tok, extras={"task": task or SYNTHETIC_TASK, "seed": 3, "step": 1})
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    """``oar <argv>`` in this process: (exit code, stdout, stderr); argparse's SystemExit becomes its code."""
+    from oar.cli import main
+
+    try:
+        rc = main(argv)
+    except SystemExit as e:
+        rc = e.code
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def one_error_line(err: str, command: str) -> str:
+    """The single ``oar <command>: error: ...`` line of ``err`` (asserting there is exactly one, no traceback)."""
+    assert "Traceback" not in err, err
+    lines = [ln for ln in err.splitlines() if ln.startswith(f"oar {command}: error: ")]
+    assert len(lines) == 1, err
+    return lines[0]

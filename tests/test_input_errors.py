@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import ROOT, small_overrides
+from helpers import ROOT, one_error_line, small_overrides
 
 CONFIG = ROOT / "config" / "config.yaml"
 
@@ -41,12 +41,6 @@ def _cli(argv: list[str], capsys) -> tuple[int, str]:
     return rc, capsys.readouterr().err
 
 
-def _one_error_line(err: str, command: str) -> str:
-    """The single ``oar <command>: error: ...`` line of ``err`` (asserting there is exactly one, no traceback)."""
-    assert "Traceback" not in err, err
-    lines = [ln for ln in err.splitlines() if ln.startswith(f"oar {command}: error: ")]
-    assert len(lines) == 1, err
-    return lines[0]
 
 
 # ------------------------------------------------------------------------------ 1. hub id offline
@@ -67,7 +61,7 @@ def test_hub_model_id_offline_is_one_line_exit_2(offline, tmp_path, capsys, wher
         argv = ["evaluate", "--config", str(cfg), "--output", str(tmp_path / "eval")]
     rc, err = _cli(argv, capsys)
     assert rc == 2, err
-    line = _one_error_line(err, "evaluate")
+    line = one_error_line(err, "evaluate")
     assert hub_id in line and "offline" in line and "not found in the local" in line
 
 
@@ -83,7 +77,7 @@ def test_hub_benchmark_id_offline_is_one_line_exit_2(offline, tmp_path, capsys):
     cfg = _write_config(tmp_path, {"eval": {"benchmarks": [{"name": "aime24", "source": "SomeOrg/some-data"}]}})
     rc, err = _cli(["data", "--config", str(cfg), "--output", str(tmp_path / "manifest.json")], capsys)
     assert rc == 2, err
-    assert "'SomeOrg/some-data'" in _one_error_line(err, "data")
+    assert "'SomeOrg/some-data'" in one_error_line(err, "data")
 
 
 def test_hub_model_id_offline_cli_subprocess(tmp_path):
@@ -95,7 +89,7 @@ def test_hub_model_id_offline_cli_subprocess(tmp_path):
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 2, proc.stderr
-    assert "SomeOrg/some-model" in _one_error_line(proc.stderr, "evaluate")
+    assert "SomeOrg/some-model" in one_error_line(proc.stderr, "evaluate")
 
 
 # ---------------------------------------------------------------------------- 2. CLI numeric flags
@@ -110,7 +104,7 @@ def test_hub_model_id_offline_cli_subprocess(tmp_path):
 def test_cli_numbers_are_checked_at_the_cli_naming_the_flag(capsys, argv, flag):
     rc, err = _cli([*argv[:2], str(CONFIG), *argv[3:]], capsys)
     assert rc == 2
-    line = _one_error_line(err, argv[0])
+    line = one_error_line(err, argv[0])
     assert f"argument {flag}:" in line and argv[-1] in line
     assert "config.yaml" not in line
 
@@ -267,7 +261,7 @@ def test_oar_data_non_utf8_is_one_line_exit_2(tmp_path, capsys):
     cfg = _write_config(tmp_path, {"eval": {"benchmarks": [{"name": "aime24", "source": str(bench)}]}})
     rc, err = _cli(["data", "--config", str(cfg), "--output", str(tmp_path / "manifest.json")], capsys)
     assert rc == 2
-    assert f"{bench}:1: not valid UTF-8" in _one_error_line(err, "data")
+    assert f"{bench}:1: not valid UTF-8" in one_error_line(err, "data")
 
 
 # ------------------------------------------------------------- 6-7. empty benchmark / training set
@@ -287,7 +281,7 @@ def test_oar_data_fails_on_an_empty_eval_benchmark(tmp_path, capsys):
     manifest = tmp_path / "manifest.json"
     rc, err = _cli(["data", "--config", str(cfg), "--output", str(manifest)], capsys)
     assert rc == 2
-    line = _one_error_line(err, "data")
+    line = one_error_line(err, "data")
     assert "eval.benchmarks.1" in line and "'aime24'" in line and str(folder / "test.jsonl") in line
     assert "no records" in line
     assert not manifest.exists()
@@ -299,7 +293,7 @@ def test_oar_data_fails_on_an_empty_training_set(tmp_path, capsys):
     cfg = _write_config(tmp_path, {"task": {"kind": "benchmark", "benchmark": {"name": "math_train", "source": str(src)}}})
     rc, err = _cli(["data", "--config", str(cfg), "--output", str(tmp_path / "manifest.json")], capsys)
     assert rc == 2
-    line = _one_error_line(err, "data")
+    line = one_error_line(err, "data")
     assert "training set" in line and "'math_train'" in line and str(src) in line
 
 
@@ -404,7 +398,7 @@ def _smoke_config(tmp_path: Path, change: dict) -> Path:
 
 def _last_error_line(err: str, command: str) -> str:
     """:func:`_one_error_line`, asserting it is also the last line of ``err`` (what the user reads)."""
-    line = _one_error_line(err, command)
+    line = one_error_line(err, command)
     assert err.strip().splitlines()[-1] == line, err
     return line
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import ROOT
+from helpers import ROOT, one_error_line, run_cli
 
 CONFIG = ROOT / "config" / "config.yaml"
 SETUP = ROOT / "scripts" / "setup.sh"
@@ -75,24 +75,8 @@ def test_setup_run_with_bash_stays_strict(fake_venv):
 
 
 # ------------------------------------------------------------------- 2. oar <command> --set KEY.SUB=VALUE
-def _cli(argv: list[str], capsys) -> tuple[int, str, str]:
-    """``oar <argv>`` in this process: (exit code, stdout, stderr); argparse's SystemExit becomes its code."""
-    from oar.cli import main
-
-    try:
-        rc = main(argv)
-    except SystemExit as e:
-        rc = e.code
-    out = capsys.readouterr()
-    return rc, out.out, out.err
 
 
-def _one_error_line(err: str, command: str) -> str:
-    """The single ``oar <command>: error: ...`` line of ``err`` (asserting there is exactly one, no traceback)."""
-    assert "Traceback" not in err, err
-    lines = [ln for ln in err.splitlines() if ln.startswith(f"oar {command}: error: ")]
-    assert len(lines) == 1, err
-    return lines[0]
 
 
 @pytest.fixture
@@ -112,7 +96,7 @@ def loaded(monkeypatch) -> list[dict]:
 
 
 def test_set_on_oar_methods_reaches_the_resolved_config(capsys, loaded):
-    rc, out, err = _cli(["methods", "--config", str(CONFIG), "--set", "train.lr=1e-3", "rollout.n=4",
+    rc, out, err = run_cli(["methods", "--config", str(CONFIG), "--set", "train.lr=1e-3", "rollout.n=4",
                          "--set", "seeds=[0,1]", "methods.oar_g.quantile=0.3", "--set", "train.lr=2e-3"], capsys)
     assert rc == 0, err
     (config,) = loaded
@@ -123,11 +107,11 @@ def test_set_on_oar_methods_reaches_the_resolved_config(capsys, loaded):
 
 
 def test_set_on_oar_plan_changes_the_plan(capsys):
-    rc, out, err = _cli(["plan", "--config", str(CONFIG)], capsys)
+    rc, out, err = run_cli(["plan", "--config", str(CONFIG)], capsys)
     assert rc == 0, err
     layers = yaml.safe_load(CONFIG.read_text())["model"]["tiny"]["num_layers"]
     assert f"{layers} layers" in out
-    rc, out, err = _cli(["plan", "--config", str(CONFIG), "--set", f"model.tiny.num_layers={layers + 1}"], capsys)
+    rc, out, err = run_cli(["plan", "--config", str(CONFIG), "--set", f"model.tiny.num_layers={layers + 1}"], capsys)
     assert rc == 0, err
     assert f"{layers + 1} layers" in out
 
@@ -138,7 +122,8 @@ def test_every_command_with_config_takes_set():
     parser = build_parser()
     sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
     with_config = [name for name, p in sub.choices.items() if any("--config" in a.option_strings for a in p._actions)]
-    assert len(with_config) == len(sub.choices)
+    # the two that read no config: compare (the run's own resolved config) and fetch-model (--source)
+    assert set(sub.choices) - set(with_config) == {"compare", "fetch-model"}
     for name in with_config:
         args = parser.parse_args([*([name] if name != "regimes" else ["regimes", "cells"]), "--config", "c.yaml",
                                   *(["--method", "m", "--output", "o"] if name == "train" else []),
@@ -149,9 +134,9 @@ def test_every_command_with_config_takes_set():
 
 
 def test_a_bad_set_value_names_the_command_line_one_line_exit_2(capsys):
-    rc, _, err = _cli(["methods", "--config", str(CONFIG), "--set", "train.lr=abc"], capsys)
+    rc, _, err = run_cli(["methods", "--config", str(CONFIG), "--set", "train.lr=abc"], capsys)
     assert rc == 2
-    line = _one_error_line(err, "methods")
+    line = one_error_line(err, "methods")
     assert line == "oar methods: error: command line: --set train.lr=abc: key train.lr: 'abc' is not of type 'number'"
 
 
@@ -163,15 +148,15 @@ def test_a_bad_set_value_names_the_command_line_one_line_exit_2(capsys):
                                   "option of recipe 'grpo' or credit 'oar_g'; did you mean quantile?"),
 ])
 def test_set_mistakes_are_one_line_naming_the_assignment(capsys, assignment, message):
-    rc, _, err = _cli(["methods", "--config", str(CONFIG), "--set", assignment], capsys)
+    rc, _, err = run_cli(["methods", "--config", str(CONFIG), "--set", assignment], capsys)
     assert rc == 2
-    assert _one_error_line(err, "methods").startswith(f"oar methods: error: {message}")
+    assert one_error_line(err, "methods").startswith(f"oar methods: error: {message}")
 
 
 def test_set_without_a_value_is_refused_by_argparse(capsys):
-    rc, _, err = _cli(["methods", "--config", str(CONFIG), "--set", "train.lr"], capsys)
+    rc, _, err = run_cli(["methods", "--config", str(CONFIG), "--set", "train.lr"], capsys)
     assert rc == 2
-    assert "argument --set: expected KEY.SUB=VALUE" in _one_error_line(err, "methods")
+    assert "argument --set: expected KEY.SUB=VALUE" in one_error_line(err, "methods")
 
 
 def test_override_value_types_as_yaml():
@@ -203,7 +188,7 @@ def test_apply_assignments_creates_mappings_indexes_lists_and_leaves_the_input()
 def test_regime_cells_carry_the_set_values(tmp_path, capsys):
     out = tmp_path / "cells"
     config = ROOT / "config" / "regimes.yaml"
-    rc, stdout, err = _cli(["regimes", "cells", "--config", str(config), "--out", str(out),
+    rc, stdout, err = run_cli(["regimes", "cells", "--config", str(config), "--out", str(out),
                             "--set", "train.lr=3e-4", "rollout.n=2"], capsys)
     assert rc == 0, err
     from oar.config import load_config
@@ -219,9 +204,9 @@ def test_regime_cells_carry_the_set_values(tmp_path, capsys):
 
 # --------------------------------------------------------- 3. errors name the file, line and extends chain
 def _fails(capsys, path: Path | str, command: str = "methods") -> str:
-    rc, _, err = _cli([command, "--config", str(path)], capsys)
+    rc, _, err = run_cli([command, "--config", str(path)], capsys)
     assert rc == 2, err
-    return _one_error_line(err, command).removeprefix(f"oar {command}: error: ")
+    return one_error_line(err, command).removeprefix(f"oar {command}: error: ")
 
 
 def _line_of(text: str, needle: str) -> int:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import ROOT, small_overrides
+from helpers import ROOT, one_error_line, run_cli, small_overrides
 
 CONFIG = ROOT / "config" / "config.yaml"
 SRC = ROOT / "src"
@@ -87,19 +87,9 @@ def user_dir(tmp_path, monkeypatch):
         del sys.modules[mod]
 
 
-def _cli(argv: list[str], capsys) -> tuple[int, str, str]:
-    """``oar <argv>`` in this process: (exit code, stdout, stderr)."""
-    from oar.cli import main
-
-    try:
-        rc = main(argv)
-    except SystemExit as e:
-        rc = e.code
-    out = capsys.readouterr()
-    return rc, out.out, out.err
 
 
-def _one_error_line(err: str, command: str = "methods") -> str:
+def one_error_line(err: str, command: str = "methods") -> str:
     assert "Traceback" not in err, err
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith(f"oar {command}: error: "), err
@@ -165,15 +155,15 @@ def test_user_estimator_resolves_registers_and_lists(user_dir, capsys):
     assert m.estimator_options() == {"norm_by_std": True, "late": 2.0}
     assert get_estimator("mycredit:my_fn") is sys.modules["mycredit"].my_fn
     assert "mycredit:my_fn" in list_estimators() and not estimator_needs_model("mycredit:my_fn")
-    rc, out, err = _cli(["methods", "--config", str(path)], capsys)
+    rc, out, err = run_cli(["methods", "--config", str(path)], capsys)
     assert rc == 0 and "credit=mycredit:my_fn" in out and "'late': 2.0" in out, err
 
 
 def test_user_estimator_unknown_option_is_refused_at_load_naming_the_key(user_dir, capsys):
     (user_dir / "mycredit.py").write_text(README_ESTIMATOR)
     path = _config(user_dir, {"late_credit": {**README_METHOD["late_credit"], "lat": 3.0}})
-    rc, _, err = _cli(["methods", "--config", str(path)], capsys)
-    line = _one_error_line(err)
+    rc, _, err = run_cli(["methods", "--config", str(path)], capsys)
+    line = one_error_line(err)
     assert rc == 2
     assert "key methods.late_credit.lat: not an option of recipe 'grpo' or credit 'mycredit:my_fn'" in line
     assert "'late'" in line  # the allowed options include the function's keyword parameters
@@ -198,19 +188,19 @@ def test_user_estimator_problems_are_one_line_exit_2_naming_the_key(user_dir, ca
     if module is not None:
         (user_dir / "mycredit.py").write_text(module)
     path = _config(user_dir, {"m": {"recipe": "grpo", "credit": credit}})
-    rc, _, err = _cli(["methods", "--config", str(path)], capsys)
-    assert rc == 2 and expected in _one_error_line(err), err
+    rc, _, err = run_cli(["methods", "--config", str(path)], capsys)
+    assert rc == 2 and expected in one_error_line(err), err
 
 
 def test_user_estimator_option_types_and_required_options(user_dir, capsys):
     (user_dir / "mycredit.py").write_text(README_ESTIMATOR + "\n\ndef strict(batch, *, k: int, name: str = 'a'):\n"
                                           "    return my_fn(batch)\n")
     wrong = _config(user_dir, {"m": {"recipe": "grpo", "credit": "mycredit:my_fn", "late": "big"}})
-    rc, _, err = _cli(["methods", "--config", str(wrong)], capsys)
-    assert rc == 2 and "key methods.m.late: 'big' is not of type 'number'" in _one_error_line(err)
+    rc, _, err = run_cli(["methods", "--config", str(wrong)], capsys)
+    assert rc == 2 and "key methods.m.late: 'big' is not of type 'number'" in one_error_line(err)
     missing = _config(user_dir, {"m": {"recipe": "grpo", "credit": "mycredit:strict"}})
-    rc, _, err = _cli(["methods", "--config", str(missing)], capsys)
-    assert rc == 2 and "key methods.m.credit: 'mycredit:strict' (" in _one_error_line(err)
+    rc, _, err = run_cli(["methods", "--config", str(missing)], capsys)
+    assert rc == 2 and "key methods.m.credit: 'mycredit:strict' (" in one_error_line(err)
     assert "needs option(s) ['k']" in err
     from oar.config import load_config
 
@@ -220,7 +210,7 @@ def test_user_estimator_option_types_and_required_options(user_dir, capsys):
 
     assert resolve_method(ok, "m").estimator_options() == {"k": 2}
     bool_k = _config(user_dir, {"m": {"recipe": "grpo", "credit": "mycredit:strict", "k": True}})
-    rc, _, err = _cli(["methods", "--config", str(bool_k)], capsys)
+    rc, _, err = run_cli(["methods", "--config", str(bool_k)], capsys)
     assert rc == 2 and "key methods.m.k: True is not of type 'integer'" in err
 
 

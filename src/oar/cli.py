@@ -26,6 +26,18 @@ def _int_at_least(minimum: int, what: str):
     return parse
 
 
+def _probability(text: str) -> float:
+    """An argparse ``type``: a float strictly between 0 and 1 (a coverage)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number between 0 and 1, got {text!r}") from None
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number between 0 and 1, got {value}")
+    return value
+
+
+_probability.__name__ = "a number between 0 and 1"
 _positive_int = _int_at_least(1, "a positive integer")
 _seed = _int_at_least(0, "a non-negative integer")
 
@@ -284,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--reference", required=True, help="the reference file (e.g. docs/results/<date>-default-run.json)")
     s.add_argument("--save", action="store_true", help="write the reference of --results to --reference instead")
     s.add_argument("--note", default="", help="--save: a note stored in the reference (machine, command)")
-    s.add_argument("--confidence", type=float, default=None,
+    s.add_argument("--confidence", type=_probability, default=None,
                    help="coverage of the cells' intervals (default: the run's report.confidence)")
     s.add_argument("--output", default=None, help="also write the comparison (markdown) to this file")
     s.set_defaults(fn=_cmd_compare)
