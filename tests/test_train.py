@@ -144,6 +144,13 @@ def test_mlflow_run_logged(tmp_path):
     assert run.info.status == "FINISHED"
     assert run.data.params["method"] == "oar_g" and run.data.params["credit"] == "oar_g"
     assert "ess_ratio" in run.data.metrics and "time_importance" in run.data.metrics
+    tags = run.data.tags  # as every stage's run (oar.stage_runs), with the provenance of train_summary.json
+    assert (tags["oar.stage"], tags["oar.method"], tags["oar.seed"], tags["oar.config"]) == ("train", "oar_g", "0", cfg["name"])
+    prov = summary["provenance"]
+    assert prov["end_time"] >= prov["start_time"] and prov["device"] == "cpu"
+    assert tags["oar.provenance.start_time"] == prov["start_time"] and tags["oar.provenance.end_time"] == prov["end_time"]
+    assert tags.get("oar.git_commit") == prov["git_commit"]
+    assert [f.path for f in client.list_artifacts(run.info.run_id)] == ["train_summary.json"]
 
 
 @pytest.mark.slow

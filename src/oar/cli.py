@@ -33,8 +33,11 @@ _seed = _int_at_least(0, "a non-negative integer")
 def _cmd_sft(args: argparse.Namespace) -> int:
     from oar.config import load_config
     from oar.sft import sft_or_cached
+    from oar.stage_runs import log_sft_run
 
-    summary = sft_or_cached(load_config(args.config), args.output)
+    config = load_config(args.config)
+    summary = sft_or_cached(config, args.output)
+    log_sft_run(config, args.output, summary)
     print(json.dumps({k: v for k, v in summary.items() if k != "loss_curve"}, indent=2, default=str))
     return 0
 
@@ -64,8 +67,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     from oar.config import load_config
     from oar.evaluate import evaluate_from_config
+    from oar.stage_runs import log_evaluation_run
 
-    out = evaluate_from_config(load_config(args.config), args.model, args.output, seed=args.seed)
+    config = load_config(args.config)
+    out = evaluate_from_config(config, args.model, args.output, seed=args.seed)
+    log_evaluation_run(config, args.model, args.output, out, seed=args.seed)
     for name, r in out["benchmarks"].items():
         print(f"{name:20s} n={r['n']:5d} pass@1={r['pass@1']} avg@k={r['avg@k']}")
     print(f"{'average':20s} {out['average']}")
@@ -84,8 +90,11 @@ def _cmd_data(args: argparse.Namespace) -> int:
 def _cmd_attribution(args: argparse.Namespace) -> int:
     from oar.attribution import attribution_from_config, format_tables
     from oar.config import load_config
+    from oar.stage_runs import log_attribution_run
 
-    result = attribution_from_config(load_config(args.config), args.model, args.output)
+    config = load_config(args.config)
+    result = attribution_from_config(config, args.model, args.output)
+    log_attribution_run(config, args.model, args.output, result.summary)
     print(format_tables(result))
     return 0
 
@@ -93,9 +102,11 @@ def _cmd_attribution(args: argparse.Namespace) -> int:
 def _cmd_report(args: argparse.Namespace) -> int:
     from oar.config import load_config
     from oar.report import build_report
+    from oar.stage_runs import log_report_run
 
-    paths = build_report(load_config(args.config), args.results, reference=args.reference, seed=args.seed,
-                         metric=args.metric)
+    config = load_config(args.config)
+    paths = build_report(config, args.results, reference=args.reference, seed=args.seed, metric=args.metric)
+    log_report_run(config, paths, params={"reference": args.reference, "seed": args.seed, "metric": args.metric})
     for name, path in paths.items():
         print(f"{name}: {path}")
     return 0
