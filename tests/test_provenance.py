@@ -120,3 +120,4 @@ def test_describe_names_shared_values_once_and_counts_differing_ones():
     assert "2 CPU capabilities: AVX2 x 2, AVX512 x 1" in mixed and "CPU CPU A;" in mixed
     assert mixed.endswith("1 of them without a recorded provenance.")
     assert "commit not a git checkout" in describe([_prov(commit=None)])
+

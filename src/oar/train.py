@@ -595,9 +595,14 @@ def _checkpoint(loop: _Loop) -> bool:
 
 
 def _finish(loop: _Loop, last_metrics: dict[str, float]) -> dict:
-    """The final model (full, consolidated weights) and the run summary (with the provenance of the
-    invocation that finished the run, :mod:`oar.provenance`; the MLflow run gets its end time and
-    ``train_summary.json`` as an artifact)."""
+    """The final model (full, consolidated weights) and the run summary, with the provenance of the
+    invocation that finished the run (:mod:`oar.provenance`); the MLflow run gets its provenance and
+    ``train_summary.json`` as an artifact.
+
+    A finished run started again with nothing left to train (the workflow reruns its job when a
+    resumable setting such as ``train.save_every`` changed) keeps its recorded summary as it is:
+    the evaluation's fingerprint checksums ``train_summary.json``, and a new timestamp (or the
+    ``final`` row read back from ``metrics.jsonl``) alone must not make it evaluate the same model again."""
     from oar.provenance import provenance_tags, with_end_time
 
     strategy, folder = loop.strategy, loop.folder
@@ -620,13 +625,31 @@ def _finish(loop: _Loop, last_metrics: dict[str, float]) -> dict:
             "mlflow_run_id": loop.state["run_id"],
             "provenance": with_end_time(loop.provenance),
         }
+        recorded = _recorded_summary(folder.summary)
+        if not last_metrics and recorded and all(recorded.get(k) == summary[k] for k in _SAME_RUN_KEYS):
+            summary = recorded  # nothing trained since it was written: the same file, byte for byte
         atomic_write_json(folder.summary, summary)
         if loop.tracker is not None:
-            loop.tracker.set_tags(provenance_tags({"end_time": summary["provenance"]["end_time"]}))
+            prov = summary.get("provenance") or {}  # the run's tags: the provenance its summary records
+            loop.tracker.set_tags({**provenance_tags(prov), **({"oar.git_commit": prov["git_commit"]}
+                                                               if prov.get("git_commit") else {})})
             loop.tracker.log_artifact(folder.summary)
             loop.tracker.finish()
     strategy.barrier()
     return summary
+
+
+#: What a recorded ``train_summary.json`` must share with the summary being written to be kept.
+_SAME_RUN_KEYS: tuple[str, ...] = ("method", "seed", "steps", "mlflow_run_id")
+
+
+def _recorded_summary(path: Path) -> dict | None:
+    """The run's recorded ``train_summary.json`` (None: none, unreadable, or not a mapping)."""
+    try:
+        recorded = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return recorded if isinstance(recorded, dict) else None
 
 
 def _collect_batch(engine: Any, stream: _PromptStream, prompts_all: list[str], records: list[dict], *,
