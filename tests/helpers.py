@@ -55,9 +55,12 @@ def credit_batch(responses, rewards, prompts=None, task=None, model=None):
                        model=model, tokenizer=tok, extras={"task": task or SYNTHETIC_TASK, "seed": 3, "step": 1})
 
 
-def stage_runs(cfg: dict, stage: str, **tags) -> list:
+def stage_runs(cfg: dict, stage: str, *, current: bool = True, **tags) -> list:
     """The MLflow runs of ``cfg``'s experiment tagged ``oar.stage = stage`` (and ``oar.<key> = value``
-    for each of ``tags``), through MLflow's own search (MlflowClient.search_runs with a tag filter)."""
+    for each of ``tags``; ``current``: only those no rerun replaced, ``oar.current = true``), through
+    MLflow's own search (MlflowClient.search_runs with a tag filter)."""
+    if current:
+        tags = {**tags, "current": "true"}
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=cfg["tracking"]["uri"])

@@ -243,3 +243,25 @@ def test_stage_runs_helper_lists_runs_by_stage(tmp_path):
     _train_run(cfg, store, "grpo", 0)
     assert len(stage_runs(cfg, "train")) == 1 and stage_runs(cfg, "report") == []
     assert len(stage_runs(cfg, "train", method="grpo", seed=0)) == 1 and stage_runs(cfg, "train", method="oar_g") == []
+
+
+def test_a_stage_run_again_into_the_same_output_supersedes_its_earlier_run(tmp_path):
+    """A job rerun (an interrupted workflow, --forcerun): both runs stay, the earlier one tagged
+    oar.current = false and oar.superseded_by; the training run holds the latest scores."""
+    cfg = _config(tmp_path)
+    store = tmp_path / "results" / "store" / "runs" / "grpo-abc123" / "seed0"
+    train_id = _train_run(cfg, store, "grpo", 0)
+    first, second = _eval_summary(1.0), _eval_summary(0.5)
+    _write_eval(store / "eval", first)
+    one = log_evaluation_run(cfg, store / "model", store / "eval", first, seed=0)
+    two = log_evaluation_run(cfg, store / "model", store / "eval", second, seed=0)
+    client = _client(cfg)
+    assert client.get_run(one).data.tags["oar.current"] == "false"
+    assert client.get_run(one).data.tags["oar.superseded_by"] == two
+    assert [r.info.run_id for r in stage_runs(cfg, "evaluate")] == [two]
+    assert {r.info.run_id for r in stage_runs(cfg, "evaluate", current=False)} == {one, two}
+    assert client.get_run(train_id).data.metrics["eval/synthetic-test/pass_at_1"] == pytest.approx(0.125)
+    other = tmp_path / "results" / "store" / "base" / "b" / "eval"  # another output: not superseded
+    _write_eval(other, first)
+    log_evaluation_run(cfg, None, other, first, seed=0)
+    assert len(stage_runs(cfg, "evaluate")) == 2

@@ -7,7 +7,10 @@ Every run is tagged so the UI groups and filters them (:func:`stage_tags`): ``oa
 config's name), ``oar.fingerprint`` (the key of the run's entry in the results store,
 :func:`oar.layout.store_location`; for the attribution and the report, which live outside the
 store, their rules' fingerprints), ``oar.git_commit`` and the provenance of the result
-(``oar.provenance.<key>``, :mod:`oar.provenance`).
+(``oar.provenance.<key>``, :mod:`oar.provenance`), ``oar.output`` (the folder given to the stage)
+and ``oar.current``: a stage run again into the same output (a job rerun, a run started over)
+leaves its earlier runs in the store, tagged ``oar.current = false`` and ``oar.superseded_by``
+(:func:`supersede_older_runs`); filter ``tags.oar.current = 'true'`` for the results in force.
 
 How the runs relate: the evaluation of a trained policy finds its training run (the id in
 ``train_summary.json``, else by the tags stage/method/seed/fingerprint) and
@@ -40,6 +43,9 @@ from oar.tracking import PARENT_RUN_TAG, Tracker, ensure_experiment, search_runs
 __all__ = [
     "STAGES",
     "BASE_METHOD",
+    "CURRENT_TAG",
+    "IDENTITY_TAGS",
+    "supersede_older_runs",
     "EVAL_SCORES",
     "EVAL_EXTRAS",
     "ATTRIBUTION_TABLES",
@@ -63,6 +69,11 @@ __all__ = [
 STAGES: tuple[str, ...] = ("sft", "train", "evaluate", "attribution", "report")
 #: ``oar.method`` of the start model's runs (the report's base row).
 BASE_METHOD = "base"
+#: ``"true"`` on the newest run of each output (:data:`IDENTITY_TAGS`), ``"false"`` on the runs a
+#: rerun of the stage replaced (tagged ``oar.superseded_by``): filter ``tags.oar.current = 'true'``.
+CURRENT_TAG = "oar.current"
+#: What makes two runs the same stage's result: the stage, the config and the output folder.
+IDENTITY_TAGS: tuple[str, ...] = ("oar.stage", "oar.config", "oar.output")
 #: The scores of an evaluation (keys of each benchmark in ``summary.json``), logged onto the
 #: training run too.
 EVAL_SCORES: tuple[str, ...] = ("pass@1", "avg@k", "pass@k")
@@ -183,10 +194,10 @@ def find_training_run(config: Mapping[str, Any], model_dir: str | os.PathLike,
 def train_run_tags(config: Mapping[str, Any], method: str, seed: int, output: str | os.PathLike,
                    provenance: Mapping[str, Any] | None) -> dict[str, str]:
     """The tags of the training run of ``method`` and ``seed`` in the run folder ``output``
-    (:func:`stage_tags` with the folder's store key, and ``oar.output``)."""
+    (:func:`stage_tags` with the folder's store key, ``oar.output`` and ``oar.current``)."""
     tags = stage_tags(config, "train", method=method, seed=seed, fingerprint=_store_key(output),
                       provenance=provenance)
-    tags["oar.output"] = str(output)
+    tags.update({"oar.output": str(output), CURRENT_TAG: "true"})
     return tags
 
 
@@ -314,11 +325,30 @@ def _log_files(tracker: Tracker, files: Iterable[Path] | Mapping[Path, str | Non
     return skipped
 
 
+def supersede_older_runs(uri: str, experiment: str, tags: Mapping[str, str], run_id: str) -> list[str]:
+    """Mark the runs with the same :data:`IDENTITY_TAGS` as ``tags`` (the same stage's earlier result
+    in the same output folder: a job run again, a run started over) but ``run_id`` as no longer
+    current (``oar.current = false``, ``oar.superseded_by = run_id``); returns their ids. Nothing
+    when ``tags`` lack one of the identity tags."""
+    if any(k not in tags for k in IDENTITY_TAGS):
+        return []
+    identity = {k: tags[k] for k in IDENTITY_TAGS}
+    older = [r.info.run_id for r in search_runs(uri, experiment, {**identity, CURRENT_TAG: "true"})
+             if r.info.run_id != run_id]
+    for old in older:
+        Tracker(None, uri=uri, experiment=experiment, run_id=old, reopen=False).set_tags(
+            {CURRENT_TAG: "false", "oar.superseded_by": run_id})
+    return older
+
+
 def _start(config: Mapping[str, Any], uri: str, *, run_name: str, tags: Mapping[str, str],
            parent: str | None) -> Tracker:
-    if parent:
-        tags = {**tags, PARENT_RUN_TAG: parent}
-    return Tracker(None, uri=uri, experiment=config["tracking"]["experiment"], run_name=run_name, tags=tags)
+    """A new run of a stage, the current one of its output (:func:`supersede_older_runs`)."""
+    tags = {**tags, CURRENT_TAG: "true", **({PARENT_RUN_TAG: parent} if parent else {})}
+    experiment = config["tracking"]["experiment"]
+    tracker = Tracker(None, uri=uri, experiment=experiment, run_name=run_name, tags=tags)
+    supersede_older_runs(uri, experiment, tags, tracker.run_id)
+    return tracker
 
 
 def _log_all(tracker: Tracker, metrics: Mapping[str, float], step: int = 0) -> None:
@@ -453,6 +483,8 @@ def log_report_run(config: Mapping[str, Any], paths: Mapping[str, str | os.PathL
         footer = provenance_footer(result_provenances(config, Path(paths["main_csv"]).parent.parent))
     tags = stage_tags(config, "report", fingerprint=report_fingerprint(config, resolve_methods(dict(config))),
                       provenance=prov)
+    if "main_csv" in paths:
+        tags["oar.output"] = str(Path(paths["main_csv"]).parent.parent)
     if footer:
         tags["oar.report.provenance"] = footer
     tracker = _start(config, uri, run_name="report", tags=tags, parent=None)

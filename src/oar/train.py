@@ -450,7 +450,7 @@ def _tracker(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder,
     checkpoint when resuming; a start killed before its first checkpoint left an orphan run, ended here.
     Tagged as every stage's run (:func:`oar.stage_runs.train_run_tags`, the provenance ``prov`` of
     this invocation: a resumed run carries its latest), plus the plain method, seed, config, output."""
-    from oar.stage_runs import train_run_tags
+    from oar.stage_runs import supersede_older_runs, train_run_tags
     from oar.tracking import Tracker, end_orphan_run
 
     if not strategy.is_main:
@@ -464,6 +464,8 @@ def _tracker(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder,
     orphan = folder.recorded_mlflow_run()
     if uri and orphan and orphan != tracker.run_id:
         end_orphan_run(uri, orphan, replaced_by=tracker.run_id)
+    if uri and state["run_id"] is None:  # a new run: the folder's earlier runs are no longer current
+        supersede_older_runs(uri, tr["experiment"], tags, tracker.run_id)
     folder.record_mlflow_run(tracker.run_id)
     state["run_id"] = tracker.run_id
     tracker.log_params({"config": config, **method.as_params(), "seed": seed})
