@@ -122,3 +122,99 @@ def one_error_line(err: str, command: str) -> str:
     lines = [ln for ln in err.splitlines() if ln.startswith(f"oar {command}: error: ")]
     assert len(lines) == 1, err
     return lines[0]
+
+
+def stage_runs(cfg: dict, stage: str, *, current: bool = True, **tags) -> list:
+    """The MLflow runs of ``cfg``'s experiment tagged ``oar.stage = stage`` (and ``oar.<key> = value``
+    for each of ``tags``; ``current``: only those no rerun replaced, ``oar.current = true``), through
+    MLflow's own search (MlflowClient.search_runs with a tag filter)."""
+    if current:
+        tags = {**tags, "current": "true"}
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=cfg["tracking"]["uri"])
+    exp = client.get_experiment_by_name(cfg["tracking"].get("experiment") or cfg["name"])
+    if exp is None:
+        return []
+    where = " AND ".join([f"tags.`oar.stage` = '{stage}'"] + [f"tags.`oar.{k}` = '{v}'" for k, v in tags.items()])
+    return list(client.search_runs([exp.experiment_id], where, max_results=1000))
+
+
+def check_mlflow_stage_runs(R: Path, cfg: dict, *, attribution: bool) -> None:
+    """After a finished DAG of ``cfg`` (results folder ``R``): every stage's runs are in the MLflow
+    store, found by their tags, finished, and their numbers are the results' files' and tables':
+    1 SFT run; per method and seed one training run carrying its evaluation's scores
+    (``eval/<bench>/<score>`` = summary.json = main.csv's value for that seed) and one evaluation run
+    nested under it; one base evaluation; the attribution runs (when enabled); 1 report run with
+    the tables and the main.md footer; provenance tags equal to the summaries' provenance."""
+    import json
+
+    import pandas as pd
+    import pytest
+
+    from oar.stage_runs import EVAL_SCORES, metric_key
+
+    def one(stage: str, **tags):
+        runs = stage_runs(cfg, stage, **tags)
+        assert len(runs) == 1, (stage, tags, [r.data.tags for r in runs])
+        assert runs[0].info.status == "FINISHED", (stage, tags)
+        return runs[0]
+
+    def same_provenance(run, summary: dict) -> None:
+        prov = summary["provenance"]
+        assert run.data.tags.get("oar.git_commit") == prov["git_commit"]
+        assert run.data.tags["oar.provenance.start_time"] == prov["start_time"]
+        assert run.data.tags["oar.provenance.versions.torch"] == prov["versions"]["torch"]
+
+    sft = one("sft")
+    sft_summary = json.loads((R / "sft" / "model" / "sft_summary.json").read_text())
+    assert sft.data.tags["oar.fingerprint"] == (R / "sft").resolve().name
+    for split, acc in sft_summary["accuracy"].items():
+        assert sft.data.metrics[f"sft/accuracy_{split}"] == pytest.approx(acc)
+    same_provenance(sft, sft_summary)
+
+    main = pd.read_csv(R / "tables" / "main.csv")
+    seeds = [int(s) for s in cfg["seeds"]]
+    for method in cfg["methods"]:
+        for seed in seeds:
+            train = one("train", method=method, seed=seed)
+            run_dir = R / method / f"seed{seed}"
+            assert train.data.tags["oar.fingerprint"] == run_dir.parent.resolve().name
+            same_provenance(train, json.loads((run_dir / "train_summary.json").read_text()))
+            ev = one("evaluate", method=method, seed=seed)
+            assert ev.data.tags["mlflow.parentRunId"] == train.info.run_id
+            summary = json.loads((run_dir / "eval" / "summary.json").read_text())
+            same_provenance(ev, summary)
+            for bench, r in summary["benchmarks"].items():
+                for score in EVAL_SCORES:
+                    if r.get(score) is None:
+                        continue
+                    key = metric_key("eval", bench, score)
+                    assert train.data.metrics[key] == pytest.approx(r[score]) == ev.data.metrics[key], (method, key)
+                    cell = main[(main["metric"] == score) & (main["row"] == method) & (main["benchmark"] == bench)]
+                    if len(cell):  # main.csv: percent; per_seed in config order
+                        per_seed = [float(v) for v in str(cell["per_seed"].item()).split(";")]
+                        assert per_seed[seeds.index(seed)] == pytest.approx(100 * r[score], abs=1e-3), (method, key)
+    base = one("evaluate", method="base")
+    base_summary = json.loads((R / "base" / "eval" / "summary.json").read_text())
+    for bench, r in base_summary["benchmarks"].items():
+        assert base.data.metrics[metric_key("eval", bench, "pass@1")] == pytest.approx(r["pass@1"])
+    assert len(stage_runs(cfg, "evaluate")) == len(cfg["methods"]) * len(seeds) + 1
+    assert len(stage_runs(cfg, "train")) == len(cfg["methods"]) * len(seeds)
+
+    trained = (cfg.get("attribution") or {}).get("trained") or []
+    if attribution:
+        start = one("attribution", method="base")
+        loc = pd.read_csv(R / "attribution" / "localisation.csv")
+        row = loc.iloc[0]
+        assert start.data.metrics[f"attribution/localisation/{row['signal']}/{row['kind']}/top1"] == pytest.approx(row["top1"])
+        same_provenance(start, json.loads((R / "attribution" / "summary.json").read_text()))
+        assert len(stage_runs(cfg, "attribution")) == 1 + len(trained)
+    else:
+        assert stage_runs(cfg, "attribution") == []
+
+    report = one("report")
+    assert report.data.tags["oar.report.provenance"] == (R / "tables" / "main.md").read_text().splitlines()[-1]
+    avg = main[(main["row"] == "base") & (main["benchmark"] == "Average")].iloc[0]
+    key = metric_key("report", avg["metric"], "base", "Average", "mean")
+    assert report.data.metrics[key] == pytest.approx(avg["mean"])

@@ -670,6 +670,7 @@ def test_attribution_from_config_end_to_end(tmp_path):
     assert "## Error localisation" in md and "## Stability" in md and "## Cost" in md
     summary = json.loads((out / "summary.json").read_text())
     assert summary["n_sampled"] == 4 and summary["n_counterfactual"] == 4
+    assert {"git_commit", "cpu_capability", "start_time", "end_time"} <= set(summary["provenance"])
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temporaries left
     text = format_tables(res)
     assert "Error localisation (sampled: n = 4, counterfactual: n = 4)" in text and "Stability" in text

@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 #: Modules that read validated config sections; none may carry a `.get("<schema key>", <fallback>)`.
 READERS = ["plan.py", "sft.py", "evaluate.py", "regimes.py", "attribution/benchmark.py", "report/base.py", "train.py",
            "strategy.py", "launch.py", "heldout.py", "report/build.py", "report/tables.py", "report/scores.py",
-           "report/efficiency.py", "learning_curves.py", "preflight.py", "fetch.py"]
+           "report/efficiency.py", "learning_curves.py", "preflight.py", "fetch.py", "stage_runs.py",
+           "provenance.py"]
 
 
 def minimal_config() -> dict:

@@ -34,6 +34,9 @@ def test_evaluate_writes_rows_and_summary_and_resumes(tmp_path):
     greedy = [r for r in rows if r["sample"] == -1]
     assert summary["benchmarks"]["synthetic-test"]["pass@1"] == pytest.approx(sum(r["correct"] for r in greedy) / 6)
     assert set(summary["average"]) == {"pass@1", "avg@k", "pass@k"}
+    assert set(summary) == {"model", "model_identity", "benchmarks", "average", "provenance"}
+    on_disk = json.loads((out / "summary.json").read_text())["provenance"]
+    assert on_disk == summary["provenance"] and on_disk["device"] == "cpu" and on_disk["end_time"] >= on_disk["start_time"]
     sampled = {}
     for r in rows:
         if r["sample"] >= 0:

@@ -171,6 +171,32 @@ def test_build_report_writes_everything_deterministically(tree):
     assert a["ci_low"].equals(b["ci_low"])  # the seed-level interval is a t interval: no resampling
 
 
+def _add_provenance(path: Path, prov: dict) -> None:
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps({**data, "provenance": prov}))
+
+
+def test_main_md_footer_names_the_provenance_and_nothing_else_changes(tree):
+    """Results without a provenance (written before it was recorded): main.md as before, no footer.
+    With one: the same bytes and one more line naming commit, CPU, capability and torch, with the
+    values that differ between results counted."""
+    cfg, root = tree
+    before = build_report(cfg, root, seed=3)["main_md"].read_text()
+    assert "Provenance" not in before
+    prov = {"git_commit": "0123456789abcdef", "git_dirty": False, "cpu_model": "CPU A", "cpu_capability": "AVX2",
+            "versions": {"torch": "2.13.0"}}
+    runs = [root / m / f"seed{s}" for m in ("grpo", "oar_g") for s in (0, 1)]
+    for i, run in enumerate(runs):
+        _add_provenance(run / "train_summary.json", dict(prov, git_dirty=i == 3))
+        _add_provenance(run / "eval" / "summary.json", prov)
+    after = build_report(cfg, root, seed=3)["main_md"].read_text()
+    assert after.startswith(before) and after[len(before):].count("\n") == 2  # a blank line, the footer
+    footer = after.splitlines()[-1]
+    assert footer == ("Provenance of the 9 results summarised (4 training runs, 5 evaluations): 2 commits: "
+                      "0123456789ab (clean) x 7, 0123456789ab (dirty) x 1; CPU CPU A; CPU capability AVX2; "
+                      "torch 2.13.0; 1 of them without a recorded provenance.")
+
+
 def test_efficiency_table(tree):
     cfg, root = tree
     eff = efficiency_table(cfg, root, skip_steps=0).set_index("method")

@@ -284,6 +284,8 @@ def test_sft_from_config_writes_reloadable_checkpoint(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sft"]
     on_disk = json.loads((out / "sft_summary.json").read_text())
     assert on_disk["accuracy"] == summary["accuracy"]
+    assert on_disk["provenance"] == summary["provenance"] and summary["provenance"]["device"] == "cpu"
+    assert summary["provenance"]["end_time"] >= summary["provenance"]["start_time"]
     assert on_disk["sft"]["loss_curve"] == [list(x) for x in summary["sft"]["loss_curve"]]
     # reloads with the Auto classes and with load_policy; same weights either way
     m = AutoModelForCausalLM.from_pretrained(out)
@@ -378,6 +380,7 @@ def test_sft_cache_copies_a_finished_sft_with_the_same_settings(tmp_path, monkey
     second = sft_mod.sft_or_cached(cfg, tmp_path / "b" / "sft", progress=False)
     assert len(trained) == 1 and second["cached_from"] == str(entry)
     assert second["accuracy"] == first["accuracy"]
+    assert second["provenance"] == first["provenance"]  # a copy is the model the first run trained
     assert json.loads((tmp_path / "b" / "sft" / "sft_summary.json").read_text())["cached_from"] == str(entry)
     a = AutoModelForCausalLM.from_pretrained(tmp_path / "a" / "sft")
     b = AutoModelForCausalLM.from_pretrained(tmp_path / "b" / "sft")

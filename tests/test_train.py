@@ -144,6 +144,20 @@ def test_mlflow_run_logged(tmp_path):
     assert run.info.status == "FINISHED"
     assert run.data.params["method"] == "oar_g" and run.data.params["credit"] == "oar_g"
     assert "ess_ratio" in run.data.metrics and "time_importance" in run.data.metrics
+    tags = run.data.tags  # as every stage's run (oar.stage_runs), with the provenance of train_summary.json
+    assert (tags["oar.stage"], tags["oar.method"], tags["oar.seed"], tags["oar.config"]) == ("train", "oar_g", "0", cfg["name"])
+    prov = summary["provenance"]
+    assert prov["end_time"] >= prov["start_time"] and prov["device"] == "cpu"
+    assert tags["oar.provenance.start_time"] == prov["start_time"] and tags["oar.provenance.end_time"] == prov["end_time"]
+    assert tags.get("oar.git_commit") == prov["git_commit"]
+    assert [f.path for f in client.list_artifacts(run.info.run_id)] == ["train_summary.json"]
+    # started again with nothing left to train (the workflow reruns the job when train.save_every
+    # changes): the same train_summary.json byte for byte, so the evaluation's checksum holds
+    before = (tmp_path / "run" / "train_summary.json").read_bytes()
+    again = train(cfg, "oar_g", 0, tmp_path / "run", progress=False)
+    assert (tmp_path / "run" / "train_summary.json").read_bytes() == before and again["provenance"] == prov
+    rerun = client.get_run(summary["mlflow_run_id"])
+    assert rerun.info.status == "FINISHED" and rerun.data.tags["oar.provenance.start_time"] == prov["start_time"]
 
 
 @pytest.mark.slow

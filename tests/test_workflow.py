@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import PAPER_DATA, ROOT
+from helpers import PAPER_DATA, ROOT, check_mlflow_stage_runs
 
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 SNAKEFILE = ROOT / "workflow" / "Snakefile"
@@ -750,6 +750,7 @@ def check_smoke_dag(tmp_path: Path, *, attribution: bool = True) -> None:
     assert set(eff["method"]) == set(cfg["methods"]) and (eff["time_step"] > 0).all()
     assert eff.loc[eff["method"] == "grpo", "overhead"].item() == pytest.approx(1.0)
     check_every_method_did_something(R, cfg)
+    check_mlflow_stage_runs(R, cfg, attribution=attribution)  # every stage's runs, found by tag, = the tables
 
     snakemake(*args, "--report", str(tmp_path / "report.html"))
     assert (tmp_path / "report.html").stat().st_size > 0

@@ -31,9 +31,13 @@ Subpackages and modules:
 - :mod:`oar.stats` -- the reports' statistics: seed-level intervals and power, problem-level bootstrap.
 - :mod:`oar.config` -- loading, validating and resolving a YAML config (also the workflow's: defaults,
   ``extends``, typed ``--config`` overrides).
+- :mod:`oar.layout` -- the results store shared by every config, and each config's links into it.
 - :mod:`oar.runs` -- a training run's output folder (contents, ownership, resume, checkpoint checks).
 - :mod:`oar.preemption` -- stopping training cleanly on a signal, and checkpoints by step or by time.
 - :mod:`oar.tracking` -- experiment tracking: MLflow plus ``metrics.jsonl``.
+- :mod:`oar.stage_runs` -- one MLflow run per pipeline stage (SFT, training, evaluation, attribution,
+  report), tagged and related so the runs table shows methods x seeds with their scores.
+- :mod:`oar.provenance` -- which code, software and machine made a result (summaries, MLflow tags, main.md).
 - :mod:`oar.io` -- atomic, resumable file output.
 - :mod:`oar.cli` -- the command line (``oar <command>``).
 """

@@ -73,9 +73,12 @@ def _load(args: argparse.Namespace, overrides: dict | None = None, overrides_sou
 def _cmd_sft(args: argparse.Namespace) -> int:
     from oar.fetch import with_fetched_model
     from oar.sft import sft_or_cached
+    from oar.stage_runs import log_sft_run
 
     # a hub model.source: the copy the workflow fetched (rule fetch_model), when there is one
-    summary = sft_or_cached(with_fetched_model(_load(args)), args.output)
+    config = with_fetched_model(_load(args))
+    summary = sft_or_cached(config, args.output)
+    log_sft_run(config, args.output, summary)
     print(json.dumps({k: v for k, v in summary.items() if k != "loss_curve"}, indent=2, default=str))
     return 0
 
@@ -105,8 +108,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     from oar.evaluate import evaluate_from_config
+    from oar.stage_runs import log_evaluation_run
 
-    out = evaluate_from_config(_load(args), args.model, args.output, seed=args.seed)
+    config = _load(args)
+    out = evaluate_from_config(config, args.model, args.output, seed=args.seed)
+    log_evaluation_run(config, args.model, args.output, out, seed=args.seed)
     for name, r in out["benchmarks"].items():
         print(f"{name:20s} n={r['n']:5d} pass@1={r['pass@1']} avg@k={r['avg@k']}")
     print(f"{'average':20s} {out['average']}")
@@ -126,17 +132,22 @@ def _cmd_data(args: argparse.Namespace) -> int:
 
 def _cmd_attribution(args: argparse.Namespace) -> int:
     from oar.attribution import attribution_from_config, format_tables
+    from oar.stage_runs import log_attribution_run
 
-    result = attribution_from_config(_load(args), args.model, args.output)
+    config = _load(args)
+    result = attribution_from_config(config, args.model, args.output)
+    log_attribution_run(config, args.model, args.output, result.summary)
     print(format_tables(result))
     return 0
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
     from oar.report import build_report
+    from oar.stage_runs import log_report_run
 
-    paths = build_report(_load(args), args.results, reference=args.reference, seed=args.seed,
-                         metric=args.metric)
+    config = _load(args)
+    paths = build_report(config, args.results, reference=args.reference, seed=args.seed, metric=args.metric)
+    log_report_run(config, paths, params={"reference": args.reference, "seed": args.seed, "metric": args.metric})
     for name, path in paths.items():
         print(f"{name}: {path}")
     return 0

@@ -171,16 +171,22 @@ def evaluate_from_config(config: dict, model_dir: str | Path | None, output_dir:
                          progress: bool = True) -> dict:
     """Evaluate the checkpoint ``model_dir`` (None: the config's ``model``) on ``eval.benchmarks``.
 
-    Writes ``<output_dir>/<bench>.jsonl``, ``<output_dir>/<bench>.json`` and ``<output_dir>/summary.json``.
+    Writes ``<output_dir>/<bench>.jsonl``, ``<output_dir>/<bench>.json`` and ``<output_dir>/summary.json``
+    (``model``, ``model_identity``, ``benchmarks``, ``average`` and ``provenance``: this call's,
+    :func:`oar.provenance.provenance`, also when every benchmark came from the folder's cache).
 
     Raises:
         oar.io.OutputPathError: ``output_dir`` cannot be a folder this process writes.
         oar.models.ModelLoadError: a file of the model cannot be loaded (both before anything is written).
     """
+    from datetime import datetime, timezone
+
     from oar.io import check_output_folder
     from oar.models import check_model_files, load_policy, model_identity
+    from oar.provenance import provenance, with_end_time
     from oar.rollout import make_engine
 
+    started = datetime.now(timezone.utc)
     ev = config["eval"]
     output_dir = Path(output_dir)
     spec = dict(config["model"], source=str(model_dir), gguf_file=None) if model_dir else config["model"]
@@ -221,6 +227,7 @@ def evaluate_from_config(config: dict, model_dir: str | Path | None, output_dir:
         results[name] = summary
     keys = [k for k in ("pass@1", "avg@k", "pass@k") if results and all(r.get(k) is not None for r in results.values())]
     average = {k: sum(r[k] for r in results.values()) / len(results) for k in keys if results}
-    out = {"model": model_path, "model_identity": settings["model_identity"], "benchmarks": results, "average": average}
+    out = {"model": model_path, "model_identity": settings["model_identity"], "benchmarks": results, "average": average,
+           "provenance": with_end_time(provenance(device=str(config["device"]), started=started))}
     atomic_write_json(output_dir / "summary.json", out)
     return out

@@ -79,6 +79,8 @@ __all__ = [
     "method_fingerprint",
     "eval_fingerprint",
     "plan_fingerprint",
+    "attribution_fingerprint",
+    "report_fingerprint",
 ]
 
 #: Resources per rule; ``config["resources"][<rule>]`` overrides any key (gpu, mem_mb, runtime in
@@ -265,3 +267,14 @@ def plan_fingerprint(config: Mapping[str, Any]) -> str:
     """What ``oar plan`` reads; the plan rule reruns when it changes."""
     return fingerprint(config_sections(config, "device", "model", "train", "rollout", "plan", "methods", "recipes"),
                        (config.get("resources") or {}).get("train"))
+
+
+def attribution_fingerprint(config: Mapping[str, Any]) -> str:
+    """What the attribution benchmark reads (the attribution rules' fingerprint)."""
+    return fingerprint(config_sections(config, "attribution", "model", "task", "sft", "rollout", "reward"))
+
+
+def report_fingerprint(config: Mapping[str, Any], methods: Mapping[str, Any]) -> str:
+    """The report's settings beyond its input files: the bootstrap, the ``report`` section and the
+    rows' labels (``methods``: name -> :class:`oar.config.ResolvedMethod`); the report rule's fingerprint."""
+    return fingerprint(config["eval"].get("bootstrap"), config.get("report"), {m: v.label for m, v in methods.items()})

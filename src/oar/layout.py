@@ -43,10 +43,17 @@ __all__ = [
     "store_entries",
     "link_view",
     "link_views",
+    "STORE_KINDS",
+    "StoreLocation",
+    "store_location",
 ]
 
 #: The store's folder inside ``results_dir`` (so no config may be named so).
 STORE_DIR = "store"
+
+
+#: The kinds of entries of the store (:func:`store_entries`), its first level of folders.
+STORE_KINDS: tuple[str, ...] = ("data", "sft", "base", "runs")
 
 
 class LayoutError(ValueError):
@@ -159,3 +166,29 @@ def link_views(results_dir: str | os.PathLike, view_dir: str | os.PathLike,
         if action != "kept":
             done[e.view] = action
     return done
+
+
+@dataclass(frozen=True)
+class StoreLocation:
+    """Where a path lies in the store: ``<results_dir>/store/<kind>/<key>/<rest>``.
+
+    Attributes:
+        kind: one of :data:`STORE_KINDS`.
+        key: the entry's folder name (``runs``: ``<method>-<run_key>``; others: the key itself).
+        rest: the path inside the entry (``seed0/eval``; ``""`` for the entry itself).
+    """
+
+    kind: str
+    key: str
+    rest: str
+
+
+def store_location(path: str | os.PathLike) -> StoreLocation | None:
+    """Where ``path`` (a config's view such as ``results/smoke/grpo/seed0/eval``, or a store path)
+    lies in the results store once its links are resolved, or None when it lies outside the store
+    (a folder given to ``oar`` by hand, a results tree from before the store)."""
+    parts = Path(path).resolve().parts
+    for i in range(len(parts) - 3, -1, -1):  # the innermost store/<kind>/<key> of the path
+        if parts[i] == STORE_DIR and parts[i + 1] in STORE_KINDS:
+            return StoreLocation(parts[i + 1], parts[i + 2], "/".join(parts[i + 3:]))
+    return None

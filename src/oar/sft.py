@@ -476,17 +476,22 @@ def sft_from_config(
         ``test``/``ood`` for the synthetic task, ``heldout`` for a benchmark), ``seconds`` (whole
         call), ``sft`` (the :func:`run_sft` result incl. ``loss_curve``), ``examples`` (first
         ``n_examples`` questions of the first set with response and gold), the ``sft`` config section
-        used, and model facts (parameters, attention implementation, threads).
+        used, model facts (parameters, attention implementation, threads), and ``provenance``
+        (:func:`oar.provenance.provenance`, with the end time).
     Raises:
         oar.io.OutputPathError: ``output_dir`` cannot be a folder this process writes (checked first).
         oar.models.ModelLoadError: a file of the model cannot be loaded.
     """
+    from datetime import datetime, timezone
+
     from oar.io import check_output_folder
     from oar.models import load_policy
+    from oar.provenance import provenance, with_end_time
     from oar.reward import extracted_answer
 
     t0 = time.perf_counter()
     check_output_folder(output_dir, what="the SFT output folder (--output)")  # before the training, not after
+    started = datetime.now(timezone.utc)
     model_spec = dict(_section(config, "model"))
     task = _section(config, "task")
     sft = _section(config, "sft")
@@ -554,6 +559,7 @@ def sft_from_config(
         },
         "train_size": len(train_records),
         "template": template,
+        "provenance": with_end_time(provenance(device=str(device), started=started)),
     }
     save_sft_model(output_dir, model, tokenizer, summary, started=t0)
     return summary

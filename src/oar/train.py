@@ -335,6 +335,7 @@ class _Loop:
     state: dict[str, Any]
     resumed: bool  # started from a checkpoint
     intact: int | None  # the step of the checkpoint on disk
+    provenance: dict[str, Any]  # of this invocation (oar.provenance), without its end time
 
     @property
     def tcfg(self) -> dict:
@@ -400,11 +401,15 @@ def _setup(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder, s
            identity: dict[str, str], strategy: Strategy, stop: StopSignal) -> _Loop:
     """Model, reference and optimizer (restored from the checkpoint when resuming), then data,
     engine, tracking, the held-out evaluation and the checkpoint schedule."""
+    from datetime import datetime, timezone
+
     from oar.data.prompts import render_prompt
     from oar.heldout import HeldoutEval
     from oar.models import load_policy
+    from oar.provenance import provenance
     from oar.rollout import refresh_engine
 
+    started = datetime.now(timezone.utc)
     tcfg, rcfg = config["train"], config["rollout"]
     _seed_everything(seed)
     saved = None
@@ -446,7 +451,8 @@ def _setup(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder, s
                          model_path=str(start_spec["source"]), vllm_kwargs=rcfg["vllm"], sleep_mode=rcfg["sleep_mode"])
     if saved is not None:  # the engine starts from the start model's weights
         refresh_engine(engine, strategy, model)
-    tracker = _tracker(config, method, seed, folder, strategy, state)
+    prov = provenance(device=strategy.device.type, started=started)
+    tracker = _tracker(config, method, seed, folder, strategy, state, prov)
     # held-out accuracy of the start model (or of the resume point), then every train.heldout.every steps
     heldout = HeldoutEval(config, engine=engine, tokenizer=tokenizer, strategy=strategy, model=model, tracker=tracker,
                           seed=seed, metrics_path=folder.metrics, total_steps=tcfg["steps"])
@@ -460,26 +466,31 @@ def _setup(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder, s
                  stop=stop, model=model, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
                  ref_model=ref_model, policy=policy, records=records, prompts_all=prompts_all, stream=stream,
                  engine=engine, tracker=tracker, heldout=heldout, schedule=schedule, state=state,
-                 resumed=saved is not None, intact=state["step"] if saved is not None else None)
+                 resumed=saved is not None, intact=state["step"] if saved is not None else None, provenance=prov)
 
 
 def _tracker(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder, strategy: Strategy,
-             state: dict[str, Any]) -> Any:
+             state: dict[str, Any], prov: dict[str, Any]) -> Any:
     """The MLflow + metrics.jsonl tracker of the main process (None on the others): the run of the
-    checkpoint when resuming; a start killed before its first checkpoint left an orphan run, ended here."""
+    checkpoint when resuming; a start killed before its first checkpoint left an orphan run, ended here.
+    Tagged as every stage's run (:func:`oar.stage_runs.train_run_tags`, the provenance ``prov`` of
+    this invocation: a resumed run carries its latest), plus the plain method, seed, config, output."""
+    from oar.stage_runs import supersede_older_runs, train_run_tags
     from oar.tracking import Tracker, end_orphan_run
 
     if not strategy.is_main:
         return None
     tr = config["tracking"]
     uri = tr["uri"] if tr["enabled"] else None
+    tags = {"method": method.name, "seed": str(seed), "config": config["name"], "output": str(folder.path),
+            **train_run_tags(config, method.name, seed, folder.path, prov)}
     tracker = Tracker(folder.metrics, uri=uri, experiment=tr["experiment"], run_name=f"{method.name}-seed{seed}",
-                      tags={"method": method.name, "seed": str(seed), "config": config["name"],
-                            "output": str(folder.path)},
-                      run_id=state["run_id"])
+                      tags=tags, run_id=state["run_id"])
     orphan = folder.recorded_mlflow_run()
     if uri and orphan and orphan != tracker.run_id:
         end_orphan_run(uri, orphan, replaced_by=tracker.run_id)
+    if uri and state["run_id"] is None:  # a new run: the folder's earlier runs are no longer current
+        supersede_older_runs(uri, tr["experiment"], tags, tracker.run_id)
     folder.record_mlflow_run(tracker.run_id)
     state["run_id"] = tracker.run_id
     tracker.log_params({"config": config, **method.as_params(), "seed": seed})
@@ -611,7 +622,16 @@ def _checkpoint(loop: _Loop) -> bool:
 
 
 def _finish(loop: _Loop, last_metrics: dict[str, float]) -> dict:
-    """The final model (full, consolidated weights) and the run summary."""
+    """The final model (full, consolidated weights) and the run summary, with the provenance of the
+    invocation that finished the run (:mod:`oar.provenance`); the MLflow run gets its provenance and
+    ``train_summary.json`` as an artifact.
+
+    A finished run started again with nothing left to train (the workflow reruns its job when a
+    resumable setting such as ``train.save_every`` changed) keeps its recorded summary as it is:
+    the evaluation's fingerprint checksums ``train_summary.json``, and a new timestamp (or the
+    ``final`` row read back from ``metrics.jsonl``) alone must not make it evaluate the same model again."""
+    from oar.provenance import provenance_tags, with_end_time
+
     strategy, folder = loop.strategy, loop.folder
     summary: dict[str, Any] = {}
     with _disk_full_named(folder.final, "the final model", strategy.checkpoint_bytes(loop.model),
@@ -630,12 +650,33 @@ def _finish(loop: _Loop, last_metrics: dict[str, float]) -> dict:
             "mean_time": {k: _mean([r.get(f"time_{k}") or 0.0 for r in rows if "time_step" in r])  # not held-out rows
                           for k in [*PHASES, "step"]},
             "mlflow_run_id": loop.state["run_id"],
+            "provenance": with_end_time(loop.provenance),
         }
+        recorded = _recorded_summary(folder.summary)
+        if not last_metrics and recorded and all(recorded.get(k) == summary[k] for k in _SAME_RUN_KEYS):
+            summary = recorded  # nothing trained since it was written: the same file, byte for byte
         atomic_write_json(folder.summary, summary)
         if loop.tracker is not None:
+            prov = summary.get("provenance") or {}  # the run's tags: the provenance its summary records
+            loop.tracker.set_tags({**provenance_tags(prov), **({"oar.git_commit": prov["git_commit"]}
+                                                               if prov.get("git_commit") else {})})
+            loop.tracker.log_artifact(folder.summary)
             loop.tracker.finish()
     strategy.barrier()
     return summary
+
+
+#: What a recorded ``train_summary.json`` must share with the summary being written to be kept.
+_SAME_RUN_KEYS: tuple[str, ...] = ("method", "seed", "steps", "mlflow_run_id")
+
+
+def _recorded_summary(path: Path) -> dict | None:
+    """The run's recorded ``train_summary.json`` (None: none, unreadable, or not a mapping)."""
+    try:
+        recorded = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return recorded if isinstance(recorded, dict) else None
 
 
 def _collect_batch(engine: Any, stream: _PromptStream, prompts_all: list[str], records: list[dict], *,

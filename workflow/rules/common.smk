@@ -19,7 +19,7 @@ from oar.fetch import hub_model
 from oar.preflight import PreflightError, path_problems, profile_files, profile_problems
 from oar.launch import SHELL_PREFIX, LaunchError, conda_env_choice, fingerprint, oar_env, resource, train_signal_seconds
 from oar.launch import train_launcher as _train_launcher, train_resources as _train_resources
-from oar.launch import config_sections, eval_fingerprint, plan_fingerprint
+from oar.launch import attribution_fingerprint, config_sections, eval_fingerprint, plan_fingerprint, report_fingerprint
 from oar.layout import STORE_DIR, LayoutError, base_key, link_views, resumable_train_values, run_key, store_entries
 
 

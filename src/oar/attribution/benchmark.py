@@ -602,13 +602,18 @@ def attribution_from_config(
     Returns:
         the :class:`AttributionResult`.
     """
+    from datetime import datetime, timezone
+
     from oar.attribution.report import write_outputs
     from oar.models import load_policy
+    from oar.provenance import provenance, with_end_time
 
+    started = datetime.now(timezone.utc)
     settings = AttributionSettings.from_config(config, **({} if repeats is None else {"repeats": int(repeats)}))
     model, tokenizer = load_policy(model_dir)
     model.to(config["device"])
     result = run_attribution(model, tokenizer, settings)
     result.summary["model_dir"] = str(model_dir)
+    result.summary["provenance"] = with_end_time(provenance(device=str(config["device"]), started=started))
     write_outputs(result, Path(output_dir))
     return result

@@ -16,7 +16,9 @@ Layout written::
                              with its interval; the column's minimum detectable difference
     R/tables/main.md         the start model's pass@1 / avg@k / pass@k, then per metric (avg@k, pass@1)
                              the scores, the differences with intervals and the MDE line, the per-seed
-                             differences, the differences from the start; the steps-to-threshold table
+                             differences, the differences from the start; the steps-to-threshold table;
+                             last, a line naming the provenance of the results (commit, dirty, CPU
+                             model and capability, torch; values that differ counted), when recorded
     R/tables/main.tex        the scores and differences as LaTeX tabulars
     R/tables/steps_to_threshold.csv   steps and seconds each method needs to reach report.threshold
     R/tables/learning_speed.csv       held-out AUC and steps to the threshold, differences from the

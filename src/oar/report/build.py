@@ -12,7 +12,7 @@ from oar.report.efficiency import all_metrics, efficiency_table
 from oar.report.figures import plot_credit_concentration, plot_training_curves
 from oar.report.tables import main_table, start_model_table
 
-__all__ = ["report_metrics", "build_report"]
+__all__ = ["report_metrics", "build_report", "result_provenances", "provenance_footer"]
 
 
 def report_metrics(config: Mapping[str, Any]) -> list[str]:
@@ -21,6 +21,43 @@ def report_metrics(config: Mapping[str, Any]) -> list[str]:
     ev = config["eval"]
     out = (["avg@k"] if ev.get("samples") else []) + (["pass@1"] if ev["greedy"] else [])
     return out or ["pass@1"]
+
+
+def result_provenances(config: Mapping[str, Any], root: str | Path) -> dict[str, list[dict | None]]:
+    """The recorded provenance (:mod:`oar.provenance`) of every result the report summarises:
+    ``{"training runs": [...], "evaluations": [...]}``, one entry per ``train_summary.json`` of each
+    method and seed and per evaluation ``summary.json`` (the base row first); None for a file without
+    one (written before provenance was recorded) or that cannot be read."""
+    import json
+
+    from oar.runs import SUMMARY_FILE
+
+    root = Path(root)
+    seeds = list(config.get("seeds") or [0])
+    methods = [name for name, _ in _rows_of(config) if name != BASE_ROW]
+
+    def read(path: Path) -> dict | None:
+        try:
+            prov = json.loads(path.read_text(encoding="utf-8")).get("provenance")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return prov if isinstance(prov, dict) else None
+
+    runs = [root / m / f"seed{s}" for m in methods for s in seeds]
+    return {"training runs": [read(r / SUMMARY_FILE) for r in runs],
+            "evaluations": [read(root / BASE_ROW / "eval" / "summary.json")]
+            + [read(r / "eval" / "summary.json") for r in runs]}
+
+
+def provenance_footer(provenances: Mapping[str, list[dict | None]]) -> str | None:
+    """The last line of ``main.md``: :func:`oar.provenance.describe` over ``provenances``
+    (:func:`result_provenances`), or None when none of them has a provenance (then ``main.md`` has
+    no footer, as before provenance was recorded)."""
+    from oar.provenance import describe
+
+    every = [p for group in provenances.values() for p in group]
+    counts = ", ".join(f"{len(group)} {name}" for name, group in provenances.items())
+    return describe(every, what=f"the {len(every)} results summarised ({counts})")
 
 
 def _all_heldout(config: Mapping[str, Any], root: Path) -> dict[str, dict[int, "pd.DataFrame"]]:  # noqa: F821
@@ -126,12 +163,14 @@ def build_report(
         out[f"versus_{other}_csv"] = root / "tables" / f"versus_{other}.csv"
         atomic_write_text(out[f"versus_{other}_csv"], vs.to_csv(index=False, float_format="%.6g"))
         versus += "\n" + versus_markdown(vs, reference_label=labels.get(other, other), confidence=confidence) + "\n"
-    atomic_write_text(out["main_md"], main_markdown(
+    md = main_markdown(
         tables, start=start, reference=reference, reference_label=ref_label, confidence=confidence, power=power,
         n_boot=n_boot, seed=seed, k=k, temperature=temperature, rollout_temperature=rollout_t,
         seeds=list(config.get("seeds") or [0]),
         extra=versus + threshold_markdown(steps, threshold=threshold, how=how) + "\n" + learning_speed_markdown(
-            speed, threshold=threshold, reference_label=ref_label, confidence=confidence)))
+            speed, threshold=threshold, reference_label=ref_label, confidence=confidence))
+    footer = provenance_footer(result_provenances(config, root))
+    atomic_write_text(out["main_md"], md + (f"\n{footer}\n" if footer else ""))
     atomic_write_text(out["main_tex"], main_latex(tables, reference=reference, reference_label=ref_label,
                                                   confidence=confidence, k=k, temperature=temperature))
     atomic_write_text(out["steps_to_threshold_csv"], steps.to_csv(index=False, float_format="%.6g"))
