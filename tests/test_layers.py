@@ -4,12 +4,12 @@ Every import of ``src/oar`` (module level and inside functions, read from the so
 is checked against the layer of the importing and the imported module: an import from a higher
 layer fails. Layers, bottom to top (a module may import its own layer and those below):
 
-0. foundations: io, answer, stats, preemption, tracking
-1. data and task: data, task, models, packing, reward
+0. foundations: io, answer, stats, preemption, tracking, provenance
+1. data and task: data, task, models, fetch, packing, reward
 2. credit: credit
-3. configuration: config
+3. configuration: config, preflight
 4. training and measuring: rollout, loss, strategy, runs, evaluate, heldout, sft, train, attribution,
-   plan, launch, layout
+   plan, launch, layout, stage_runs (the MLflow runs of every stage; the report's is oar.report.logged)
 5. reports: report, learning_curves, regimes
 6. the command line: cli
 """
@@ -24,12 +24,12 @@ from helpers import ROOT
 SRC = ROOT / "src" / "oar"
 
 LAYERS: dict[str, int] = {
-    **dict.fromkeys(["io", "answer", "stats", "preemption", "tracking"], 0),
-    **dict.fromkeys(["data", "task", "models", "packing", "reward"], 1),
+    **dict.fromkeys(["io", "answer", "stats", "preemption", "tracking", "provenance"], 0),
+    **dict.fromkeys(["data", "task", "models", "fetch", "packing", "reward"], 1),
     "credit": 2,
-    "config": 3,
+    **dict.fromkeys(["config", "preflight"], 3),
     **dict.fromkeys(["rollout", "loss", "strategy", "runs", "evaluate", "heldout", "sft", "train", "attribution",
-                     "plan", "launch", "layout"], 4),
+                     "plan", "launch", "layout", "stage_runs"], 4),
     **dict.fromkeys(["report", "learning_curves", "regimes"], 5),
     "cli": 6,
 }

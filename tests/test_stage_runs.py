@@ -17,11 +17,11 @@ from oar.stage_runs import (
     eval_metrics,
     log_attribution_run,
     log_evaluation_run,
-    log_report_run,
     log_sft_run,
     metric_key,
     train_run_tags,
 )
+from oar.report.logged import log_report_run
 from oar.tracking import PARENT_RUN_TAG, Tracker, search_runs
 
 BENCHES = ("synthetic-test", "synthetic-ood")

@@ -7,6 +7,7 @@ Subpackages and modules:
 - :mod:`oar.rollout` -- rollout engines (``base``: the :class:`~oar.rollout.Rollout` batch and padding;
   ``lean``, ``hf``, ``vllm``) and :func:`~oar.rollout.make_engine`.
 - :mod:`oar.attribution` -- the attribution benchmark (``oar attribution``): does a credit signal blame the mistake.
+- :mod:`oar.task` -- the synthetic task's grammar and token parsing, below the credit layer (its oracles, OAR-P's tie, the step splitter).
 - :mod:`oar.report` -- the comparison tables and figures of a results tree (``oar report``).
 - :mod:`oar.data` -- the synthetic arithmetic task, real benchmark loaders, prompt templates and the
   data manifest (``oar data``).

@@ -143,7 +143,7 @@ def _cmd_attribution(args: argparse.Namespace) -> int:
 
 def _cmd_report(args: argparse.Namespace) -> int:
     from oar.report import build_report
-    from oar.stage_runs import log_report_run
+    from oar.report.logged import log_report_run
 
     config = _load(args)
     paths = build_report(config, args.results, reference=args.reference, seed=args.seed, metric=args.metric)

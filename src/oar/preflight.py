@@ -149,7 +149,7 @@ def _model_problem(source: str, gguf_file: str | None, *, source_key: str,
 
 def _data_problem(name: str, source: str | None, key: str) -> tuple[str, str] | None:
     """(key, message) of what would keep :func:`oar.data.benchmarks.load_benchmark` from reading ``source``."""
-    from oar.data.benchmarks import _LOCAL_SUFFIXES, BENCHMARK_NAMES, BENCHMARKS, _looks_like_hub_id
+    from oar.data.benchmarks import LOCAL_SUFFIXES, BENCHMARK_NAMES, BENCHMARKS, looks_like_hub_id
 
     if name not in BENCHMARK_NAMES:
         close = difflib.get_close_matches(name, BENCHMARK_NAMES, n=1)
@@ -164,16 +164,16 @@ def _data_problem(name: str, source: str | None, key: str) -> tuple[str, str] | 
     if path.is_dir():
         if (path / default).exists():
             return None
-        held = sorted(p.name for p in path.iterdir() if p.suffix.lower() in _LOCAL_SUFFIXES)
+        held = sorted(p.name for p in path.iterdir() if p.suffix.lower() in LOCAL_SUFFIXES)
         return f"{key}.source", (f"folder {path} has no {default} (the file benchmark {name!r} reads from a folder)"
                                  + (f"; it holds {', '.join(held)}: name the file" if held else ""))
     if path.exists():
-        if path.suffix.lower() not in _LOCAL_SUFFIXES:
-            return f"{key}.source", f"{path}: unsupported file type {path.suffix!r}; use one of {list(_LOCAL_SUFFIXES)}"
+        if path.suffix.lower() not in LOCAL_SUFFIXES:
+            return f"{key}.source", f"{path}: unsupported file type {path.suffix!r}; use one of {list(LOCAL_SUFFIXES)}"
         return None
-    if _looks_like_hub_id(str(source)) and not _local_org(str(source)):
+    if looks_like_hub_id(str(source)) and not _local_org(str(source)):
         return None  # a hub dataset id (the data job says when the hub cannot be used)
-    what = "file" if path.suffix.lower() in _LOCAL_SUFFIXES else "file or folder"
+    what = "file" if path.suffix.lower() in LOCAL_SUFFIXES else "file or folder"
     return f"{key}.source", _missing(path, what)
 
 

@@ -41,6 +41,9 @@ from typing import Any, Iterable, Mapping, Sequence
 from oar.tracking import PARENT_RUN_TAG, Tracker, ensure_experiment, search_runs, with_retry
 
 __all__ = [
+    "start_run",
+    "log_all_metrics",
+    "log_stage_files",
     "STAGES",
     "BASE_METHOD",
     "CURRENT_TAG",
@@ -62,7 +65,6 @@ __all__ = [
     "log_sft_run",
     "log_evaluation_run",
     "log_attribution_run",
-    "log_report_run",
 ]
 
 #: The values of the ``oar.stage`` tag.
@@ -309,7 +311,7 @@ def _files(folder: Path, patterns: Sequence[str]) -> list[Path]:
     return list(seen)
 
 
-def _log_files(tracker: Tracker, files: Iterable[Path] | Mapping[Path, str | None], config: Mapping[str, Any]) -> list[str]:
+def log_stage_files(tracker: Tracker, files: Iterable[Path] | Mapping[Path, str | None], config: Mapping[str, Any]) -> list[str]:
     """Copy ``files`` (or ``{file: artifact folder}``) no larger than ``tracking.max_artifact_mb``
     into the run; returns the names of those left out (also set as the tag ``oar.artifacts_skipped``)."""
     limit = float(config["tracking"]["max_artifact_mb"]) * _BYTES_PER_MB
@@ -341,7 +343,7 @@ def supersede_older_runs(uri: str, experiment: str, tags: Mapping[str, str], run
     return older
 
 
-def _start(config: Mapping[str, Any], uri: str, *, run_name: str, tags: Mapping[str, str],
+def start_run(config: Mapping[str, Any], uri: str, *, run_name: str, tags: Mapping[str, str],
            parent: str | None) -> Tracker:
     """A new run of a stage, the current one of its output (:func:`supersede_older_runs`)."""
     tags = {**tags, CURRENT_TAG: "true", **({PARENT_RUN_TAG: parent} if parent else {})}
@@ -351,7 +353,7 @@ def _start(config: Mapping[str, Any], uri: str, *, run_name: str, tags: Mapping[
     return tracker
 
 
-def _log_all(tracker: Tracker, metrics: Mapping[str, float], step: int = 0) -> None:
+def log_all_metrics(tracker: Tracker, metrics: Mapping[str, float], step: int = 0) -> None:
     tracker.log_history((k, v, step) for k, v in metrics.items())
 
 
@@ -369,15 +371,15 @@ def log_sft_run(config: Mapping[str, Any], output_dir: str | os.PathLike, summar
     tags["oar.output"] = str(out)
     if summary.get("cached_from"):
         tags["oar.sft.cached_from"] = str(summary["cached_from"])
-    tracker = _start(config, uri, run_name="sft", tags=tags, parent=None)
+    tracker = start_run(config, uri, run_name="sft", tags=tags, parent=None)
     try:
         tracker.log_params({k: config[k] for k in ("model", "task", "sft")})
-        _log_all(tracker, sft_metrics(summary), step=int((summary.get("sft") or {}).get("steps") or 0))
+        log_all_metrics(tracker, sft_metrics(summary), step=int((summary.get("sft") or {}).get("steps") or 0))
         result = summary.get("sft") or {}
         curve = [("sft/loss", v, s) for s, v in result.get("loss_curve") or []]
         curve += [("sft/eval_accuracy", v, s) for s, v in result.get("eval_curve") or []]
         tracker.log_history(curve)
-        _log_files(tracker, _files(out, ["sft_summary.json"]), config)
+        log_stage_files(tracker, _files(out, ["sft_summary.json"]), config)
     except BaseException:
         tracker.finish("FAILED")
         raise
@@ -410,19 +412,19 @@ def log_evaluation_run(config: Mapping[str, Any], model_dir: str | os.PathLike |
                       provenance=summary.get("provenance"))
     tags.update({"oar.eval_seed": str(int(seed)), "oar.model": str(summary.get("model")), "oar.output": str(out)})
     name = f"{method}-seed{run_seed}/eval" if trained else f"{BASE_METHOD}/eval"
-    tracker = _start(config, uri, run_name=name, tags=tags, parent=parent)
+    tracker = start_run(config, uri, run_name=name, tags=tags, parent=parent)
     try:
         tracker.log_params({"eval": config["eval"], "model": summary.get("model"), "seed": seed,
                             "model_identity": summary.get("model_identity")})
-        _log_all(tracker, eval_metrics(summary, EVAL_SCORES + EVAL_EXTRAS))
-        _log_files(tracker, _files(out, _EVAL_FILES), config)
+        log_all_metrics(tracker, eval_metrics(summary, EVAL_SCORES + EVAL_EXTRAS))
+        log_stage_files(tracker, _files(out, _EVAL_FILES), config)
     except BaseException:
         tracker.finish("FAILED")
         raise
     tracker.finish()
     if parent:
         train_run = Tracker(None, uri=uri, experiment=config["tracking"]["experiment"], run_id=parent, reopen=False)
-        _log_all(train_run, eval_metrics(summary, EVAL_SCORES))
+        log_all_metrics(train_run, eval_metrics(summary, EVAL_SCORES))
         train_run.set_tags({"oar.eval_run_id": tracker.run_id})
     return tracker.run_id
 
@@ -447,52 +449,11 @@ def log_attribution_run(config: Mapping[str, Any], model_dir: str | os.PathLike,
                       provenance=summary.get("provenance"))
     tags.update({"oar.model": str(model_dir), "oar.output": str(out)})
     name = f"{method}-seed{run_seed}/attribution" if trained else "attribution"
-    tracker = _start(config, uri, run_name=name, tags=tags, parent=parent)
+    tracker = start_run(config, uri, run_name=name, tags=tags, parent=parent)
     try:
         tracker.log_params({"attribution": config["attribution"], "model": str(model_dir)})
-        _log_all(tracker, attribution_metrics(out))
-        _log_files(tracker, _files(out, _ATTRIBUTION_FILES), config)
-    except BaseException:
-        tracker.finish("FAILED")
-        raise
-    tracker.finish()
-    return tracker.run_id
-
-
-def log_report_run(config: Mapping[str, Any], paths: Mapping[str, str | os.PathLike], *,
-                   provenance: Mapping[str, Any] | None = None, footer: str | None = None,
-                   params: Mapping[str, Any] | None = None) -> str | None:
-    """The report's run: ``oar.fingerprint`` the report rule's fingerprint, the provenance of the
-    process that wrote it (``provenance``, default: this one's) and ``oar.report.provenance`` (the
-    ``main.md`` footer naming the results' provenance, ``footer``; default: made from the results
-    beside ``paths["main_csv"]``), the ``report`` section and
-    ``params`` as params, :func:`report_metrics_of` ``main.csv``, and every table and figure of
-    ``paths`` (:func:`oar.report.build_report`'s result; under ``tables/`` or ``figures/``).
-    Returns the run id (None: tracking off)."""
-    from oar.config import resolve_methods
-    from oar.launch import report_fingerprint
-    from oar.provenance import provenance as current, with_end_time
-
-    from oar.report.build import provenance_footer, result_provenances
-
-    uri = tracking_uri(config)
-    if uri is None:
-        return None
-    prov = dict(provenance) if provenance is not None else with_end_time(current(device="cpu"))
-    if footer is None and "main_csv" in paths:
-        footer = provenance_footer(result_provenances(config, Path(paths["main_csv"]).parent.parent))
-    tags = stage_tags(config, "report", fingerprint=report_fingerprint(config, resolve_methods(dict(config))),
-                      provenance=prov)
-    if "main_csv" in paths:
-        tags["oar.output"] = str(Path(paths["main_csv"]).parent.parent)
-    if footer:
-        tags["oar.report.provenance"] = footer
-    tracker = _start(config, uri, run_name="report", tags=tags, parent=None)
-    try:
-        tracker.log_params({"report": config["report"], **dict(params or {})})
-        if "main_csv" in paths:
-            _log_all(tracker, report_metrics_of(paths["main_csv"]))
-        _log_files(tracker, {p: p.parent.name for p in map(Path, paths.values()) if p.is_file()}, config)
+        log_all_metrics(tracker, attribution_metrics(out))
+        log_stage_files(tracker, _files(out, _ATTRIBUTION_FILES), config)
     except BaseException:
         tracker.finish("FAILED")
         raise

@@ -193,12 +193,12 @@ SYNTHETIC_BENCHMARKS: tuple[str, ...] = tuple(f"synthetic-{s}" for s in syntheti
 BENCHMARK_NAMES: tuple[str, ...] = tuple(BENCHMARKS) + SYNTHETIC_BENCHMARKS
 
 _HUB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9][A-Za-z0-9_.\-]*$")
-_LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
+LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
 _TRUE = {"1", "true", "yes", "on"}
 
 
-def _looks_like_hub_id(source: str) -> bool:
-    return bool(_HUB_ID_RE.match(source)) and not source.lower().endswith(_LOCAL_SUFFIXES)
+def looks_like_hub_id(source: str) -> bool:
+    return bool(_HUB_ID_RE.match(source)) and not source.lower().endswith(LOCAL_SUFFIXES)
 
 
 def _hub_offline_reason(connect_timeout_s: float) -> str | None:
@@ -258,7 +258,7 @@ def _local_records(path: Path) -> Iterable[tuple[int, str, dict]]:
         for idx, rec in enumerate(pd.read_parquet(path).to_dict("records")):
             yield idx, f"{path}: row {idx}", rec
     else:
-        raise ValueError(f"{path}: unsupported file type {suffix!r}; use one of {list(_LOCAL_SUFFIXES)}")
+        raise ValueError(f"{path}: unsupported file type {suffix!r}; use one of {list(LOCAL_SUFFIXES)}")
 
 
 def _hub_records(name: str, source: str, split: str, subset: str | None) -> Iterable[tuple[int, str, dict]]:
@@ -351,7 +351,7 @@ def load_benchmark(
     if path.exists():
         return _convert(name, spec, _local_records(path), levels)
     src = str(source)
-    if not _looks_like_hub_id(src):
+    if not looks_like_hub_id(src):
         raise FileNotFoundError(f"benchmark {name!r}: source not found: {src}")
     reason = _hub_offline_reason(connect_timeout_s)
     if reason is not None:
