@@ -29,7 +29,7 @@ rule attribution:
         config=CONFIG_FILE,
         model=start_model_param,
         out_dir=lambda wc, output: os.path.dirname(output.csv),
-        fingerprint=fingerprint(config_sections(config, "attribution", "model", "task", "sft", "rollout", "reward")),
+        fingerprint=attribution_fingerprint(config),
     log:
         f"{R}/logs/attribution.log",
     benchmark:
@@ -58,7 +58,7 @@ rule attribution_trained:
         config=CONFIG_FILE,
         model=lambda wc, input: os.path.join(os.path.dirname(input.summary), "model"),
         out_dir=lambda wc, output: os.path.dirname(output.md),
-        fingerprint=fingerprint(config_sections(config, "attribution", "model", "task", "sft", "rollout", "reward")),
+        fingerprint=attribution_fingerprint(config),
     log:
         f"{R}/logs/attribution/{{method}}_seed{{seed}}.log",
     benchmark:

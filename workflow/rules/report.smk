@@ -62,8 +62,7 @@ rule report:
         oar=oar_command,
         config=CONFIG_FILE,
         results=lambda wc, output: os.path.dirname(os.path.dirname(output.main)),
-        fingerprint=fingerprint(config["eval"].get("bootstrap"), config.get("report"),
-                                {m: v.label for m, v in METHODS.items()}),
+        fingerprint=report_fingerprint(config, METHODS),
     log:
         f"{R}/logs/report.log",
     benchmark:
