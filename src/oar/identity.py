@@ -13,21 +13,21 @@ or stays out of every fingerprint because it only says where a result comes from
 
 What identifies what:
 
-=========================  ============================================================  =====================
-result                     identified by                                                 definition
-=========================  ============================================================  =====================
-prepared data              the ``task`` section and the benchmark list                   :func:`data_key`
-warm-start SFT             the ``model``, ``task`` and ``sft`` sections                  :func:`sft_key`
-an SFT in ``cache_dir``    :func:`sft_key`'s sections and the ``device``                 :func:`sft_cache_key`
-the model RL starts from   the SFT's key, else ``train.init`` or ``model.source``        :func:`start_key`
-a training run             its settings but the resumable keys, and its start model      :func:`run_key`
-the start model's eval     the evaluation settings and the start model                   :func:`base_key`
-an eval folder's cache     the evaluation settings (plus the model's checksum, in-rule)  :func:`eval_fingerprint`
-the memory plan            what ``oar plan`` reads                                       :func:`plan_fingerprint`
-an attribution             the attribution, model, task, sft, rollout, reward sections    :func:`attribution_fingerprint`
-the report                 the bootstrap, the report section, the methods' labels        :func:`report_fingerprint`
-a checkpoint (trainer)     method, seed, start model's content, model/task/train/...     :func:`run_identity`
-=========================  ============================================================  =====================
+========================  ============================================================  ===============================
+result                    identified by                                                 definition
+========================  ============================================================  ===============================
+prepared data             the ``task`` section and the benchmark list                   :func:`data_key`
+warm-start SFT            the ``model``, ``task`` and ``sft`` sections                  :func:`sft_key`
+an SFT in ``cache_dir``   :func:`sft_key`'s sections and the ``device``                 :func:`sft_cache_key`
+the model RL starts from  the SFT's key, else ``train.init`` or ``model.source``        :func:`start_key`
+a training run            its settings but the resumable keys, and its start model      :func:`run_key`
+the start model's eval    the evaluation settings and the start model                   :func:`base_key`
+an eval folder's cache    the evaluation settings (the rule adds the model's checksum)  :func:`eval_fingerprint`
+the memory plan           what ``oar plan`` reads                                       :func:`plan_fingerprint`
+an attribution            the attribution, model, task, sft, rollout, reward sections   :func:`attribution_fingerprint`
+the report                the bootstrap, the report section, the methods' labels        :func:`report_fingerprint`
+a checkpoint (trainer)    method, seed, start model's content, model/task/train/...     :func:`run_identity`
+========================  ============================================================  ===============================
 
 Which keys a run may change and continue (:data:`RESUMABLE_TRAIN_KEYS`): how long it runs
 (``steps``), how often it saves and how many checkpoints it keeps, when it gives up

@@ -565,10 +565,11 @@ def sft_or_cached(config: Mapping[str, Any], output_dir: str | os.PathLike, *, p
 
     A cache entry is the folder ``<cache_dir>/<sft_cache_key(config)>/``
     (:func:`oar.identity.sft_cache_key`) holding a finished SFT (model, tokenizer,
-    ``sft_summary.json``). When it exists it is copied to ``output_dir`` (atomically) instead of training; otherwise SFT runs and its output is copied into the cache (atomically: two
-    runs filling one entry leave one complete copy). Settings that differ in anything the model,
-    task or sft sections hold, or in the device, have another key, so a copy is always the model
-    this config's SFT would train (up to the float-level differences of another machine or thread count).
+    ``sft_summary.json``). When it exists it is copied to ``output_dir`` (atomically) instead of
+    training; otherwise SFT runs and its output is copied into the cache (atomically: two runs filling
+    one entry leave one complete copy). Settings that differ in anything the model, task or sft sections
+    hold, or in the device, have another key, so a copy is always the model this config's SFT would
+    train (up to the float-level differences of another machine or thread count).
 
     Returns:
         The summary, with ``cached_from`` (the entry's path) when it was copied from the cache.
