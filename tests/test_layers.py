@@ -7,7 +7,7 @@ layer fails. Layers, bottom to top (a module may import its own layer and those 
 0. foundations: io, answer, stats, preemption, tracking, provenance
 1. data and task: data, task, models, fetch, packing, reward
 2. credit: credit
-3. configuration: config, preflight
+3. configuration: config, preflight, identity (what identifies each result: fingerprints, store keys)
 4. training and measuring: rollout, loss, strategy, runs, evaluate, heldout, sft, train, attribution,
    plan, launch, layout, stage_runs (the MLflow runs of every stage; the report's is oar.report.logged)
 5. reports: report, learning_curves, regimes
@@ -27,7 +27,7 @@ LAYERS: dict[str, int] = {
     **dict.fromkeys(["io", "answer", "stats", "preemption", "tracking", "provenance"], 0),
     **dict.fromkeys(["data", "task", "models", "fetch", "packing", "reward"], 1),
     "credit": 2,
-    **dict.fromkeys(["config", "preflight"], 3),
+    **dict.fromkeys(["config", "preflight", "identity"], 3),
     **dict.fromkeys(["rollout", "loss", "strategy", "runs", "evaluate", "heldout", "sft", "train", "attribution",
                      "plan", "launch", "layout", "stage_runs"], 4),
     **dict.fromkeys(["report", "learning_curves", "regimes"], 5),

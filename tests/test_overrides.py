@@ -291,7 +291,7 @@ def _snakemake(*args: str) -> subprocess.CompletedProcess:
 def _grpo_fingerprint(results: Path, sets: list[str]) -> str:
     """The grpo run's fingerprint of config/smoke.yaml with ``sets`` (what train's shell command carries)."""
     from oar.config import load_config, resolve_methods
-    from oar.layout import run_key
+    from oar.identity import run_key
 
     config = load_config(ROOT / "config" / "smoke.yaml", {"results_dir": str(results)}, sets=sets)
     return run_key(config, resolve_methods(config)["grpo"], sft=bool(config["sft"]["enabled"]))

@@ -365,7 +365,7 @@ def test_sft_cache_copies_a_finished_sft_with_the_same_settings(tmp_path, monkey
     settings copies it (no training: the same weights), other settings train again; the option is in no
     fingerprint (a cell that sets it keeps its finished jobs)."""
     import oar.sft as sft_mod
-    from oar.launch import config_sections, fingerprint
+    from oar.identity import config_sections, fingerprint, sft_cache_key
 
     trained = []
     real = sft_mod.sft_from_config
@@ -374,7 +374,7 @@ def test_sft_cache_copies_a_finished_sft_with_the_same_settings(tmp_path, monkey
     cfg["sft"].update(steps=4, eval_size=2, cache_dir=str(tmp_path / "cache"))
     first = sft_mod.sft_or_cached(cfg, tmp_path / "a" / "sft", progress=False)
     assert trained == [tmp_path / "a" / "sft"] and "cached_from" not in first
-    entry = tmp_path / "cache" / sft_mod.sft_cache_key(cfg)
+    entry = tmp_path / "cache" / sft_cache_key(cfg)
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [entry.name]  # complete, nothing temporary
 
     second = sft_mod.sft_or_cached(cfg, tmp_path / "b" / "sft", progress=False)
@@ -388,14 +388,14 @@ def test_sft_cache_copies_a_finished_sft_with_the_same_settings(tmp_path, monkey
 
     other = json.loads(json.dumps(cfg))
     other["sft"]["lr"] = 1e-3
-    assert sft_mod.sft_cache_key(other) != sft_mod.sft_cache_key(cfg)
+    assert sft_cache_key(other) != sft_cache_key(cfg)
     sft_mod.sft_or_cached(other, tmp_path / "c" / "sft", progress=False)
     assert len(trained) == 2
 
     # where the cache is changes no fingerprint; null (the default) trains without one
     moved = json.loads(json.dumps(cfg))
     moved["sft"]["cache_dir"] = None
-    assert sft_mod.sft_cache_key(moved) == sft_mod.sft_cache_key(cfg)
+    assert sft_cache_key(moved) == sft_cache_key(cfg)
     assert fingerprint(config_sections(moved, "model", "task", "sft")) == fingerprint(
         config_sections(cfg, "model", "task", "sft"))
     sft_mod.sft_or_cached(moved, tmp_path / "d" / "sft", progress=False)

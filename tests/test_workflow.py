@@ -534,7 +534,7 @@ def test_an_option_added_at_its_default_keeps_the_fingerprints_of_finished_jobs(
     import copy
 
     from oar.config import load_config, resolve_methods
-    from oar.launch import config_sections, fingerprint, method_fingerprint
+    from oar.identity import config_sections, fingerprint, method_fingerprint
 
     cfg = load_config(ROOT / "config" / "config.yaml")
     assert cfg["sft"]["micro_batch_size"] is None

@@ -32,6 +32,7 @@ Subpackages and modules:
 - :mod:`oar.stats` -- the reports' statistics: seed-level intervals and power, problem-level bootstrap.
 - :mod:`oar.config` -- loading, validating and resolving a YAML config (also the workflow's: defaults,
   ``extends``, typed ``--config`` overrides).
+- :mod:`oar.identity` -- what identifies each result (fingerprints, the results store's keys) and which keys a run may change and continue.
 - :mod:`oar.layout` -- the results store shared by every config, and each config's links into it.
 - :mod:`oar.runs` -- a training run's output folder (contents, ownership, resume, checkpoint checks).
 - :mod:`oar.preemption` -- stopping training cleanly on a signal, and checkpoints by step or by time.

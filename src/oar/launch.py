@@ -1,8 +1,8 @@
 """How the workflow launches and sizes its jobs: per-rule resources, the training job's node and GPU
 resources on SLURM, the command that starts one training job (one process, torchrun, srun +
-torchrun), the early SIGTERM of training jobs, the conda env of the rules and the fingerprints that
-rerun a rule. ``workflow/rules/common.smk`` calls these with the validated config; the layout itself
-is :func:`oar.plan.train_layout` (``oar plan`` sizes by it).
+torchrun), the early SIGTERM of training jobs and the conda env of the rules (the fingerprints that
+rerun a rule are :mod:`oar.identity`'s). ``workflow/rules/common.smk`` calls these with the
+validated config; the layout itself is :func:`oar.plan.train_layout` (``oar plan`` sizes by it).
 
 Why every rule's shell ignores SIGTERM (:data:`SHELL_PREFIX`): SLURM ends a job (time limit,
 preemption, scancel) with SIGTERM to every process of its job steps, then SIGKILL after KillWait.
@@ -15,8 +15,6 @@ trainer and torchrun install their own handlers.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import shlex
 from typing import Any, Mapping
@@ -72,15 +70,6 @@ __all__ = [
     "train_resources",
     "train_launcher",
     "oar_env",
-    "fingerprint",
-    "config_sections",
-    "NEW_KEYS_AT_DEFAULT",
-    "NOT_FINGERPRINTED",
-    "method_fingerprint",
-    "eval_fingerprint",
-    "plan_fingerprint",
-    "attribution_fingerprint",
-    "report_fingerprint",
 ]
 
 #: Resources per rule; ``config["resources"][<rule>]`` overrides any key (gpu, mem_mb, runtime in
@@ -203,78 +192,3 @@ def train_launcher(config: Mapping[str, Any], src_dir: str, threads: int, *, sig
     gres = f" --gres=gpu:{gpu}" if gpu else ""
     return (f"{omp} srun --nodes={nodes} --ntasks-per-node=1 --cpus-per-task={int(threads)}{gres}"
             f" --kill-on-bad-exit=1 bash -c {shlex.quote(node)} oar")
-
-
-def fingerprint(*parts: Any) -> str:
-    """Short hash of config sections; a rule's params carry it, so changing them reruns the rule."""
-    blob = json.dumps(parts, sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-#: Options added after results existed whose default reproduces the old behaviour exactly, per section:
-#: :func:`config_sections` leaves such a key out while it holds that default, so upgrading oar does not
-#: rerun every finished job (set to anything else, it joins the fingerprint and the job reruns).
-NEW_KEYS_AT_DEFAULT: dict[str, dict[str, Any]] = {
-    "sft": {"micro_batch_size": None},
-}
-
-
-#: Options that change where a result comes from, not what it is, per section: never in a fingerprint.
-NOT_FINGERPRINTED: dict[str, frozenset[str]] = {
-    "sft": frozenset({"cache_dir"}),
-}
-
-
-def config_sections(config: Mapping[str, Any], *keys: str) -> dict[str, Any]:
-    """The named top-level sections of ``config`` (None for an absent one), without the options of
-    :data:`NEW_KEYS_AT_DEFAULT` that hold their default and those of :data:`NOT_FINGERPRINTED`."""
-    out = {}
-    for k in keys:
-        section = config.get(k)
-        inert = NEW_KEYS_AT_DEFAULT.get(k, {})
-        left_out = NOT_FINGERPRINTED.get(k, frozenset())
-        if isinstance(section, Mapping):
-            section = {o: v for o, v in section.items()
-                       if o not in left_out and not (o in inert and v == inert[o])}
-        out[k] = section
-    return out
-
-
-#: train keys a run may change without starting over (oar.runs.RESUMABLE_TRAIN_KEYS): leaving them out
-#: of the method fingerprint keeps the fingerprints of runs started before they existed.
-_RESUMABLE_NEW_TRAIN_KEYS = ("save_every_minutes", "preemption")
-
-
-def method_fingerprint(config: Mapping[str, Any], method: Any, *, sft: bool) -> str:
-    """The fingerprint of a training run's settings (``method``: a :class:`oar.config.ResolvedMethod`):
-    a run folder whose fingerprint changed starts over."""
-    sections = config_sections(config, "model", "task", "sft", "rollout", "train", "reward")
-    sections["train"] = {k: v for k, v in sections["train"].items() if k not in _RESUMABLE_NEW_TRAIN_KEYS}
-    return fingerprint(sections, {"recipe": method.recipe, "credit": method.credit, "options": method.credit_options,
-                                  "sft": sft})
-
-
-def eval_fingerprint(config: Mapping[str, Any]) -> str:
-    """The fingerprint of the evaluation settings (``eval`` but its bootstrap, the reward, the task's
-    template, seed and synthetic options)."""
-    ev = {k: v for k, v in config["eval"].items() if k != "bootstrap"}
-    task = config["task"]
-    return fingerprint(ev, config_sections(config, "reward"), task.get("template"), task.get("seed"),
-                       task.get("synthetic"))
-
-
-def plan_fingerprint(config: Mapping[str, Any]) -> str:
-    """What ``oar plan`` reads; the plan rule reruns when it changes."""
-    return fingerprint(config_sections(config, "device", "model", "train", "rollout", "plan", "methods", "recipes"),
-                       (config.get("resources") or {}).get("train"))
-
-
-def attribution_fingerprint(config: Mapping[str, Any]) -> str:
-    """What the attribution benchmark reads (the attribution rules' fingerprint)."""
-    return fingerprint(config_sections(config, "attribution", "model", "task", "sft", "rollout", "reward"))
-
-
-def report_fingerprint(config: Mapping[str, Any], methods: Mapping[str, Any]) -> str:
-    """The report's settings beyond its input files: the bootstrap, the ``report`` section and the
-    rows' labels (``methods``: name -> :class:`oar.config.ResolvedMethod`); the report rule's fingerprint."""
-    return fingerprint(config["eval"].get("bootstrap"), config.get("report"), {m: v.label for m, v in methods.items()})

@@ -4,8 +4,9 @@ through each config's own folder.
 Every result that costs compute (the data, the SFT, the start model's evaluation, each training
 run with its evaluation) lives once in ``<results_dir>/store/<kind>/<key>/``, where the key is the
 fingerprint of what identifies it (the settings it was made from, the start model it trained
-from). A config sees its results as ``<results_dir>/<name>/<entry>``, a symbolic link into the
-store (``results/ablations/grpo -> ../store/runs/grpo-3f0c...``). So:
+from; :mod:`oar.identity` defines each key). A config sees its results as
+``<results_dir>/<name>/<entry>``, a symbolic link into the store
+(``results/ablations/grpo -> ../store/runs/grpo-3f0c...``). So:
 
 - two configs whose resolved settings, start model and seed are equal share one run: running
   ``config/ablations.yaml`` after the default run trains the ablations only, and one ablation
@@ -13,7 +14,7 @@ store (``results/ablations/grpo -> ../store/runs/grpo-3f0c...``). So:
 - a changed setting that identifies a run points the config's link at a new store folder; the old
   run stays in the store, untouched (nothing trained is deleted), and changing the setting back
   points the link at it again;
-- a change of a key a run may change and continue (:data:`oar.runs.RESUMABLE_TRAIN_KEYS`: steps,
+- a change of a key a run may change and continue (:data:`oar.identity.RESUMABLE_TRAIN_KEYS`: steps,
   save cadence, preemption, ...) keeps the key, so the run continues where it stopped.
 
 The links are relative (``../store/...``), so a results tree can be moved or copied whole.
@@ -27,19 +28,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from oar.launch import config_sections, eval_fingerprint, fingerprint, method_fingerprint
-from oar.runs import RESUMABLE_TRAIN_KEYS
+from oar.identity import base_key, data_key, run_key, sft_key
 
 __all__ = [
     "STORE_DIR",
     "LayoutError",
     "StoreEntry",
-    "data_key",
-    "sft_key",
-    "start_key",
-    "run_key",
-    "base_key",
-    "resumable_train_values",
     "store_entries",
     "link_view",
     "link_views",
@@ -66,44 +60,6 @@ class StoreEntry:
 
     view: str
     target: str
-
-
-def data_key(config: Mapping[str, Any]) -> str:
-    """What identifies the prepared data: the task section and the benchmark list."""
-    return fingerprint(config_sections(config, "task"), config["eval"]["benchmarks"])
-
-
-def sft_key(config: Mapping[str, Any]) -> str:
-    """What identifies the warm-start SFT: the model, task and sft sections (the sft rule's fingerprint)."""
-    return fingerprint(config_sections(config, "model", "task", "sft"))
-
-
-def start_key(config: Mapping[str, Any], *, sft: bool) -> str:
-    """What identifies the model RL starts from: the SFT's key, else ``train.init`` or ``model.source``
-    (a path or hub id: its content is checked by the train rule's input checksum and the trainer)."""
-    if sft:
-        return f"sft-{sft_key(config)}"
-    return str(config["train"].get("init") or config["model"]["source"])
-
-
-def run_key(config: Mapping[str, Any], method: Any, *, sft: bool) -> str:
-    """What identifies a training run of ``method`` (a :class:`oar.config.ResolvedMethod`): its settings
-    without the keys a run may change and continue, and its start model. The seed is the run folder's
-    name inside the entry, the method's name the entry's prefix."""
-    identity_config = dict(config)
-    identity_config["train"] = {k: v for k, v in config["train"].items() if k not in RESUMABLE_TRAIN_KEYS}
-    return fingerprint(method_fingerprint(identity_config, method, sft=sft), start_key(config, sft=sft))
-
-
-def resumable_train_values(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``train`` keys a run may change and continue, with this config's values: the train rule's
-    params carry them, so a changed value reruns the job, which continues the run."""
-    return {k: config["train"].get(k) for k in RESUMABLE_TRAIN_KEYS if k != "init"}
-
-
-def base_key(config: Mapping[str, Any], *, sft: bool) -> str:
-    """What identifies the start model's evaluation: the evaluation settings and the start model."""
-    return fingerprint(eval_fingerprint(config), start_key(config, sft=sft))
 
 
 def store_entries(config: Mapping[str, Any], methods: Mapping[str, Any], *, sft: bool) -> list[StoreEntry]:

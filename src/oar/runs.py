@@ -9,9 +9,10 @@ Layout::
     <run>/run.json            the MLflow run this folder logs to (so a restart can close an orphan)
     <run>/train_summary.json
 
-A checkpoint stores the run's *identity* (:func:`run_identity`): the resolved method, the seed, the
-train/rollout/reward/task configuration and the start model's content hash. Resuming with anything
-that changes these is refused (:class:`RunMismatchError`) instead of silently continuing another
+A checkpoint stores the run's *identity* (:func:`oar.identity.run_identity`): the resolved method,
+the seed, the train/rollout/reward/task configuration and the start model's content hash, without
+the keys a run may change and continue (:data:`oar.identity.RESUMABLE_TRAIN_KEYS`). Resuming with
+anything that changes these is refused (:class:`RunMismatchError`) instead of silently continuing another
 run; ``restart=True`` (``oar train --restart``) discards the folder's state and starts over.
 
 The trainer state is read with ``torch.load(weights_only=True)``: it holds only tensors and plain
@@ -42,7 +43,6 @@ import torch
 
 from oar.io import (DiskFullError, atomic_path, atomic_write_json, atomic_write_jsonl, read_jsonl, recover_atomic_dir,
                     safetensors_problem)
-from oar.tracking import flatten
 
 __all__ = [
     "RunFolder",
@@ -52,11 +52,9 @@ __all__ = [
     "write_manifest",
     "check_checkpoint_files",
     "is_disk_full",
-    "run_identity",
     "identity_diff",
     "save_trainer_state",
     "load_trainer_state",
-    "RESUMABLE_TRAIN_KEYS",
 ]
 
 CHECKPOINT_DIR = "checkpoint"
@@ -69,14 +67,6 @@ SUMMARY_FILE = "train_summary.json"
 RUN_FILE = "run.json"
 #: The last file of a checkpoint: its step and every file's size (:func:`write_manifest`).
 MANIFEST_FILE = "checkpoint.json"
-
-#: ``train`` keys a resumed run may change: how long it runs, how often it saves, when it gives up,
-#: how it reacts to signals, and where the start model came from (its content is part of the identity instead). A longer
-#: ``steps`` continues the run; the schedule is then computed for the new total.
-RESUMABLE_TRAIN_KEYS: tuple[str, ...] = ("steps", "save_every", "save_every_minutes", "keep_checkpoints",
-                                         "max_nonfinite", "init", "preemption")
-#: ``model`` keys that only say where the start model is; its content hash stands for them.
-_MODEL_LOCATION_KEYS = ("source", "gguf_file")
 
 
 class RunMismatchError(ValueError):
@@ -226,29 +216,6 @@ def disk_full_error(path: str | Path, what: str, needed: int, intact: str) -> Di
                       f"Free space (or move the run folder and pass the new --output) and run the same command again.")
     e.errno = errno.ENOSPC
     return e
-
-
-def run_identity(config: Mapping[str, Any], method: Any, seed: int, start_model: str) -> dict[str, str]:
-    """What defines a training run, flattened to ``{"train.lr": "1e-05", ...}`` (:func:`oar.tracking.flatten`).
-
-    Args:
-        config: validated config.
-        method: the :class:`oar.config.ResolvedMethod` being trained.
-        seed: run seed.
-        start_model: :func:`oar.models.model_identity` of the model training starts from.
-    """
-    train = {k: v for k, v in config["train"].items() if k not in RESUMABLE_TRAIN_KEYS}
-    model = {k: v for k, v in config["model"].items() if k not in _MODEL_LOCATION_KEYS}
-    return flatten({
-        "method": method.as_params(),
-        "seed": seed,
-        "start_model": start_model,
-        "model": model,
-        "task": config["task"],
-        "train": train,
-        "rollout": config["rollout"],
-        "reward": config["reward"],
-    })
 
 
 def identity_diff(saved: Mapping[str, str], current: Mapping[str, str]) -> list[str]:

@@ -16,7 +16,7 @@ end in ``\\boxed{}``, so that the start model writes answers the reward can read
 - :func:`sft_from_config` -- the config-level entry: build the model, read the data, train,
   evaluate on the held-out sets, save atomically.
 - :func:`sft_or_cached` -- ``oar sft``: :func:`sft_from_config`, or a copy of the same SFT from
-  ``sft.cache_dir`` (keyed by :func:`sft_cache_key`).
+  ``sft.cache_dir`` (keyed by :func:`oar.identity.sft_cache_key`).
 
 Loss: the mean token cross-entropy over all response tokens of the batch (prompt and padding
 tokens carry label -100), i.e. Hugging Face's ``labels=`` loss. The response is
@@ -34,6 +34,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from oar.data.prompts import render_prompt
+from oar.identity import sft_cache_key
 
 __all__ = [
     "IGNORE_INDEX",
@@ -43,7 +44,6 @@ __all__ = [
     "greedy_accuracy",
     "save_sft_model",
     "sft_from_config",
-    "sft_cache_key",
     "sft_or_cached",
 ]
 
@@ -162,7 +162,7 @@ def sft_step(model, tokenizer, prompts: Sequence[str], responses: Sequence[str],
     ``micro_batch_size=None`` is that one pass, exactly: the batch in record order
     (:func:`build_sft_batch`) and the model's own ``labels=`` loss, the computation of every SFT before
     micro-batches existed, so a config that leaves the option at null trains the same weights, bit
-    for bit, as before (its fingerprint is unchanged, :data:`oar.launch.NEW_KEYS_AT_DEFAULT`).
+    for bit, as before (its fingerprint is unchanged, :data:`oar.identity.NEW_KEYS_AT_DEFAULT`).
 
     Returns:
         ``(loss, n_tokens)``: the batch's mean token loss (detached) and its response-token count.
@@ -565,24 +565,17 @@ def sft_from_config(
     return summary
 
 
-def sft_cache_key(config: Mapping[str, Any]) -> str:
-    """The key of this config's SFT in ``sft.cache_dir``: the fingerprint of the model, task and sft
-    sections (as the workflow's sft rule takes it, :func:`oar.launch.config_sections`) and the device."""
-    from oar.launch import config_sections, fingerprint
-
-    return fingerprint(config_sections(config, "model", "task", "sft"), config["device"])
-
-
 def sft_or_cached(config: Mapping[str, Any], output_dir: str | os.PathLike, *, progress: bool = True,
                   log_fn: LogFn | None = None) -> dict:
     """:func:`sft_from_config` through the cache ``config["sft"]["cache_dir"]`` (null: no cache).
 
-    A cache entry is the folder ``<cache_dir>/<sft_cache_key(config)>/`` holding a finished SFT
-    (model, tokenizer, ``sft_summary.json``). When it exists it is copied to ``output_dir`` (atomically)
-    instead of training; otherwise SFT runs and its output is copied into the cache (atomically: two
-    runs filling one entry leave one complete copy). Settings that differ in anything the model,
-    task or sft sections hold, or in the device, have another key, so a copy is always the model
-    this config's SFT would train (up to the float-level differences of another machine or thread count).
+    A cache entry is the folder ``<cache_dir>/<sft_cache_key(config)>/``
+    (:func:`oar.identity.sft_cache_key`) holding a finished SFT (model, tokenizer,
+    ``sft_summary.json``). When it exists it is copied to ``output_dir`` (atomically) instead of
+    training; otherwise SFT runs and its output is copied into the cache (atomically: two runs filling
+    one entry leave one complete copy). Settings that differ in anything the model, task or sft sections
+    hold, or in the device, have another key, so a copy is always the model this config's SFT would
+    train (up to the float-level differences of another machine or thread count).
 
     Returns:
         The summary, with ``cached_from`` (the entry's path) when it was copied from the cache.

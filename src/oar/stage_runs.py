@@ -435,7 +435,7 @@ def log_attribution_run(config: Mapping[str, Any], model_dir: str | os.PathLike,
     (a nested child of its training run), else ``base``; ``oar.fingerprint`` the attribution rules'
     fingerprint; the ``attribution`` section as params; :func:`attribution_metrics`; the tables,
     ``attribution.md``, the figures and ``summary.json`` as artifacts. Returns the run id (None: tracking off)."""
-    from oar.launch import attribution_fingerprint
+    from oar.identity import attribution_fingerprint
 
     uri = tracking_uri(config)
     if uri is None:

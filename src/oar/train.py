@@ -37,6 +37,7 @@ import torch
 from oar.config import ResolvedMethod, resolve_method
 from oar.credit import CreditBatch, estimator_needs_continuations, estimator_needs_model, get_estimator
 from oar.credit.metrics import ess_ratio, top_mass
+from oar.identity import run_identity
 from oar.io import atomic_write_json, read_jsonl
 from oar.loss import aggregate, k3_kl, policy_loss
 from oar.packing import MicroBatch, micro_batch_logprobs, plan_micro_batches
@@ -44,7 +45,7 @@ from oar.preemption import CheckpointSchedule, StopSignal
 from oar.rollout import Rollout, generate_per_prompt, make_engine
 from oar.strategy import Strategy
 from oar.runs import (STATE_FILE, RunFolder, disk_full_error, is_disk_full, load_trainer_state, restore_rng,
-                      run_identity, save_trainer_state, write_manifest)
+                      save_trainer_state, write_manifest)
 
 __all__ = [
     "TrainingError",

@@ -17,10 +17,11 @@ if SRC_DIR not in sys.path:
 from oar.config import ConfigError, resolve_methods, validate_config, workflow_config, write_resolved
 from oar.fetch import hub_model
 from oar.preflight import PreflightError, path_problems, profile_files, profile_problems
-from oar.launch import SHELL_PREFIX, LaunchError, conda_env_choice, fingerprint, oar_env, resource, train_signal_seconds
+from oar.launch import SHELL_PREFIX, LaunchError, conda_env_choice, oar_env, resource, train_signal_seconds
 from oar.launch import train_launcher as _train_launcher, train_resources as _train_resources
-from oar.launch import attribution_fingerprint, config_sections, eval_fingerprint, plan_fingerprint, report_fingerprint
-from oar.layout import STORE_DIR, LayoutError, base_key, link_views, resumable_train_values, run_key, store_entries
+from oar.identity import (attribution_fingerprint, data_key, eval_fingerprint, fingerprint, plan_fingerprint,
+                          report_fingerprint, resumable_train_values, run_key, sft_key)
+from oar.layout import STORE_DIR, LayoutError, link_views, store_entries
 
 
 # ---------------------------------------------------------------------------------------- config
@@ -127,7 +128,8 @@ def train_launcher(wildcards, resources, threads):
 
 
 # ---------------------------------------------------------------------------------- fingerprints
-# oar.launch: fingerprint, config_sections, method_fingerprint, eval_fingerprint, plan_fingerprint
+# oar.identity defines every fingerprint and store key (what identifies each result, which keys a run
+# may change and continue)
 # drops a run folder's partial state when its fingerprint changed (see the script)
 # (a path relative to the working directory: params are compared between runs, so they must be stable)
 RESET_SCRIPT = os.path.relpath(os.path.join(workflow.basedir, "scripts", "reset_if_changed.sh"))

@@ -8,7 +8,7 @@ rule data:
     params:
         oar=oar_command,
         config=CONFIG_FILE,
-        fingerprint=fingerprint(config_sections(config, "task"), config["eval"]["benchmarks"]),
+        fingerprint=data_key(config),
     log:
         f"{R}/logs/data.log",
     benchmark:

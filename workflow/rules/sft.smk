@@ -12,7 +12,7 @@ rule sft:
         oar=oar_command,
         config=CONFIG_FILE,
         model_dir=lambda wc, output: os.path.dirname(output.summary),
-        fingerprint=fingerprint(config_sections(config, "model", "task", "sft")),
+        fingerprint=sft_key(config),
     log:
         f"{R}/logs/sft.log",
     benchmark:

@@ -23,7 +23,7 @@ def log_report_run(config: Mapping[str, Any], paths: Mapping[str, str | os.PathL
     ``paths`` (:func:`oar.report.build_report`'s result; under ``tables/`` or ``figures/``).
     Returns the run id (None: tracking off)."""
     from oar.config import resolve_methods
-    from oar.launch import report_fingerprint
+    from oar.identity import report_fingerprint
     from oar.provenance import provenance as current, with_end_time
 
     from oar.report.build import provenance_footer, result_provenances
