@@ -72,7 +72,7 @@ def store_entries(config: Mapping[str, Any], methods: Mapping[str, Any], *, sft:
     return entries
 
 
-def link_view(view: str | os.PathLike, target: str | os.PathLike) -> str:
+def link_view(view: str | os.PathLike, target: str | os.PathLike, *, create: bool = True) -> str:
     """Make ``view`` a relative symbolic link to the folder ``target`` (created if missing).
 
     An existing link is replaced atomically (another process may be reading the view at the same
@@ -80,13 +80,19 @@ def link_view(view: str | os.PathLike, target: str | os.PathLike) -> str:
     folder at ``view`` (a results tree from before the store) is used in place and left as it is:
     it is never moved or merged (its run folders' own fingerprints decide, as before the store).
 
+    With ``create`` False (a dry run) nothing new is made: a link is made or changed only when
+    ``target`` exists already (a finished result the plan must see), else ``"absent"`` is returned.
+
     Returns:
-        What was done: ``"kept"`` (the link or the real folder stays), ``"linked"`` or ``"relinked"``.
+        What was done: ``"kept"`` (the link or the real folder stays), ``"linked"``, ``"relinked"``
+        or ``"absent"``.
 
     Raises:
         LayoutError: ``view`` is a file.
     """
     view, target = Path(view), Path(target)
+    if not create and not target.is_dir():
+        return "absent"
     view.parent.mkdir(parents=True, exist_ok=True)
     rel = os.path.relpath(target, view.parent)
     action = "linked"
@@ -109,17 +115,18 @@ def link_view(view: str | os.PathLike, target: str | os.PathLike) -> str:
 
 
 def link_views(results_dir: str | os.PathLike, view_dir: str | os.PathLike,
-               entries: Iterable[StoreEntry]) -> dict[str, str]:
-    """:func:`link_view` for each entry: ``<view_dir>/<entry.view>`` -> ``<results_dir>/store/<entry.target>``.
+               entries: Iterable[StoreEntry], *, create: bool = True) -> dict[str, str]:
+    """:func:`link_view` for each entry: ``<view_dir>/<entry.view>`` -> ``<results_dir>/store/<entry.target>``
+    (``create`` False: a dry run, which makes no folder and links only to results that exist).
 
     Returns:
-        ``{view name: action}`` for the entries whose link was made or changed (not those kept).
+        ``{view name: action}`` for the entries whose link was made or changed (not those kept or absent).
     """
     store = Path(results_dir) / STORE_DIR
     done = {}
     for e in entries:
-        action = link_view(Path(view_dir) / e.view, store / e.target)
-        if action != "kept":
+        action = link_view(Path(view_dir) / e.view, store / e.target, create=create)
+        if action not in ("kept", "absent"):
             done[e.view] = action
     return done
 

@@ -138,9 +138,11 @@ RESET_SCRIPT = os.path.relpath(os.path.join(workflow.basedir, "scripts", "reset_
 # ------------------------------------------------------------------------------------------ paths
 # R/data, R/sft, R/base and R/<method> are links into the store shared by every config
 # (oar.layout): a run whose settings, start model and seed equal another config's is that run.
-# Made when the workflow is read (dry runs too, so they plan what a real run would do).
+# Made when the workflow is read; a dry run makes no folder and links only to results that exist
+# (so it plans what a real run would do, and a fresh dry run writes nothing).
 try:
-    for _view, _action in link_views(config["results_dir"], R, store_entries(config, METHODS, sft=SFT)).items():
+    _links = link_views(config["results_dir"], R, store_entries(config, METHODS, sft=SFT), create=not workflow.output_settings.dryrun)
+    for _view, _action in _links.items():
         print(f"results store: {R}/{_view} {_action} -> {os.readlink(os.path.join(R, _view))}", file=sys.stderr)
 except (LayoutError, OSError) as e:
     raise WorkflowError(f"{CONFIG_SOURCE}: cannot link {R} into the results store: {e}")
