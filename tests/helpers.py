@@ -218,3 +218,18 @@ def check_mlflow_stage_runs(R: Path, cfg: dict, *, attribution: bool) -> None:
     avg = main[(main["row"] == "base") & (main["benchmark"] == "Average")].iloc[0]
     key = metric_key("report", avg["metric"], "base", "Average", "mean")
     assert report.data.metrics[key] == pytest.approx(avg["mean"])
+
+
+#: the placeholders of workflow/profiles/slurm (the pre-flight refuses them) and what a copy fills in
+PROFILE_FILLED = {"<your-account>": "acct", "<cpu-partition>": "cpu", "<gpu-partition>": "gpu"}
+
+
+def filled_slurm_profile(tmp_path: Path) -> Path:
+    """A copy of workflow/profiles/slurm with its placeholders filled in (PROFILE_FILLED)."""
+    text = (ROOT / "workflow" / "profiles" / "slurm" / "config.yaml").read_text()
+    for placeholder, value in PROFILE_FILLED.items():
+        text = text.replace(placeholder, value)
+    folder = tmp_path / "profile"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.yaml").write_text(text)
+    return folder

@@ -39,7 +39,7 @@ from oar.config import deep_merge
 from oar.preemption import EXIT_INTERRUPTED, CheckpointSchedule, StopSignal
 from oar.runs import CheckpointError, check_checkpoint_files, is_disk_full, write_manifest
 
-from helpers import ROOT, small_overrides
+from helpers import ROOT, filled_slurm_profile, small_overrides
 
 #: DAPO's overlong shaping gives a random tiny model's responses different rewards, so advantages
 #: are not zero and the weights move: "bit-identical" then means something.
@@ -702,7 +702,7 @@ def test_slurm_training_jobs_ask_for_the_sized_early_sigterm(tmp_path):
     class Resources(dict):
         __getattr__ = dict.__getitem__
 
-    profile = ["--workflow-profile", "workflow/profiles/slurm"]
+    profile = ["--workflow-profile", str(filled_slurm_profile(tmp_path))]
     for change, seconds in (({}, sized), ({"signal_seconds": 900}, 900)):
         raw = _config("paper.yaml")
         raw["train"]["preemption"] = change

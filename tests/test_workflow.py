@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import PAPER_DATA, ROOT, check_mlflow_stage_runs
+from helpers import PAPER_DATA, ROOT, check_mlflow_stage_runs, filled_slurm_profile
 
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 SNAKEFILE = ROOT / "workflow" / "Snakefile"
@@ -73,21 +73,6 @@ def _config(name: str) -> dict:
 
 #: config/paper.yaml and config/smollm2.yaml read ../shared/data; without it the pre-flight stops them
 needs_paper_data = pytest.mark.skipif(not PAPER_DATA, reason="config/paper.yaml's data (../shared/data) is not here")
-#: the placeholders of workflow/profiles/slurm (the pre-flight refuses them) and what a copy fills in
-PROFILE_FILLED = {"<your-account>": "acct", "<cpu-partition>": "cpu", "<gpu-partition>": "gpu"}
-
-
-def _filled_profile(tmp_path: Path) -> Path:
-    """A copy of workflow/profiles/slurm with its placeholders filled in (PROFILE_FILLED)."""
-    text = (ROOT / "workflow" / "profiles" / "slurm" / "config.yaml").read_text()
-    for placeholder, value in PROFILE_FILLED.items():
-        text = text.replace(placeholder, value)
-    folder = tmp_path / "profile"
-    folder.mkdir(exist_ok=True)
-    (folder / "config.yaml").write_text(text)
-    return folder
-
-
 @pytest.mark.slow  # one snakemake process: a few seconds
 def test_lint_is_clean():
     proc = snakemake("--lint")
@@ -254,7 +239,7 @@ def test_slurm_profile_dry_run_gives_training_the_promised_gpus(tmp_path):
 
     from snakemake_executor_plugin_slurm.utils import set_gres_string
 
-    filled = _filled_profile(tmp_path)  # the shipped profile's placeholders stop a run (tests/test_preflight.py)
+    filled = filled_slurm_profile(tmp_path)  # the shipped profile's placeholders stop a run (tests/test_preflight.py)
     profile = yaml.safe_load((filled / "config.yaml").read_text())
     assert profile["executor"] == "slurm" and profile["jobs"] > 0
     paper = _config("paper.yaml")
@@ -450,7 +435,7 @@ def test_slurm_sbatch_line_of_one_and_several_node_training(tmp_path):
         return shlex.split(submit_string.get_submit_command(job, params) + set_gres_string(job))
 
     paper = _config("paper.yaml")["resources"]["train"]
-    profile = ["--workflow-profile", str(_filled_profile(tmp_path))]
+    profile = ["--workflow-profile", str(filled_slurm_profile(tmp_path))]
     for nodes, expect, absent in (
         (1, ["--nodes=1", "--gpus=8", "--cpus-per-task=32", "--mem", "512000"], ["--ntasks", "--gres"]),
         (2, ["--nodes=2", "--ntasks=2", "--gres=gpu:8", "--cpus-per-task=32", "--mem", "512000"],

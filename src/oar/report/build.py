@@ -34,7 +34,7 @@ def result_provenances(config: Mapping[str, Any], root: str | Path) -> dict[str,
 
     root = Path(root)
     seeds = list(config.get("seeds") or [0])
-    methods = [name for name, _ in _rows_of(config) if name != BASE_ROW]
+    methods = [name for name, _ in rows_of(config) if name != BASE_ROW]
 
     def read(path: Path) -> dict | None:
         try:
