@@ -793,7 +793,7 @@ def check_changed_settings_never_delete_a_run(tmp_path: Path, cfg: dict, args: l
     assert json.loads((run / "train_summary.json").read_text())["steps"] == steps + 2
     kept = _digests(home)
 
-    lr = float(cfg["train"]["lr"]) * 2
+    lr = float(yaml.safe_load((R / "config.yaml").read_text())["train"]["lr"]) * 2  # the resolved config's
     snakemake(target, *args, "--cores", "2", "--config", f"set=train.steps={steps + 2} train.lr={lr}")
     other = (R / "grpo").resolve()
     assert other != home and other.parent == home.parent  # another run of the store
