@@ -358,6 +358,16 @@ def log_all_metrics(tracker: Tracker, metrics: Mapping[str, float], step: int = 
 
 
 # ---------------------------------------------------------------------------------- stages
+def evaluated_model(config: Mapping[str, Any], model_dir: str | os.PathLike | None, *,
+                    default_seed: int | None) -> tuple[dict | None, str, int | None, Any]:
+    """What an evaluation or attribution run measures: (the trained run's summary or None, its method
+    or ``base`` for the start model, its seed or ``default_seed``, its MLflow training run or None)."""
+    trained = trained_run_summary(model_dir)
+    if not trained:
+        return None, BASE_METHOD, default_seed, None
+    return trained, str(trained["method"]), int(trained["seed"]), find_training_run(config, model_dir, trained)
+
+
 def log_sft_run(config: Mapping[str, Any], output_dir: str | os.PathLike, summary: Mapping[str, Any]) -> str | None:
     """The SFT's run: tags (its store key, the provenance of the model: a copy from ``sft.cache_dir``
     keeps the one it was trained with, and is tagged ``oar.sft.cached_from``), the model, task and
@@ -404,10 +414,7 @@ def log_evaluation_run(config: Mapping[str, Any], model_dir: str | os.PathLike |
     if uri is None:
         return None
     out = Path(output_dir)
-    trained = trained_run_summary(model_dir)
-    method = str(trained["method"]) if trained else BASE_METHOD
-    run_seed = int(trained["seed"]) if trained else int(seed)
-    parent = find_training_run(config, model_dir, trained) if trained else None
+    trained, method, run_seed, parent = evaluated_model(config, model_dir, default_seed=int(seed))
     tags = stage_tags(config, "evaluate", method=method, seed=run_seed, fingerprint=_store_key(out),
                       provenance=summary.get("provenance"))
     tags.update({"oar.eval_seed": str(int(seed)), "oar.model": str(summary.get("model")), "oar.output": str(out)})
@@ -441,10 +448,7 @@ def log_attribution_run(config: Mapping[str, Any], model_dir: str | os.PathLike,
     if uri is None:
         return None
     out = Path(output_dir)
-    trained = trained_run_summary(model_dir)
-    method = str(trained["method"]) if trained else BASE_METHOD
-    run_seed = int(trained["seed"]) if trained else None
-    parent = find_training_run(config, model_dir, trained) if trained else None
+    trained, method, run_seed, parent = evaluated_model(config, model_dir, default_seed=None)
     tags = stage_tags(config, "attribution", method=method, seed=run_seed, fingerprint=attribution_fingerprint(config),
                       provenance=summary.get("provenance"))
     tags.update({"oar.model": str(model_dir), "oar.output": str(out)})
