@@ -26,3 +26,20 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+_FIRST = ("e2e", "distributed", "slow")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Long tests first (whole pipelines, then several processes, then slow), each file's tests kept
+    in their order: with two workers taking one file at a time, the longest file no longer starts last."""
+
+    def rank(item) -> int:
+        marks = {m.name for m in item.iter_markers()}
+        return next((i for i, name in enumerate(_FIRST) if name in marks), len(_FIRST))
+
+    by_file: dict[str, int] = {}
+    for item in items:
+        by_file[item.fspath.strpath] = min(by_file.get(item.fspath.strpath, len(_FIRST)), rank(item))
+    items.sort(key=lambda item: by_file[item.fspath.strpath])
