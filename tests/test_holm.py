@@ -52,3 +52,31 @@ def test_an_interval_excluding_zero_is_bold_only_when_it_survives_the_correction
               "p": 0.8} for i in range(11)]
     among = wide(pd.DataFrame(rows), "diff", alpha=0.05)
     assert not among.iloc[0, 0].startswith("**") and among.iloc[0, 0] == "-3.1 [-4.7, -1.5]"
+
+
+def test_fieller_interval_hand_computed_and_widens_with_an_uncertain_oracle():
+    import math
+
+    from scipy.stats import t
+
+    from oar.stats import fieller_ratio_interval
+
+    # N = 1, 2, 3 (mean 2, var of mean 1/3); D = 4, 4, 4 (no spread): the ratio's interval is the
+    # t interval of mean(N) divided by 4
+    r, lo, hi = fieller_ratio_interval([1.0, 2.0, 3.0], [4.0, 4.0, 4.0])
+    half = t.ppf(0.975, 2) * math.sqrt(1.0 / 3.0)
+    assert r == 0.5
+    assert math.isclose(lo, (2.0 - half) / 4.0) and math.isclose(hi, (2.0 + half) / 4.0)
+    # the same numerator over an oracle lead of the same mean, spread over seeds (uncorrelated with N):
+    # wider on both sides
+    _, lo2, hi2 = fieller_ratio_interval([1.0, 2.0, 3.0], [3.5, 5.0, 3.5])
+    assert lo2 < lo and hi2 > hi
+    # an oracle whose own interval contains 0: unbounded
+    assert fieller_ratio_interval([1.0, 2.0, 3.0], [-1.0, 0.5, 1.0])[1:] == (-math.inf, math.inf)
+    # the interval holds every ratio the paired test of mean(N - r D) = 0 does not reject
+    from oar.stats import seed_p_value
+
+    n, d = [0.5, 1.5, 1.0, 2.0], [2.5, 3.0, 2.0, 3.5]
+    _, lo, hi = fieller_ratio_interval(n, d)
+    for r_ in (lo, hi):
+        assert math.isclose(seed_p_value([x - r_ * y for x, y in zip(n, d)]), 0.05, rel_tol=1e-6)

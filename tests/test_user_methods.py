@@ -80,11 +80,18 @@ def user_dir(tmp_path, monkeypatch):
     after it (every test writes its own ``mycredit``)."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", list(sys.path))
+    import oar.credit as credit
+
     for mod in [m for m in sys.modules if m == "mycredit" or m.startswith(("mycredit.", "userpkg"))]:
         monkeypatch.delitem(sys.modules, mod)
+    # the registry as it was: a user method registered here must not reach another test of this process
+    registered = [(table, dict(table)) for table in (credit._REGISTRY, credit._NEEDS_MODEL)]
     yield tmp_path
     for mod in [m for m in sys.modules if m == "mycredit" or m.startswith(("mycredit.", "userpkg"))]:
         del sys.modules[mod]
+    for table, before in registered:
+        table.clear()
+        table.update(before)
 
 
 

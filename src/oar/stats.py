@@ -34,6 +34,7 @@ import numpy as np
 __all__ = [
     "seed_interval",
     "seed_p_value",
+    "fieller_ratio_interval",
     "holm_significant",
     "seed_mde",
     "seeds_for_mde",
@@ -108,6 +109,53 @@ def seed_p_value(per_seed: Sequence[float]) -> float:
         return 0.0 if mean != 0.0 else 1.0
     stat = abs(mean) / (sd / math.sqrt(v.size))
     return float(2.0 * t.sf(stat, v.size - 1))
+
+
+def fieller_ratio_interval(numerator: Sequence[float], denominator: Sequence[float], *,
+                           confidence: float = 0.95) -> tuple[float, float, float]:
+    """Fieller interval of a ratio of two paired means over training seeds, ``mean(N) / mean(D)``.
+
+    Used for the credit efficiency ``(method - GRPO) / (oracle - GRPO)``: ``N_s`` and ``D_s`` are seed
+    ``s``'s differences of the method and of the oracle from GRPO (paired: same seed, same start model).
+    The interval is the set of ratios ``r`` that the paired t test of ``mean(N - r D) = 0`` does not
+    reject: the roots of ``(b^2 - t^2 v_D) r^2 - 2 (a b - t^2 c) r + (a^2 - t^2 v_N) = 0`` with
+    ``a, b`` the means, ``v_N, v_D, c`` the variances and covariance of the means (``ddof=1`` over
+    ``S``) and ``t = t_{S-1, (1+confidence)/2}``. It widens as the denominator's own interval nears 0,
+    and is unbounded when that interval contains 0 (the oracle does not separate from GRPO).
+
+    Args:
+        numerator: ``(S,)`` per-seed numerator values.
+        denominator: ``(S,)`` per-seed denominator values, same seeds in the same order; seeds with a
+            NaN in either are dropped.
+        confidence: coverage.
+
+    Returns:
+        ``(ratio, low, high)``: ``low = -inf, high = +inf`` when the interval is unbounded (including
+        the case of a union of two half-lines); NaN bounds with fewer than 2 seeds.
+    """
+    from scipy.stats import t as student_t
+
+    n = np.asarray(numerator, dtype=np.float64)
+    d = np.asarray(denominator, dtype=np.float64)
+    if n.shape != d.shape:
+        raise ValueError(f"numerator {n.shape} and denominator {d.shape} need one value per seed each")
+    keep = ~(np.isnan(n) | np.isnan(d))
+    n, d = n[keep], d[keep]
+    if n.size == 0:
+        return math.nan, math.nan, math.nan
+    a, b = float(n.mean()), float(d.mean())
+    ratio = a / b if b != 0.0 else math.nan
+    if n.size < 2:
+        return ratio, math.nan, math.nan
+    cov = np.cov(np.stack([n, d]), ddof=1) / n.size
+    v_n, v_d, c = float(cov[0, 0]), float(cov[1, 1]), float(cov[0, 1])
+    t2 = float(student_t.ppf(0.5 + confidence / 2.0, n.size - 1)) ** 2
+    qa, qb, qc = b * b - t2 * v_d, -2.0 * (a * b - t2 * c), a * a - t2 * v_n
+    disc = qb * qb - 4.0 * qa * qc
+    if qa <= 0.0 or disc < 0.0:
+        return ratio, -math.inf, math.inf
+    root = math.sqrt(disc)
+    return ratio, (-qb - root) / (2.0 * qa), (-qb + root) / (2.0 * qa)
 
 
 def holm_significant(p_values: Sequence[float], *, alpha: float = 0.05) -> np.ndarray:
