@@ -523,3 +523,68 @@ def test_also_against_another_method(tree3x10):
     cfg["report"]["also_against"] = ["nope"]
     with pytest.raises(ReportError, match="also_against: 'nope'"):
         build_report(cfg, root)
+
+
+def test_credit_efficiency_fieller_interval_endpoints_are_where_the_paired_t_test_turns():
+    """The Fieller interval's ends r are the ratios where the paired t statistic of N - r D equals the
+    critical value; the ratio is mean(N) / mean(D); an oracle whose own interval contains 0 leaves it
+    unbounded."""
+    from scipy.stats import t as student_t
+
+    from oar.report.capture import credit_efficiency_table
+
+    table = pd.DataFrame.from_records([
+        {"row": "base", "label": "start", "metric": "avg@k", "benchmark": "Average", "n_seeds": 3, "diff": math.nan,
+         "ci_low": math.nan, "ci_high": math.nan, "p": math.nan, "diff_per_seed": ""},
+        {"row": "grpo", "label": "GRPO", "metric": "avg@k", "benchmark": "Average", "n_seeds": 3, "diff": math.nan,
+         "ci_low": math.nan, "ci_high": math.nan, "p": math.nan, "diff_per_seed": ""},
+        {"row": "m", "label": "M", "metric": "avg@k", "benchmark": "Average", "n_seeds": 3, "diff": 2.0,
+         "ci_low": -0.5, "ci_high": 4.5, "p": 0.05, "diff_per_seed": "1;3;2"},
+        {"row": "orc", "label": "Oracle", "metric": "avg@k", "benchmark": "Average", "n_seeds": 3, "diff": 5.0,
+         "ci_low": 2.5, "ci_high": 7.5, "p": 0.01, "diff_per_seed": "4;5;6"},
+    ])
+    eff = credit_efficiency_table(table, oracle="orc").set_index("row")
+    assert list(eff.index) == ["m"]
+    assert eff.loc["m", "efficiency"] == pytest.approx(0.4)
+    n, d = np.array([1.0, 3.0, 2.0]), np.array([4.0, 5.0, 6.0])
+    crit = student_t.ppf(0.975, 2)
+    for r in (eff.loc["m", "eff_low"], eff.loc["m", "eff_high"]):
+        v = n - r * d
+        assert abs(v.mean()) / (v.std(ddof=1) / math.sqrt(3)) == pytest.approx(crit)
+    assert eff.loc["m", "eff_low"] < 0 < eff.loc["m", "eff_high"] < 1
+    table.loc[3, "diff_per_seed"] = "4;-3;6"  # the oracle's lead no longer separates from 0
+    eff = credit_efficiency_table(table, oracle="orc").set_index("row")
+    assert math.isinf(eff.loc["m", "eff_low"]) and math.isinf(eff.loc["m", "eff_high"])
+    with pytest.raises(ReportError, match="efficiency_oracle: 'nope'"):
+        credit_efficiency_table(table, oracle="nope")
+    with pytest.raises(ReportError, match="'grpo' is the reference"):
+        credit_efficiency_table(table, oracle="grpo")
+
+
+def test_report_efficiency_oracle_writes_the_credit_efficiency(tmp_path):
+    """report.efficiency_oracle: main.md's section and tables/credit_efficiency.csv from the same seeds'
+    differences (greedy: GRPO 5, 4, 6 of 10; oar_g 7, 3, 8; oracle 8, 6, 8 -> 10 / 23.3 = 0.43)."""
+    cfg = validate_config({
+        "name": "fake", "results_dir": str(tmp_path), "seeds": [0, 1, 2], "model": {"source": "tiny"},
+        "task": {"kind": "synthetic"}, "recipes": {"grpo": {"norm_by_std": True}},
+        "methods": {"grpo": {"recipe": "grpo", "credit": "none", "label": "GRPO"},
+                    "oar_g": {"recipe": "grpo", "credit": "oar_g"},
+                    "orc": {"recipe": "grpo", "credit": "oracle_first_mistake", "label": "Oracle"}},
+        "eval": {"benchmarks": [{"name": "synthetic-test", "n": 10}], "samples": 2, "bootstrap": 200},
+        "report": {"efficiency_oracle": "orc"},
+    })
+    root = tmp_path / "fake"
+    oracle = [[1] * 8 + [0] * 2, [1] * 6 + [0] * 4, [1] * 8 + [0] * 2]
+    _write_eval(root / "base" / "eval", {"synthetic-test": START_3x10})
+    for s in range(3):
+        for m, rows in (("grpo", GRPO_3x10), ("oar_g", METHOD_3x10), ("orc", oracle)):
+            _write_eval(root / m / f"seed{s}" / "eval", {"synthetic-test": rows[s]})
+            _write_metrics(root / m / f"seed{s}", [1.0, 1.0], 0.0, 0)
+    out = build_report(cfg, root)
+    eff = pd.read_csv(out["credit_efficiency_csv"])
+    avg = eff[(eff["row"] == "oar_g") & (eff["benchmark"] == "Average")].iloc[0]
+    assert avg["efficiency"] == pytest.approx(10.0 / (70.0 / 3.0), abs=1e-4)
+    assert set(eff["row"]) == {"oar_g"}
+    md = out["main_md"].read_text()
+    assert "### Credit efficiency against Oracle (avg@k, Average)" in md
+    assert "| oar_g | " in md.split("### Credit efficiency")[1]

@@ -93,7 +93,9 @@ def build_report(
 
     Returns:
         ``{"main_csv", "main_md", "main_tex", "steps_to_threshold_csv", "learning_speed_csv", "efficiency_csv",
-        "learning_curves", "training_curves", "credit_concentration"}`` -> the paths written.
+        "learning_curves", "training_curves", "credit_concentration"}`` -> the paths written, and
+        ``"credit_efficiency_csv"`` with ``report.efficiency_oracle``, ``"versus_<method>_csv"`` per
+        ``report.also_against``.
 
     Raises:
         ReportError: a result file is missing (every missing file is named).
@@ -163,6 +165,15 @@ def build_report(
         out[f"versus_{other}_csv"] = root / "tables" / f"versus_{other}.csv"
         atomic_write_text(out[f"versus_{other}_csv"], vs.to_csv(index=False, float_format="%.6g"))
         versus += "\n" + versus_markdown(vs, reference_label=labels.get(other, other), confidence=confidence) + "\n"
+    oracle = report_option(config, "efficiency_oracle", None)
+    if oracle is not None:  # report.efficiency_oracle: how much of the oracle's lead each method captures
+        from oar.report.capture import credit_efficiency_markdown, credit_efficiency_table
+
+        eff_credit = credit_efficiency_table(tables[metrics_shown[0]], oracle=oracle, confidence=confidence)
+        out["credit_efficiency_csv"] = root / "tables" / "credit_efficiency.csv"
+        atomic_write_text(out["credit_efficiency_csv"], eff_credit.to_csv(index=False, float_format="%.6g"))
+        versus = "\n" + credit_efficiency_markdown(eff_credit, oracle_label=labels.get(oracle, oracle),
+                                                    reference_label=ref_label, confidence=confidence) + versus
     md = main_markdown(
         tables, start=start, reference=reference, reference_label=ref_label, confidence=confidence, power=power,
         n_boot=n_boot, seed=seed, k=k, temperature=temperature, rollout_temperature=rollout_t,

@@ -1,0 +1,111 @@
+"""Credit efficiency: how much of the credit an oracle captures over the reference a method captures.
+
+``(method - reference) / (oracle - reference)`` per benchmark column of :func:`oar.report.tables.main_table`,
+with the Fieller interval over training seeds (:func:`oar.stats.fieller_ratio_interval`): numerator and
+denominator are the same seed's differences from the reference, so the pairing by seed is kept and
+the interval widens as the oracle's own lead becomes uncertain (it is unbounded when the oracle's
+interval contains 0). Written as ``tables/credit_efficiency.csv`` and a section of ``main.md`` when
+``report.efficiency_oracle`` names a method.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from oar.report.base import BASE_ROW, ReportError
+
+__all__ = ["credit_efficiency_table", "credit_efficiency_markdown"]
+
+
+def _per_seed(joined: Any) -> np.ndarray:
+    if not isinstance(joined, str) or not joined:
+        return np.zeros(0)
+    return np.asarray([float(v) for v in joined.split(";")], dtype=np.float64)
+
+
+def credit_efficiency_table(table: "pd.DataFrame", *, oracle: str, confidence: float = 0.95) -> "pd.DataFrame":  # noqa: F821
+    """The credit efficiency of every method of one metric's main table against ``oracle``.
+
+    Args:
+        table: :func:`oar.report.tables.main_table`'s long table (its ``diff_per_seed`` column holds
+            each seed's difference from the reference, same seed order on every row).
+        oracle: the method whose lead over the reference is the denominator.
+        confidence: coverage of the Fieller interval.
+
+    Returns:
+        One row per (method, benchmark) except the start model, the reference and the oracle:
+        ``row``, ``label``, ``metric``, ``benchmark``, ``n_seeds``, ``diff`` (method - reference,
+        points), ``diff_low``, ``diff_high`` (its seed-level interval), ``p`` (its seed-level p value), ``oracle_diff`` (oracle - reference), ``oracle_low``,
+        ``oracle_high`` (its interval), ``efficiency``, ``eff_low``, ``eff_high`` (Fieller; -inf/+inf
+        when unbounded).
+
+    Raises:
+        ReportError: ``oracle`` is not a method of the table or has no differences (it is the reference).
+    """
+    import pandas as pd
+
+    orc = table[table["row"] == oracle]
+    if orc.empty:
+        raise ReportError(f"report.efficiency_oracle: {oracle!r} is not a method of this config")
+    orc = orc.set_index("benchmark")
+    if orc["diff_per_seed"].map(lambda j: _per_seed(j).size).eq(0).all():
+        raise ReportError(f"report.efficiency_oracle: {oracle!r} is the reference; name another method")
+    recs = []
+    for _, r in table.iterrows():
+        if r["row"] in (BASE_ROW, oracle) or not isinstance(r["diff_per_seed"], str) or not r["diff_per_seed"]:
+            continue
+        o = orc.loc[r["benchmark"]]
+        ratio, low, high = _fieller(r["diff_per_seed"], o["diff_per_seed"], confidence)
+        recs.append({"row": r["row"], "label": r["label"], "metric": r["metric"], "benchmark": r["benchmark"],
+                     "n_seeds": int(r["n_seeds"]), "diff": r["diff"], "diff_low": r["ci_low"], "diff_high": r["ci_high"], "p": r["p"],
+                     "oracle_diff": o["diff"],
+                     "oracle_low": o["ci_low"], "oracle_high": o["ci_high"], "efficiency": ratio,
+                     "eff_low": low, "eff_high": high})
+    return pd.DataFrame.from_records(recs)
+
+
+def _fieller(method_joined: str, oracle_joined: str, confidence: float) -> tuple[float, float, float]:
+    from oar.stats import fieller_ratio_interval
+
+    n, d = _per_seed(method_joined), _per_seed(oracle_joined)
+    if n.size != d.size:
+        raise ReportError(f"credit efficiency: {n.size} per-seed differences against the oracle's {d.size}")
+    return fieller_ratio_interval(n, d, confidence=confidence)
+
+
+def _fmt_ratio(ratio: float, low: float, high: float, *, significant: bool) -> str:
+    if math.isnan(ratio):
+        return "—"
+    if math.isnan(low):
+        return f"{ratio:+.2f}"
+    if math.isinf(low) or math.isinf(high):
+        return f"{ratio:+.2f} (unbounded)"
+    text = f"{ratio:+.2f} [{low:+.2f}, {high:+.2f}]"
+    return f"**{text}**" if significant and (low > 0 or high < 0) else text
+
+
+def credit_efficiency_markdown(eff: "pd.DataFrame", *, oracle_label: str, reference_label: str,  # noqa: F821
+                               confidence: float, benchmark: str = "Average") -> str:
+    """A ``main.md`` section: per method its difference from the reference and its credit efficiency on
+    one benchmark column (bold: the interval excludes 0 and the method's difference survives Holm's
+    correction over the methods shown; the Fieller interval excludes 0 exactly when the paired t test
+    of the difference rejects)."""
+    from oar.report.render import HOLM_NOTE, family_significance, format_difference
+
+    df = eff[eff["benchmark"] == benchmark]
+    if df.empty:
+        return ""
+    sig, family = family_significance(df["p"], alpha=1.0 - confidence)
+    o = df.iloc[0]
+    lines = [f"### Credit efficiency against {oracle_label} ({df['metric'].iloc[0]}, {benchmark})", "",
+             f"(method - {reference_label}) / ({oracle_label} - {reference_label}), with {oracle_label} - {reference_label} = "
+             f"{format_difference(o['oracle_diff'], o['oracle_low'], o['oracle_high'], significant=False)} points. {confidence:.0%} Fieller interval over training seeds, paired by seed.", "",
+             f"| Method | vs {reference_label} (points) | Credit efficiency |", "|---|---:|---:|"]
+    for (_, r), s in zip(df.iterrows(), sig):
+        lines.append(f"| {r['label']} | {format_difference(r['diff'], r['diff_low'], r['diff_high'], significant=bool(s))} | "
+                     f"{_fmt_ratio(r['efficiency'], r['eff_low'], r['eff_high'], significant=bool(s))} |")
+    lines += ["", HOLM_NOTE.format(m=family, alpha=1.0 - confidence)]
+    return "\n".join(lines) + "\n"
