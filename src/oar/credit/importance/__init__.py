@@ -24,17 +24,33 @@ The registered estimators ``oar_p`` and ``oar_g`` turn scores into bi-level weig
 from __future__ import annotations
 
 import time
-from typing import Any
+from dataclasses import replace
+from typing import Any, Mapping
 
 import torch
 
 from oar.credit import CreditBatch, CreditResult, register_estimator
 from oar.credit.advantages import SEQ_OPTIONS
 from oar.credit.reshape import RESHAPE_OPTIONS
-from oar.credit.importance.common import MODES, check_mode, outcome
-from oar.credit.importance.oar_g import BASELINES, draw_noise, gradient_importance, mix_seed, noise_keys
-from oar.credit.importance.oar_p import perturbation_importance, value_tie_ids
-from oar.credit.probe import DEFAULT_CONCLUDE, build_probe
+from oar.credit.importance.common import MODES, check_mode, option_defaults, option_names, options_from, outcome
+from oar.credit.importance.oar_g import (
+    BASELINES,
+    OarGOptions,
+    draw_noise,
+    gradient_importance,
+    mix_seed,
+    noise_keys,
+    oar_g_scores,
+)
+from oar.credit.importance.oar_p import (
+    TIES,
+    OarPOptions,
+    oar_p_scores,
+    oar_p_tie_ids,
+    perturbation_importance,
+    value_tie_ids,
+)
+from oar.credit.probe import DEFAULT_CONCLUDE, Probe, build_probe
 
 __all__ = [
     "MODES",
@@ -47,6 +63,16 @@ __all__ = [
     "draw_noise",
     "mix_seed",
     "noise_keys",
+    "OarPOptions",
+    "OarGOptions",
+    "IMPORTANCE_OPTIONS",
+    "importance_options",
+    "option_names",
+    "option_defaults",
+    "options_from",
+    "oar_p_scores",
+    "oar_p_tie_ids",
+    "oar_g_scores",
     "oar_p_estimator",
     "oar_g_estimator",
     "importance_scores",
@@ -58,11 +84,20 @@ __all__ = [
 # estimators
 # --------------------------------------------------------------------------------------------
 
-_COMMON_OPTIONS = SEQ_OPTIONS + RESHAPE_OPTIONS + ("mode", "conclude")
+#: The options type of each importance method (one per method: its scoring options and their defaults).
+IMPORTANCE_OPTIONS: dict[str, type] = {"oar_p": OarPOptions, "oar_g": OarGOptions}
 
-#: OAR-P's perturbation: ``none`` (one token at a time) or ``values`` (copy-aware: a number token
-#: together with the later restatements of the same number, :func:`value_tie_ids`).
-TIES: tuple[str, ...] = ("none", "values")
+
+def importance_options(name: str, options: Mapping[str, Any], where: str | None = None) -> Any:
+    """The :data:`IMPORTANCE_OPTIONS` of method ``name`` from the scoring keys of ``options`` (an
+    estimator's options: the sequence-advantage and reshaping keys are left out).
+
+    Raises:
+        ValueError: an invalid value (naming ``where``, default ``estimator '<name>'``).
+    """
+    cls = IMPORTANCE_OPTIONS[name]
+    keys = set(option_names(cls))
+    return options_from(cls, {k: v for k, v in options.items() if k in keys}, where or f"estimator {name!r}")
 
 
 def importance_scores(
@@ -85,18 +120,16 @@ def importance_scores(
     for field in ("model", "tokenizer", "prompt_ids"):
         if getattr(batch, field) is None:
             raise ValueError(f"estimator {name!r}: CreditBatch.{field} is None (the OAR probe needs it)")
-    mode = options.get("mode", "last" if name == "oar_p" else "answer_mean")
-    check_mode(mode, name)
-    rmask = batch.response_mask
+    opts = importance_options(name, options)
     B, T = batch.response_ids.shape
     t_probe = time.perf_counter()
     probe = build_probe(
         batch.tokenizer,
         batch.prompt_ids,
         batch.response_ids,
-        conclude=options.get("conclude", DEFAULT_CONCLUDE),
+        conclude=DEFAULT_CONCLUDE if opts.conclude is None else opts.conclude,
         prompt_mask=batch.prompt_mask,
-        response_mask=rmask,
+        response_mask=batch.response_mask,
     )
     # Only responses with an answer and a nonzero advantage need importance scores.
     active = probe.has_answer & (seq_adv.to(probe.has_answer.device) != 0)
@@ -104,37 +137,8 @@ def importance_scores(
     t0 = time.perf_counter()
     probe_seconds = t0 - t_probe
     if bool(active.any()):
-        sub = probe.select(active)
-        if name == "oar_p":
-            tie = options.get("tie", "none")
-            if tie not in TIES:
-                raise ValueError(f"estimator 'oar_p': tie must be one of {list(TIES)}, got {tie!r}")
-            ties = (value_tie_ids(batch.tokenizer, probe, batch.response_ids, rmask).to(probe.input_ids.device)[active]
-                    if tie == "values" else None)
-            s = perturbation_importance(
-                batch.model, sub, mode=mode, chunk_size=int(options.get("chunk_size", 128)),
-                tie_ids=None if ties is None else ties[:, ties.shape[1] - sub.input_ids.shape[1]:],
-            )
-        else:
-            # per-response noise: base seed from (seed, step), a key per (group, rank in group)
-            seed = options.get("seed", batch.extras.get("seed"))
-            if seed is not None and batch.extras.get("step") is not None:
-                seed = mix_seed(int(seed), int(batch.extras["step"]))
-            keys = noise_keys(batch.group_ids)[active.cpu()]
-            cs = options.get("chunk_size")
-            s = gradient_importance(
-                batch.model,
-                sub,
-                mode=mode,
-                noise_std=float(options.get("noise_std", 1e-3)),
-                seed=None if seed is None else int(seed),
-                row_keys=keys,
-                draws=int(options.get("draws", 1)),
-                baseline=options.get("baseline"),
-                chunk_size=None if cs is None else int(cs),
-                chunk_tokens=int(options.get("chunk_tokens", 512)),
-            )
-        if mode == "answer_joint":
+        s = _active_scores(batch, probe, active, opts)
+        if opts.mode == "answer_joint":
             # phi differences are signed; the reshaping uses the size of the influence
             # (our choice, like the KL modes and OAR-G's |.|; bilevel_weights needs s > -1).
             s = s.abs()
@@ -149,14 +153,33 @@ def importance_scores(
     return probe.to_response(scores, T), probe.to_response(probe.reasoning_mask.float(), T), active, stats
 
 
-#: Options of OAR-G (and of the nulls built on its scores).
-OAR_G_OPTIONS = _COMMON_OPTIONS + ("noise_std", "seed", "chunk_size", "chunk_tokens", "draws", "baseline")
+def _active_scores(batch: CreditBatch, probe: Probe, active: torch.Tensor, opts: Any) -> torch.Tensor:
+    """The method's scores of the ``active`` rows of the batch's probe (:func:`oar_p_scores` with
+    the tie ids of the whole batch; :func:`oar_g_scores` with per-response noise: base seed from
+    ``(seed, step)``, a key per (group, rank in group))."""
+    sub = probe.select(active)
+    if isinstance(opts, OarPOptions):
+        ties = oar_p_tie_ids(batch.tokenizer, probe, batch.response_ids, batch.response_mask, opts)
+        ties = None if ties is None else ties.to(probe.input_ids.device)[active]
+        return oar_p_scores(batch.model, sub, opts, tie_ids=ties)
+    seed = opts.seed if opts.seed is not None else batch.extras.get("seed")
+    if seed is not None and batch.extras.get("step") is not None:
+        seed = mix_seed(int(seed), int(batch.extras["step"]))
+    keys = noise_keys(batch.group_ids)[active.cpu()]
+    return oar_g_scores(batch.model, sub, replace(opts, seed=None if seed is None else int(seed)), row_keys=keys)
+
+
+#: Options of OAR-G (and of the nulls built on its scores): the sequence advantage's, the reshaping's
+#: and :class:`OarGOptions`'.
+OAR_G_OPTIONS = SEQ_OPTIONS + RESHAPE_OPTIONS + option_names(OarGOptions)
+#: Options of OAR-P.
+OAR_P_OPTIONS = SEQ_OPTIONS + RESHAPE_OPTIONS + option_names(OarPOptions)
 
 
 def _oar_estimator(name: str, batch: CreditBatch, options: dict[str, Any]) -> CreditResult:
     from oar.credit.reshape import reshaped_credit
 
-    allowed = (_COMMON_OPTIONS + ("chunk_size", "tie")) if name == "oar_p" else OAR_G_OPTIONS
+    allowed = OAR_P_OPTIONS if name == "oar_p" else OAR_G_OPTIONS
     return reshaped_credit(name, batch, options, allowed, lambda A: importance_scores(name, batch, options, A))
 
 
@@ -164,10 +187,11 @@ def _oar_estimator(name: str, batch: CreditBatch, options: dict[str, Any]) -> Cr
 def oar_p_estimator(batch: CreditBatch, **options: Any) -> CreditResult:
     """OAR-P: GRPO advantage reshaped by perturbation importance (METHODS 4.2, 4.4).
 
-    Options: ``norm_by_std`` (True), ``eps`` (1e-6), ``quantile`` (0.25), ``beta`` (1.0),
-    ``floor`` (0.1), ``preserve_mass`` (True), ``mode`` (``last``), ``conclude``
-    (:data:`oar.credit.probe.DEFAULT_CONCLUDE`), ``chunk_size`` (128), ``tie`` (``none``; ``values``:
-    the copy-aware perturbation that masks a number with its later restatements, :data:`TIES`).
+    Options: the sequence advantage's (``norm_by_std``, ``eps``), the Bi-Level reshaping's
+    (``quantile``, ``beta``, ``floor``, ``preserve_mass``: :data:`oar.credit.reshape.RESHAPE_OPTIONS`)
+    and :class:`OarPOptions` (``mode``, ``chunk_size``, ``conclude``: None for
+    :data:`oar.credit.probe.DEFAULT_CONCLUDE`, ``tie``: ``values`` for the copy-aware perturbation
+    that masks a number with its later restatements, :data:`TIES`), defaults there.
 
     Weights are 1 on response tokens of rows without an answer or with ``A_i == 0`` (not
     scored), 0 on padding. In ``answer_joint`` mode the reshaping uses
@@ -182,12 +206,11 @@ def oar_p_estimator(batch: CreditBatch, **options: Any) -> CreditResult:
 def oar_g_estimator(batch: CreditBatch, **options: Any) -> CreditResult:
     """OAR-G: GRPO advantage reshaped by gradient x input saliency (METHODS 4.3, 4.4).
 
-    Options: as ``oar_p`` but ``mode`` defaults to ``answer_mean``, plus ``noise_std`` (1e-3),
-    ``seed`` (None: ``CreditBatch.extras["seed"]``, and the global RNG without it; combined with
-    ``extras["step"]`` when present), ``chunk_size`` (None: scored rows grouped by
-    run length, ``chunk_tokens`` (512) computed positions per forward/backward), ``draws`` (1: rows per response, noise draws or path points) and
-    ``baseline`` (None | ``pad`` | ``zero``: integrated gradients from that embedding). Each
-    response's noise is drawn from its own generator (:func:`oar.credit.importance.noise_keys`),
-    so its scores do not depend on the batch's chunking.
+    Options: the sequence advantage's and the reshaping's (as ``oar_p``) and :class:`OarGOptions`
+    (``mode``, ``noise_std``, ``seed``: None for ``CreditBatch.extras["seed"]``, and the global RNG
+    without it; combined with ``extras["step"]`` when present, ``chunk_size``, ``chunk_tokens``,
+    ``draws``, ``baseline``, ``conclude``), defaults there. Each response's noise is drawn from its
+    own generator (:func:`oar.credit.importance.noise_keys`), so its scores do not depend on the
+    batch's chunking.
     """
     return _oar_estimator("oar_g", batch, options)

@@ -9,9 +9,10 @@ not shift positions) and only compute logits for the tail of the sequence that h
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import warnings
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,32 @@ MODES: tuple[str, ...] = ("last", "answer_mean", "answer_joint")
 def check_mode(mode: str, where: str) -> None:
     if mode not in MODES:
         raise ValueError(f"oar.credit.importance.{where}: unknown mode {mode!r}; use one of {list(MODES)}")
+
+
+_O = TypeVar("_O")
+
+
+def option_names(cls: type) -> tuple[str, ...]:
+    """The option names of an options type (a frozen dataclass: its fields, in order)."""
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def option_defaults(cls: type) -> dict[str, Any]:
+    """The default of every option of an options type (the one place each is written)."""
+    return {f.name: f.default for f in dataclasses.fields(cls)}
+
+
+def options_from(cls: type[_O], options: Mapping[str, Any], where: str) -> _O:
+    """An options type's instance from a mapping of some of its options (the rest take their defaults).
+
+    Raises:
+        ValueError: naming ``where`` and the unknown keys, or an invalid value (the type's checks).
+    """
+    names = option_names(cls)
+    bad = sorted(set(options) - set(names))
+    if bad:
+        raise ValueError(f"{where}: unknown options {bad}; valid: {list(names)}")
+    return cls(**options)
 
 
 @contextlib.contextmanager

@@ -35,6 +35,8 @@ so their keys/values are computed once per prompt (the responses of a prompt sha
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from oar.credit.importance.common import (
@@ -52,10 +54,63 @@ from oar.credit.importance.common import (
 )
 from oar.credit.probe import Probe
 
-__all__ = ["BASELINES", "draw_noise", "gradient_importance", "mix_seed", "noise_keys"]
+__all__ = ["BASELINES", "OarGOptions", "draw_noise", "gradient_importance", "mix_seed", "noise_keys", "oar_g_scores"]
 
 #: Path baselines of :func:`gradient_importance` (None: noise draws around the clean embeddings).
 BASELINES: tuple[str, ...] = ("pad", "zero")
+
+
+@dataclass(frozen=True)
+class OarGOptions:
+    """OAR-G's scoring options, the one place their defaults are written (the ``oar_g`` estimator's,
+    its nulls', ``mc_value``'s ``refine`` and the attribution benchmark's ``oar_g`` signals').
+
+    Attributes:
+        mode: outcome mode (:data:`oar.credit.importance.MODES`).
+        noise_std: std of the embedding noise on reasoning positions.
+        seed: base seed of the per-response noise; None: the caller's (the trainer's run seed
+            combined with the step, the benchmark's seed), and the global RNG without one.
+        chunk_size: responses per forward/backward (None: grouped by ``chunk_tokens``).
+        chunk_tokens: with ``chunk_size`` None, at most this many computed positions per
+            forward/backward (None: all rows in one chunk).
+        draws: rows per response (noise draws, or path points with a ``baseline``).
+        baseline: None | :data:`BASELINES` (integrated gradients from that embedding).
+        conclude: the probe's conclude string; None: the caller's (as :class:`OarPOptions`).
+    """
+
+    mode: str = "answer_mean"
+    noise_std: float = 1e-3
+    seed: int | None = None
+    chunk_size: int | None = None
+    chunk_tokens: int | None = 512
+    draws: int = 1
+    baseline: str | None = None
+    conclude: str | None = None
+
+    def __post_init__(self) -> None:
+        check_mode(self.mode, "OarGOptions")
+        if isinstance(self.draws, bool) or not isinstance(self.draws, int) or self.draws < 1:
+            raise ValueError(f"oar.credit.importance.OarGOptions: draws must be an int >= 1, got {self.draws!r}")
+        if self.baseline is not None and self.baseline not in BASELINES:
+            raise ValueError(f"oar.credit.importance.OarGOptions: unknown baseline {self.baseline!r}; use None or "
+                             f"one of {list(BASELINES)}")
+        object.__setattr__(self, "noise_std", float(self.noise_std))
+        for key in ("seed", "chunk_size", "chunk_tokens"):
+            v = getattr(self, key)
+            object.__setattr__(self, key, None if v is None else int(v))
+
+
+def oar_g_scores(model: torch.nn.Module, probe: Probe, options: OarGOptions,
+                 row_keys: torch.Tensor | None = None) -> torch.Tensor:
+    """OAR-G's scores of ``probe`` under ``options`` (:func:`gradient_importance`, ``options.seed``
+    the base seed), the scorer of the ``oar_g`` estimator and of the benchmark's ``oar_g`` signals.
+
+    Returns:
+        ``(B, L)`` float32 on the probe's device.
+    """
+    return gradient_importance(model, probe, mode=options.mode, noise_std=options.noise_std, seed=options.seed,
+                               row_keys=row_keys, draws=options.draws, baseline=options.baseline,
+                               chunk_size=options.chunk_size, chunk_tokens=options.chunk_tokens)
 
 _M64 = (1 << 64) - 1
 
@@ -187,8 +242,8 @@ def gradient_importance(
     model: torch.nn.Module,
     probe: Probe,
     *,
-    mode: str = "answer_mean",
-    noise_std: float = 1e-3,
+    mode: str = OarGOptions.mode,
+    noise_std: float = OarGOptions.noise_std,
     generator: torch.Generator | None = None,
     seed: int | None = None,
     row_keys: torch.Tensor | None = None,
@@ -246,26 +301,8 @@ def gradient_importance(
     Returns:
         ``(B, L)`` float32 scores on the probe's device, 0 where ``probe.reasoning_mask`` is 0.
     """
-    check_mode(mode, "gradient_importance")
-    if noise_std < 0:
-        raise ValueError(f"oar.credit.importance.gradient_importance: noise_std must be >= 0, got {noise_std}")
-    if chunk_size is not None and chunk_size < 1:
-        raise ValueError(f"oar.credit.importance.gradient_importance: chunk_size must be >= 1, got {chunk_size}")
-    if chunk_tokens is not None and chunk_tokens < 1:
-        raise ValueError(f"oar.credit.importance.gradient_importance: chunk_tokens must be >= 1, got {chunk_tokens}")
-    if int(draws) < 1:
-        raise ValueError(f"oar.credit.importance.gradient_importance: draws must be >= 1, got {draws}")
-    if baseline is not None and baseline not in BASELINES:
-        raise ValueError(
-            f"oar.credit.importance.gradient_importance: unknown baseline {baseline!r}; use None or one of {list(BASELINES)}"
-        )
     B = probe.input_ids.shape[0]
-    if row_keys is None:
-        row_keys = torch.arange(B, dtype=torch.long)
-    elif row_keys.shape != (B,):
-        raise ValueError(
-            f"oar.credit.importance.gradient_importance: row_keys shape {tuple(row_keys.shape)} != ({B},)"
-        )
+    row_keys = _check_arguments(mode, noise_std, chunk_size, chunk_tokens, draws, baseline, row_keys, B)
     if seed is None:
         src = generator
         seed = int(torch.randint(0, 2**62, (1,), generator=src, device=src.device if src is not None else "cpu"))
@@ -279,21 +316,36 @@ def gradient_importance(
     with eval_mode(model):
         for rows in _chunks(sub_all, rows_all, chunk_size, chunk_tokens, int(draws)):
             sub = probe.select(rows).to(dev)
-            s = _oar_g_group(
-                model,
-                embed,
-                sub,
-                keys[rows.cpu()].tolist(),
-                mode=mode,
-                noise_std=noise_std,
-                seed=int(seed),
-                draws=int(draws),
-                baseline=baseline,
-                naive=naive,
-            )
+            s = _oar_g_group(model, embed, sub, keys[rows.cpu()].tolist(), mode=mode, noise_std=noise_std,
+                             seed=int(seed), draws=int(draws), baseline=baseline, naive=naive)
             # the group's probe may have dropped leading pad columns: align on the right
             scores[rows, scores.shape[1] - s.shape[1] :] = s.to(scores.device)
     return scores * probe.reasoning_mask
+
+
+def _check_arguments(mode: str, noise_std: float, chunk_size: int | None, chunk_tokens: int | None, draws: int,
+                     baseline: str | None, row_keys: torch.Tensor | None, B: int) -> torch.Tensor:
+    """Raise ``ValueError`` for an argument :func:`gradient_importance` cannot take; the ``(B,)`` row keys."""
+    check_mode(mode, "gradient_importance")
+    if noise_std < 0:
+        raise ValueError(f"oar.credit.importance.gradient_importance: noise_std must be >= 0, got {noise_std}")
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"oar.credit.importance.gradient_importance: chunk_size must be >= 1, got {chunk_size}")
+    if chunk_tokens is not None and chunk_tokens < 1:
+        raise ValueError(f"oar.credit.importance.gradient_importance: chunk_tokens must be >= 1, got {chunk_tokens}")
+    if int(draws) < 1:
+        raise ValueError(f"oar.credit.importance.gradient_importance: draws must be >= 1, got {draws}")
+    if baseline is not None and baseline not in BASELINES:
+        raise ValueError(
+            f"oar.credit.importance.gradient_importance: unknown baseline {baseline!r}; use None or one of {list(BASELINES)}"
+        )
+    if row_keys is None:
+        return torch.arange(B, dtype=torch.long)
+    if row_keys.shape != (B,):
+        raise ValueError(
+            f"oar.credit.importance.gradient_importance: row_keys shape {tuple(row_keys.shape)} != ({B},)"
+        )
+    return row_keys
 
 
 def _chunks(sub: Probe, rows: torch.Tensor, chunk_size: int | None, chunk_tokens: int | None,
@@ -357,28 +409,9 @@ def _oar_g_group(
             )
             out0 = outcome(logits0, tail, sub.input_ids, sub.answer_mask, sub.last_index, mode)
         e = embed(sub.input_ids[:, start:]).detach()  # (N, L', H)
-        rm = sub.reasoning_mask[:, start:]  # (N, L')
+        x, diff = _noisy_inputs(embed, sub, e, keys, start=start, noise_std=noise_std, seed=seed, draws=k,
+                                baseline=baseline)
         H = e.shape[-1]
-        x = e.unsqueeze(1).expand(N, k, *e.shape[1:])  # (N, k, L', H)
-        diff = None
-        if baseline is not None:
-            if baseline == "pad":
-                b = embed(torch.tensor([sub.pad_token_id], device=e.device)).detach()[0]
-            else:
-                b = torch.zeros(H, dtype=e.dtype, device=e.device)
-            diff = e - b  # (N, L', H)
-            alphas = (torch.arange(k, device=e.device, dtype=torch.float32) + 0.5) / k
-            path = b + alphas.to(e.dtype)[None, :, None, None] * diff.unsqueeze(1)
-            x = torch.where(rm[:, None, :, None], path, x)
-        if noise_std > 0:
-            r_idx, c_idx = rm.nonzero(as_tuple=True)  # row-major: each row's reasoning in order
-            counts = rm.sum(-1).tolist()
-            vals = torch.cat(
-                [draw_noise(seed, keys[i], counts[i], H, k, device=e.device).transpose(0, 1) for i in range(N)], 0
-            )  # (sum n_r, k, H)
-            noise = torch.zeros((N, L - start, k, H), dtype=torch.float32, device=e.device)
-            noise[r_idx, c_idx] = vals
-            x = x + (noise.transpose(1, 2) * noise_std).to(e.dtype)
         x = x.reshape(N * k, L - start, H).contiguous()
     x.requires_grad_(True)
 
@@ -407,3 +440,36 @@ def _oar_g_group(
     else:
         out[:, start:] = (g.mean(1) * diff.float()).sum(-1).abs()
     return out
+
+
+def _noisy_inputs(embed: torch.nn.Module, sub: Probe, e: torch.Tensor, keys: list[int], *, start: int,
+                  noise_std: float, seed: int, draws: int, baseline: str | None,
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The ``(N, k, L', H)`` inputs of :func:`_oar_g_group`'s noisy forward: the clean embeddings ``e``
+    (columns from ``start``) moved to the path points of ``baseline`` on reasoning positions, plus each
+    row's noise; and ``e - b`` (None without a baseline)."""
+    N, L = sub.input_ids.shape
+    k = draws
+    rm = sub.reasoning_mask[:, start:]  # (N, L')
+    H = e.shape[-1]
+    x = e.unsqueeze(1).expand(N, k, *e.shape[1:])  # (N, k, L', H)
+    diff = None
+    if baseline is not None:
+        if baseline == "pad":
+            b = embed(torch.tensor([sub.pad_token_id], device=e.device)).detach()[0]
+        else:
+            b = torch.zeros(H, dtype=e.dtype, device=e.device)
+        diff = e - b  # (N, L', H)
+        alphas = (torch.arange(k, device=e.device, dtype=torch.float32) + 0.5) / k
+        path = b + alphas.to(e.dtype)[None, :, None, None] * diff.unsqueeze(1)
+        x = torch.where(rm[:, None, :, None], path, x)
+    if noise_std > 0:
+        r_idx, c_idx = rm.nonzero(as_tuple=True)  # row-major: each row's reasoning in order
+        counts = rm.sum(-1).tolist()
+        vals = torch.cat(
+            [draw_noise(seed, keys[i], counts[i], H, k, device=e.device).transpose(0, 1) for i in range(N)], 0
+        )  # (sum n_r, k, H)
+        noise = torch.zeros((N, L - start, k, H), dtype=torch.float32, device=e.device)
+        noise[r_idx, c_idx] = vals
+        x = x + (noise.transpose(1, 2) * noise_std).to(e.dtype)
+    return x, diff

@@ -18,6 +18,7 @@ prints the query positions run against the ideal ``sum (L - t)``.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,7 +38,62 @@ from oar.credit.importance.common import (
 )
 from oar.credit.probe import Probe
 
-__all__ = ["perturbation_importance", "value_tie_ids"]
+__all__ = ["TIES", "OarPOptions", "oar_p_scores", "oar_p_tie_ids", "perturbation_importance", "value_tie_ids"]
+
+#: OAR-P's perturbation: ``none`` (one token at a time) or ``values`` (copy-aware: a number token
+#: together with the later restatements of the same number, :func:`value_tie_ids`).
+TIES: tuple[str, ...] = ("none", "values")
+
+
+@dataclass(frozen=True)
+class OarPOptions:
+    """OAR-P's scoring options, the one place their defaults are written (the ``oar_p`` estimator's
+    and the attribution benchmark's ``oar_p`` signals').
+
+    Attributes:
+        mode: outcome mode (:data:`oar.credit.importance.MODES`).
+        chunk_size: sequences per forward (:func:`perturbation_importance`).
+        conclude: the probe's conclude string; None: the caller's (the trainer's
+            :data:`oar.credit.probe.DEFAULT_CONCLUDE`, the benchmark's ``attribution.conclude``).
+        tie: :data:`TIES`; ``values``: the copy-aware perturbation (:func:`value_tie_ids`).
+    """
+
+    mode: str = "last"
+    chunk_size: int = 128
+    conclude: str | None = None
+    tie: str = "none"
+
+    def __post_init__(self) -> None:
+        check_mode(self.mode, "OarPOptions")
+        if self.tie not in TIES:
+            raise ValueError(f"oar.credit.importance.OarPOptions: tie must be one of {list(TIES)}, got {self.tie!r}")
+        object.__setattr__(self, "chunk_size", int(self.chunk_size))
+
+
+def oar_p_tie_ids(tokenizer: Any, probe: Probe, response_ids: torch.Tensor, response_mask: torch.Tensor,
+                  options: OarPOptions) -> torch.Tensor | None:
+    """The tie ids OAR-P's ``options`` need on ``probe`` (:func:`value_tie_ids`; None with ``tie: none``)."""
+    if options.tie != "values":
+        return None
+    return value_tie_ids(tokenizer, probe, response_ids, response_mask)
+
+
+def oar_p_scores(model: torch.nn.Module, probe: Probe, options: OarPOptions,
+                 tie_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """OAR-P's scores of ``probe`` under ``options`` (:func:`perturbation_importance`), the scorer of
+    the ``oar_p`` estimator and of the benchmark's ``oar_p`` signals.
+
+    Args:
+        tie_ids: ``(B, L')`` from :func:`oar_p_tie_ids` for the probe's rows, right-aligned with the
+            probe (``L' >= L``: a probe of some rows may have dropped leading pad columns), any device.
+
+    Returns:
+        ``(B, L)`` float32 on the probe's device.
+    """
+    t = None
+    if tie_ids is not None:
+        t = tie_ids.to(probe.input_ids.device)[:, tie_ids.shape[1] - probe.input_ids.shape[1]:]
+    return perturbation_importance(model, probe, mode=options.mode, chunk_size=options.chunk_size, tie_ids=t)
 
 #: A number as written in a response (its digits; a sign is not part of the value).
 _NUMBER = re.compile(r"\d+")
@@ -48,9 +104,9 @@ def perturbation_importance(
     model: torch.nn.Module,
     probe: Probe,
     *,
-    mode: str = "last",
+    mode: str = OarPOptions.mode,
     mask_token_id: int | None = None,
-    chunk_size: int = 128,
+    chunk_size: int = OarPOptions.chunk_size,
     naive: bool = False,
     tie_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
