@@ -1,7 +1,10 @@
 """Write docs/config-reference.md from the config schema (src/oar/schemas/config.schema.yaml).
 
 Every key of the schema with its type, default and description; nested sections as headings; the
-recipe and method keys and the options of every token-credit estimator from ``$defs``.
+recipe and method keys and the options of every token-credit estimator from ``$defs``. The defaults
+of the estimators with an options type (OAR-P, OAR-G and its nulls, ``mc_value``, and the
+attribution signals' ``refine``) are not in the schema: they are read from those types
+(:func:`with_option_defaults`), where each is written once.
 
     python scripts/config_reference.py           # (re)write docs/config-reference.md
     python scripts/config_reference.py --check   # exit 1 when docs/config-reference.md is not current
@@ -12,6 +15,7 @@ tests/test_docs.py renders the page in memory and fails when the file differs fr
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import re
 import sys
@@ -170,8 +174,32 @@ def _section(page: _Page, path: str, node: dict, level: int) -> None:
         _section(page, sub_path, child, level + 1)
 
 
+def with_option_defaults(schema: dict) -> dict:
+    """A copy of ``schema`` with the defaults of the options types filled into the credit options (and
+    the attribution signals' ``refine``) that they describe. A ``None`` default is shown only where the
+    key may be null (elsewhere it means "unset": the caller decides)."""
+    from oar.credit.importance import OarGOptions, OarPOptions, option_defaults
+    from oar.credit.mc_value import McValueOptions
+
+    out = copy.deepcopy(schema)
+    credit = out["$defs"]["credit_options"]
+    signal = out["properties"]["attribution"]["properties"]["signals"]["items"]["properties"]
+    for props, cls in ((credit["oar_p"]["properties"], OarPOptions), (credit["oar_g"]["properties"], OarGOptions),
+                       (credit["mc_value"]["properties"], McValueOptions),
+                       (credit["mc_value"]["properties"]["refine"]["properties"], OarGOptions),
+                       (signal["refine"]["properties"], OarGOptions)):
+        for key, value in option_defaults(cls).items():
+            node = props.get(key)
+            types = node.get("type") if isinstance(node, dict) else None
+            if node is None or "default" in node or (value is None and not (isinstance(types, list) and "null" in types)):
+                continue
+            node["default"] = value
+    return out
+
+
 def render(schema: dict) -> str:
     """The page, as text."""
+    schema = with_option_defaults(schema)
     page = _Page()
     page.heading(1, "Configuration reference")
     page.add(

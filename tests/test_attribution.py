@@ -326,12 +326,23 @@ def _tiny_signal_batch():
     return model, tok, resp, kw
 
 
+#: The benchmark's historical signal set, spelled as config dicts.
+SIX_SIGNALS = [
+    {"name": "oar_p", "kind": "oar_p", "mode": "last"},
+    {"name": "oar_p_answer_mean", "kind": "oar_p", "mode": "answer_mean"},
+    {"name": "oar_g", "kind": "oar_g", "mode": "answer_mean"},
+    {"name": "ktae", "kind": "ktae"},
+    {"name": "ktae_signed", "kind": "ktae", "signed": True},
+    {"name": "random", "kind": "random"},
+]
+
+
 def test_compute_signals_shapes_masks_and_ktae_abs():
     """On a random tiny model: every signal is (n, T), zero outside the probe's reasoning for OAR,
     ktae == |ktae_signed|, and the random baseline is reproducible."""
     model, tok, resp, kw = _tiny_signal_batch()
     rows, T = kw["rows"], kw["response_ids"].shape[1]
-    scores, seconds, info = compute_signals(model, tok, **kw)
+    scores, seconds, info = compute_signals(model, tok, signals=SIX_SIGNALS, **kw)
     assert set(scores) == set(seconds) == {"oar_p", "oar_p_answer_mean", "oar_g", "ktae", "ktae_signed", "random"}
     reason = info["reasoning_mask"]
     assert reason.shape == (3, T) and bool(info["has_answer"].all())
@@ -348,10 +359,10 @@ def test_compute_signals_shapes_masks_and_ktae_abs():
     assert torch.equal(scores["ktae"], scores["ktae_signed"].abs())
     assert float(scores["ktae"].sum()) > 0  # both groups are mixed
     assert info["n_scored"]["ktae"] == 4 and info["n_scored"]["oar_p"] == 3
-    again, _, _ = compute_signals(model, tok, signals=("random", "oar_g"), **kw)
+    again, _, _ = compute_signals(model, tok, signals=[SIX_SIGNALS[5], SIX_SIGNALS[2]], **kw)
     assert torch.equal(again["random"], scores["random"])
     assert torch.allclose(again["oar_g"], scores["oar_g"])
-    with pytest.raises(ValueError, match="unknown signals"):
+    with pytest.raises(ValueError, match="unknown signal 'oar_x'"):
         compute_signals(model, tok, signals=("oar_x",), **kw)
 
 
@@ -383,7 +394,7 @@ def test_compute_signals_config_specs_seeds_and_baselines():
 
 
 def test_signal_specs_validation():
-    specs = signal_specs(["oar_p", {"name": "x", "kind": "oar_g", "draws": 2}])
+    specs = signal_specs([{"name": "oar_p", "kind": "oar_p"}, {"name": "x", "kind": "oar_g", "draws": 2}])
     assert [(s.name, s.kind) for s in specs] == [("oar_p", "oar_p"), ("x", "oar_g")]
     assert specs[1].stochastic and not specs[0].stochastic
     with pytest.raises(ValueError, match="unknown kind"):
@@ -391,9 +402,62 @@ def test_signal_specs_validation():
     with pytest.raises(ValueError, match="unknown options"):
         signal_specs([{"name": "x", "kind": "oar_p", "noise_std": 0.1}])
     with pytest.raises(ValueError, match="duplicate"):
-        signal_specs(["random", {"name": "random", "kind": "random"}])
+        signal_specs([{"name": "random", "kind": "random"}, {"name": "random", "kind": "uniform"}])
     with pytest.raises(ValueError, match="draws"):
         signal_specs([{"name": "x", "kind": "oar_g", "draws": 0}])
+    with pytest.raises(ValueError, match="tie must be one of"):
+        signal_specs([{"name": "x", "kind": "oar_p", "tie": "all"}])
+    # the benchmark sets OAR-G's seed (its own, + 1 for stability) and runs a signal's rows in one call
+    for key in ("seed", "chunk_tokens"):
+        with pytest.raises(ValueError, match="unknown options"):
+            signal_specs([{"name": "x", "kind": "oar_g", key: 1}])
+    with pytest.raises(ValueError, match="unknown options"):
+        signal_specs([{"name": "x", "kind": "mc_value", "seq_weight": 1.0}])
+
+
+@pytest.mark.parametrize("name, spelling", [
+    ("oar_p", "{name: oar_p, kind: oar_p, mode: last}"),
+    ("oar_p_answer_mean", "{name: oar_p_answer_mean, kind: oar_p, mode: answer_mean}"),
+    ("oar_g", "{name: oar_g, kind: oar_g, mode: answer_mean}"),
+    ("ktae", "{name: ktae, kind: ktae}"),
+    ("ktae_signed", "{name: ktae_signed, kind: ktae, signed: true}"),
+    ("random", "{name: random, kind: random}"),
+    ("uniform", "{name: uniform, kind: uniform}"),
+])
+def test_a_bare_signal_name_is_refused_with_its_new_spelling(name, spelling):
+    """Signals are dicts {name, kind, **options}; a bare name the benchmark once read names its dict,
+    and that dict is a valid signal."""
+    import re
+
+    import yaml
+
+    with pytest.raises(ValueError, match=re.escape(f"write {spelling}")):
+        signal_specs([name])
+    (spec,) = signal_specs([yaml.safe_load(spelling)])
+    assert (spec.name, spec.kind) == (name, yaml.safe_load(spelling)["kind"])
+
+
+def test_signal_options_are_the_credit_layers_options_types():
+    """A signal kind's options are its options type's fields (less those the benchmark sets itself)
+    with the type's defaults, and the schema's attribution.signals items list exactly their union."""
+    from dataclasses import fields
+
+    from oar.attribution.signals import SIGNAL_KINDS
+    from oar.config import schema
+    from oar.credit.importance import OarGOptions, OarPOptions, option_defaults
+    from oar.credit.mc_value import McValueOptions
+
+    assert SIGNAL_KINDS["oar_p"].options is OarPOptions and SIGNAL_KINDS["oar_g"].options is OarGOptions
+    assert SIGNAL_KINDS["mc_value"].options is McValueOptions
+    for kind in SIGNAL_KINDS.values():
+        o, extra = kind.parse({})
+        assert {f.name: getattr(o, f.name) for f in fields(o)} == option_defaults(kind.options)
+        assert {f.name: getattr(extra, f.name) for f in fields(extra)} == option_defaults(kind.extra)
+    item = schema()["properties"]["attribution"]["properties"]["signals"]["items"]
+    union = set().union(*(k.names for k in SIGNAL_KINDS.values()))
+    assert set(item["properties"]) - {"name", "kind"} == union
+    assert item["properties"]["kind"]["enum"] == list(SIGNAL_KINDS)
+    assert set(item["properties"]["refine"]["properties"]) == set(SIGNAL_KINDS["oar_g"].names)
 
 
 # ---------------------------------------------------------------------------------------------

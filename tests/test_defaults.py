@@ -112,3 +112,52 @@ def test_section_defaults_are_what_validation_fills(section):
     """oar.config.section_defaults (used where a partial config is accepted, e.g. make_strategy) gives
     exactly what validating a config without the section fills in."""
     assert section_defaults(section) == minimal_config()[section]
+
+
+#: Credit options described by an options type of the credit layer (the one place their defaults are written).
+_OPTION_TYPES = {"oar_p": "OarPOptions", "oar_g": "OarGOptions", "shuffled": "OarGOptions", "inverted": "OarGOptions",
+                 "mc_value": "McValueOptions"}
+
+
+def _options_type(name: str) -> type:
+    import oar.credit.importance as importance
+    import oar.credit.mc_value as mc_value
+
+    return getattr(importance, name, None) or getattr(mc_value, name)
+
+
+@pytest.mark.parametrize("credit", sorted(_OPTION_TYPES))
+def test_each_credit_option_default_is_written_once_in_its_options_type(credit):
+    """The schema lists every option of the estimator's options type and gives none of them a default
+    (the type holds it: scripts/config_reference.py shows it from there), and the estimator accepts
+    exactly the schema's options."""
+    from oar.credit.importance import OAR_G_OPTIONS, OAR_P_OPTIONS, option_names
+    from oar.credit.mc_value import MC_VALUE_OPTIONS
+
+    cls = _options_type(_OPTION_TYPES[credit])
+    props = schema()["$defs"]["credit_options"][credit]["properties"]
+    assert set(option_names(cls)) <= set(props), f"{credit}: the schema lacks {set(option_names(cls)) - set(props)}"
+    assert not [k for k in option_names(cls) if "default" in props[k]], f"{credit}: a second copy of a default"
+    refine = props.get("refine", {}).get("properties", {})
+    assert not [k for k, v in refine.items() if "default" in v]
+    allowed = {"oar_p": OAR_P_OPTIONS, "mc_value": MC_VALUE_OPTIONS}.get(credit, OAR_G_OPTIONS)
+    seq = {"norm_by_std", "eps"}  # the sequence advantage's (the recipe's, or the estimator's own)
+    assert set(allowed) - seq == set(props) - seq, credit
+
+
+def test_no_option_fallbacks_beside_the_options_types():
+    """The estimators and the benchmark's signals read their options from the options types, never
+    through `.get("<option>", <constant>)` (a second copy of a default that can drift)."""
+    from oar.credit.importance import option_names
+
+    names = set()
+    for cls in set(_OPTION_TYPES.values()):
+        names |= set(option_names(_options_type(cls)))
+    found = []
+    for module in ("credit/importance/__init__.py", "credit/mc_value.py", "attribution/signals.py"):
+        for node in ast.walk(ast.parse((ROOT / "src" / "oar" / module).read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+                    and len(node.args) == 2 and isinstance(node.args[0], ast.Constant) and node.args[0].value in names
+                    and isinstance(node.args[1], ast.Constant)):
+                found.append(f"{module} line {node.lineno}: .get({node.args[0].value!r}, {node.args[1].value!r})")
+    assert not found, found

@@ -158,8 +158,9 @@ class AttributionSettings:
     ``propagated_only``, ``min_steps``, ``max_per_prompt``, ``max_delta``, ``top_k``, ``seed``,
     ``split``, ``signals`` (:func:`oar.attribution.signals.signal_specs`), ``conclude``,
     ``cost_reference``, ``stability``, ``repeats`` (``timing_repeats``). Not config keys:
-    ``correct`` / ``wrong`` (reward values; correct when ``> 0``), ``oar_p_chunk_size``,
-    ``noise_std``, ``ktae_options`` (see :func:`oar.attribution.signals.compute_signals`).
+    ``correct`` / ``wrong`` (reward values; correct when ``> 0``), ``ktae_options`` (see
+    :func:`oar.attribution.signals.compute_signals`). A signal's options (OAR-P's chunk size, OAR-G's
+    noise, ...) are its own, with the defaults of its kind's options type.
     """
 
     n_samples: int
@@ -189,8 +190,6 @@ class AttributionSettings:
     repeats: int
     correct: float = 1.0
     wrong: float = 0.0
-    oar_p_chunk_size: int = 128
-    noise_std: float = 1e-3
     ktae_options: Mapping[str, Any] | None = None
 
     @classmethod
@@ -443,8 +442,7 @@ def _group_batch(c: _Collected) -> tuple["_Batch", list[int]]:
 
 def _signal_kwargs(run: _Run) -> dict[str, Any]:
     s = run.s
-    return dict(conclude=s.conclude, oar_p_chunk_size=s.oar_p_chunk_size, noise_std=s.noise_std,
-                ktae_options=s.ktae_options)
+    return dict(conclude=s.conclude, ktae_options=s.ktae_options)
 
 
 def _score(run: _Run, c: _Collected, batch: "_Batch", rows: list[int]) -> _Scored:

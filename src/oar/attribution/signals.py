@@ -1,123 +1,198 @@
 """Credit signals of the attribution benchmark: named, configurable scorers of response tokens.
 
 A signal is a :class:`SignalSpec` ``(name, kind, options)``; config ``attribution.signals`` lists
-them as dicts, e.g. ``{name: oar_g_joint_k4, kind: oar_g, mode: answer_joint, draws: 4}``. Kinds
-and their options (scores are response-aligned ``(n, T)``, larger = more important):
+them as dicts, e.g. ``{name: oar_g_joint_k4, kind: oar_g, mode: answer_joint, draws: 4}``. A kind's
+options are those of its options type, where their defaults are written once (the trainer's
+estimators read the same types); scores are response-aligned ``(n, T)``, larger = more important:
 
-- ``oar_p``: ``|OAR-P|`` (:func:`oar.credit.importance.perturbation_importance`); options ``mode``
-  (``last``), ``chunk_size`` (128), ``conclude``. The KL modes are non-negative already; in mode
-  ``answer_joint`` the signed ``phi_orig - phi_masked`` is taken in absolute value (as the
-  ``oar_p`` estimator's reshaping does). ``tie: values``: the copy-aware perturbation (a number
-  masked with its later restatements, :func:`oar.credit.importance.value_tie_ids`).
+- ``oar_p``: ``|OAR-P|`` (:func:`oar.credit.importance.oar_p_scores`); options
+  :class:`oar.credit.importance.OarPOptions` (``mode``, ``chunk_size``, ``conclude``, ``tie``). The KL
+  modes are non-negative already; in mode ``answer_joint`` the signed ``phi_orig - phi_masked`` is
+  taken in absolute value (as the ``oar_p`` estimator's reshaping does). ``tie: values``: the
+  copy-aware perturbation (a number masked with its later restatements,
+  :func:`oar.credit.importance.value_tie_ids`).
+- ``oar_g``: OAR-G (:func:`oar.credit.importance.oar_g_scores`, ``|grad . x|``); options
+  :class:`oar.credit.importance.OarGOptions` but ``seed`` and ``chunk_tokens``, which the benchmark
+  sets itself: the noise is seeded with the benchmark's seed (per response), and all of a signal's
+  rows run in one batched call (``chunk_size`` splits them).
 - ``mc_value``: the drop in Monte-Carlo value over each step, ``V(before) - V(after)``
   (:func:`oar.credit.mc_value.mc_step_credit`, the ``mc_value`` estimator's step credit with its
-  sign flipped, so blame ranks first: every token of a step gets its step's score); options ``k``
-  (1), ``step_split`` (``synthetic``), ``max_steps`` (8), ``root`` (``group``: the start value is
-  the group's mean reward; ``continuation``: continuations of the bare prompt, as every other
-  value), ``refine`` (None: every token of a step
-  ties; a mapping of ``oar_g`` options, ``{}`` for its defaults: ties inside a step broken by OAR-G,
+  sign flipped, so blame ranks first: every token of a step gets its step's score); options
+  :class:`oar.credit.mc_value.McValueOptions` that set the step values (not ``refine_floor``,
+  ``seq_weight``, ``alpha``: how training turns them into advantages), with ``refine`` a mapping of
+  ``oar_g`` signal options (``{}`` for their defaults: ties inside a step broken by OAR-G,
   ``blame + refine_weight * g / max g`` per response, so the step ranking stays the value's and the
-  result tokens of a blamed step rank above its fillers and separators), ``refine_weight`` (1e-3:
-  below any gap between two step values, ``1 / (k * group size)``). Needs ``continuations`` (the
-  engine, each row's prompt and gold answer, the reward); the continuations are seeded with the
-  benchmark's seed.
-- ``oar_g``: OAR-G (:func:`oar.credit.importance.gradient_importance`, which returns
-  ``|grad . x|``); options ``mode`` (``answer_mean``), ``noise_std`` (1e-3), ``draws`` (1: rows
-  per response, one noise draw or path point each, in one batched pass), ``baseline`` (None;
-  ``pad`` / ``zero``: integrated gradients from that baseline), ``chunk_size`` (None),
-  ``conclude``. The noise is seeded with the benchmark's seed (per response).
+  result tokens of a blamed step rank above its fillers and separators), plus the benchmark's
+  :class:`McValueSignalOptions` (``refine_weight``: below any gap between two step values,
+  ``1 / (k * group size)``). Needs ``continuations`` (the engine, each row's prompt and gold answer,
+  the reward); the continuations are seeded with the benchmark's seed.
 - ``ktae``: ``|K|`` of the KTAE key-token score (:func:`oar.credit.ktae.ktae_scores_batch`, group
-  statistics over the responses of each group); option ``signed`` (False: ``|K|``; True: ``K``).
-  The magnitude is the importance: ``K > 0`` marks a token id associated with correct responses,
-  ``K < 0`` one associated with wrong ones, and a wrong result is as pivotal as a right one.
+  statistics over the responses of each group); options :class:`KtaeSignalOptions` (``signed``:
+  ``K`` instead of ``|K|``). The magnitude is the importance: ``K > 0`` marks a token id associated
+  with correct responses, ``K < 0`` one associated with wrong ones, and a wrong result is as pivotal
+  as a right one.
 - ``random``: uniform noise in ``[0, 1)`` from a generator seeded with the benchmark's seed.
 - ``uniform``: a constant; with ties broken at random it is the exact chance level of every
   metric (top-k hit, AUROC 0.5).
 
-``conclude`` defaults to the benchmark's (config ``attribution.conclude``).
+``conclude`` (None) is the benchmark's (config ``attribution.conclude``). Signals are dicts only: a
+bare name (``oar_p``, ``ktae_signed``, ...) is refused with its spelling as a dict
+(:func:`signal_specs`).
 """
 
 from __future__ import annotations
 
-import inspect
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from oar.credit.importance import OarGOptions, OarPOptions, oar_g_scores, oar_p_scores, oar_p_tie_ids, option_names
+from oar.credit.mc_value import McValueOptions
+
 __all__ = [
     "SIGNAL_KINDS",
-    "SIGNAL_OPTIONS",
-    "LEGACY_SIGNALS",
-    "SIGNALS",
-    "DEFAULT_SIGNALS",
+    "SignalKind",
+    "KtaeSignalOptions",
+    "McValueSignalOptions",
+    "NoOptions",
     "SignalSpec",
     "signal_specs",
     "compute_signals",
     "refine_within_steps",
 ]
 
-#: Signal kinds and the options each accepts.
-SIGNAL_OPTIONS: dict[str, tuple[str, ...]] = {
-    "oar_p": ("mode", "chunk_size", "conclude", "tie"),
-    "oar_g": ("mode", "noise_std", "draws", "baseline", "chunk_size", "conclude"),
-    "ktae": ("signed",),
-    "mc_value": ("k", "greedy", "step_split", "max_steps", "root", "refine", "refine_weight"),
-    "random": (),
-    "uniform": (),
+
+@dataclass(frozen=True)
+class KtaeSignalOptions:
+    """Options of a ``ktae`` signal: ``signed`` (``K`` instead of ``|K|``)."""
+
+    signed: bool = False
+
+
+@dataclass(frozen=True)
+class McValueSignalOptions:
+    """The benchmark's own options of an ``mc_value`` signal (besides :class:`~oar.credit.mc_value.McValueOptions`'):
+    ``refine_weight``, the most a token moves when OAR-G breaks a step's ties (:func:`refine_within_steps`)."""
+
+    refine_weight: float = 1e-3
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    """The options of a kind without options (``random``, ``uniform``)."""
+
+
+@dataclass(frozen=True)
+class SignalKind:
+    """A signal kind's options: its options type, those of its options the benchmark sets itself
+    (``set_here``, not a signal's) and the benchmark's own options type of the kind (``extra``)."""
+
+    options: type
+    set_here: tuple[str, ...] = ()
+    extra: type = NoOptions
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The options a signal of this kind may set."""
+        return tuple(n for n in option_names(self.options) if n not in self.set_here) + option_names(self.extra)
+
+    def parse(self, options: Mapping[str, Any]) -> tuple[Any, Any]:
+        """``(options type, extra type)`` instances of a signal's options.
+
+        Raises:
+            ValueError: an unknown option, or a value the types refuse.
+        """
+        bad = sorted(set(options) - set(self.names))
+        if bad:
+            raise ValueError(f"unknown options {bad}; valid: {list(self.names)}")
+        extra = set(option_names(self.extra))
+        try:
+            return (self.options(**{k: v for k, v in options.items() if k not in extra}),
+                    self.extra(**{k: v for k, v in options.items() if k in extra}))
+        except (TypeError, ValueError) as e:
+            raise ValueError(str(e)) from None
+
+
+#: Signal kinds and their options.
+SIGNAL_KINDS: dict[str, SignalKind] = {
+    "oar_p": SignalKind(OarPOptions),
+    "oar_g": SignalKind(OarGOptions, set_here=("seed", "chunk_tokens")),
+    "ktae": SignalKind(KtaeSignalOptions),
+    "mc_value": SignalKind(McValueOptions, set_here=("refine_floor", "seq_weight", "alpha"), extra=McValueSignalOptions),
+    "random": SignalKind(NoOptions),
+    "uniform": SignalKind(NoOptions),
 }
-SIGNAL_KINDS: tuple[str, ...] = tuple(SIGNAL_OPTIONS)
+
+#: The dict spelling of the bare signal names the benchmark once read (for the error that refuses them).
+_BARE_NAMES: dict[str, dict[str, Any]] = {
+    "oar_p": {"kind": "oar_p", "mode": "last"},
+    "oar_p_answer_mean": {"kind": "oar_p", "mode": "answer_mean"},
+    "oar_g": {"kind": "oar_g", "mode": "answer_mean"},
+    "ktae": {"kind": "ktae"},
+    "ktae_signed": {"kind": "ktae", "signed": True},
+    "random": {"kind": "random"},
+    "uniform": {"kind": "uniform"},
+}
+
+
+def _flow(name: str, spelling: Mapping[str, Any]) -> str:
+    """``{name: oar_p_answer_mean, kind: oar_p, mode: answer_mean}`` (YAML flow style)."""
+    items = {"name": name, **spelling}
+    return "{" + ", ".join(f"{k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in items.items()) + "}"
 
 
 @dataclass(frozen=True)
 class SignalSpec:
-    """A named signal: ``kind`` from :data:`SIGNAL_KINDS` with its ``options``."""
+    """A named signal: ``kind`` from :data:`SIGNAL_KINDS` with its ``options`` (as configured)."""
 
     name: str
     kind: str
     options: Mapping[str, Any] = field(default_factory=dict)
 
+    def typed(self) -> tuple[Any, Any]:
+        """The signal's options as its kind's types (:meth:`SignalKind.parse`).
+
+        Raises:
+            ValueError: naming the signal, for an unknown kind or option or an invalid value.
+        """
+        kind = SIGNAL_KINDS.get(self.kind)
+        if kind is None:
+            raise ValueError(f"oar.attribution: signal {self.name!r}: unknown kind {self.kind!r}; "
+                             f"valid: {list(SIGNAL_KINDS)}")
+        try:
+            return kind.parse(self.options)
+        except ValueError as e:
+            raise ValueError(f"oar.attribution: signal {self.name!r} ({self.kind}): {e}") from None
+
     @property
     def stochastic(self) -> bool:
         """True when the scores depend on a seed (OAR-G's noise, the random baseline)."""
         if self.kind == "mc_value":
-            return not self.options.get("greedy", False) or self.options.get("refine") is not None
+            o, _ = self.typed()
+            return not o.greedy or o.refine is not None
         return self.kind in ("oar_g", "random")
 
 
-#: Signals known by name (the benchmark's historical set plus ``uniform``).
-LEGACY_SIGNALS: dict[str, SignalSpec] = {
-    "oar_p": SignalSpec("oar_p", "oar_p", {"mode": "last"}),
-    "oar_p_answer_mean": SignalSpec("oar_p_answer_mean", "oar_p", {"mode": "answer_mean"}),
-    "oar_g": SignalSpec("oar_g", "oar_g", {"mode": "answer_mean"}),
-    "ktae": SignalSpec("ktae", "ktae", {}),
-    "ktae_signed": SignalSpec("ktae_signed", "ktae", {"signed": True}),
-    "random": SignalSpec("random", "random", {}),
-    "uniform": SignalSpec("uniform", "uniform", {}),
-}
-#: Names :func:`signal_specs` resolves.
-SIGNALS: tuple[str, ...] = tuple(LEGACY_SIGNALS)
-#: Signals :func:`compute_signals` computes when none are given.
-DEFAULT_SIGNALS: tuple[str, ...] = ("oar_p", "oar_p_answer_mean", "oar_g", "ktae", "ktae_signed", "random")
-
-
-def signal_specs(signals: Sequence[str | Mapping[str, Any] | SignalSpec]) -> list[SignalSpec]:
-    """Resolve signals given as names (:data:`SIGNALS`), config dicts (``name``, ``kind`` and the
-    kind's options) or :class:`SignalSpec`; names must be unique.
+def signal_specs(signals: Sequence[Mapping[str, Any] | SignalSpec]) -> list[SignalSpec]:
+    """Resolve signals given as config dicts (``name``, ``kind`` and the kind's options) or
+    :class:`SignalSpec`; names must be unique.
 
     Raises:
-        ValueError naming the signal for an unknown name, kind or option.
+        ValueError naming the signal for an unknown kind or option, an invalid value or a bare name
+        (with its spelling as a dict, e.g. ``{name: oar_p_answer_mean, kind: oar_p, mode: answer_mean}``).
     """
     out: list[SignalSpec] = []
     for s in signals:
         if isinstance(s, SignalSpec):
             spec = s
         elif isinstance(s, str):
-            if s not in LEGACY_SIGNALS:
-                raise ValueError(f"oar.attribution: unknown signals [{s!r}]; valid names: {list(SIGNALS)} "
-                                 f"(or a dict with name and kind)")
-            spec = LEGACY_SIGNALS[s]
+            if s in _BARE_NAMES:
+                raise ValueError(f"oar.attribution: signal {s!r} is a bare name; a signal is a dict of its name, "
+                                 f"kind and options: write {_flow(s, _BARE_NAMES[s])}")
+            raise ValueError(f"oar.attribution: unknown signal {s!r}: a signal is a dict {{name, kind, **options}} "
+                             f"with kind one of {list(SIGNAL_KINDS)}")
         elif isinstance(s, Mapping):
             d = dict(s)
             name, kind = d.pop("name", None), d.pop("kind", None)
@@ -126,19 +201,13 @@ def signal_specs(signals: Sequence[str | Mapping[str, Any] | SignalSpec]) -> lis
             spec = SignalSpec(name, str(kind), d)
         else:
             raise ValueError(f"oar.attribution: cannot read signal {s!r}")
-        if spec.kind not in SIGNAL_OPTIONS:
-            raise ValueError(f"oar.attribution: signal {spec.name!r}: unknown kind {spec.kind!r}; valid: {list(SIGNAL_KINDS)}")
-        bad = sorted(set(spec.options) - set(SIGNAL_OPTIONS[spec.kind]))
-        if bad:
-            raise ValueError(f"oar.attribution: signal {spec.name!r} ({spec.kind}): unknown options {bad}; "
-                             f"valid: {list(SIGNAL_OPTIONS[spec.kind])}")
-        refine = spec.options.get("refine")
-        if refine is not None and (not isinstance(refine, Mapping) or set(refine) - set(SIGNAL_OPTIONS["oar_g"])):
-            raise ValueError(f"oar.attribution: signal {spec.name!r}: refine must be a mapping of oar_g options "
-                             f"{list(SIGNAL_OPTIONS['oar_g'])} ({{}} for their defaults), got {refine!r}")
-        draws = spec.options.get("draws", 1)
-        if isinstance(draws, bool) or not isinstance(draws, int) or draws < 1:
-            raise ValueError(f"oar.attribution: signal {spec.name!r}: draws must be an int >= 1, got {draws!r}")
+        o, _ = spec.typed()
+        if spec.kind == "mc_value" and o.refine is not None:
+            g = SIGNAL_KINDS["oar_g"].names
+            if not isinstance(o.refine, Mapping) or set(o.refine) - set(g):
+                raise ValueError(f"oar.attribution: signal {spec.name!r}: refine must be a mapping of oar_g options "
+                                 f"{list(g)} ({{}} for their defaults), got {o.refine!r}")
+            SignalSpec(f"{spec.name}.refine", "oar_g", dict(o.refine)).typed()
         out.append(spec)
     names = [s.name for s in out]
     dup = sorted({n for n in names if names.count(n) > 1})
@@ -150,39 +219,6 @@ def signal_specs(signals: Sequence[str | Mapping[str, Any] | SignalSpec]) -> lis
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _oar_g_fn(
-    model: torch.nn.Module, spec: SignalSpec, *, noise_std: float, seed: int, device: torch.device
-) -> Callable[[Any], torch.Tensor]:
-    """A scorer ``probe -> (B, L)`` for an ``oar_g`` spec.
-
-    The noise is seeded with ``seed``: passed as ``seed`` (per-response noise keyed by the probe
-    row) when :func:`~oar.credit.importance.gradient_importance` accepts it, else through a fresh
-    generator. ``draws`` and ``baseline`` are passed only when set, and must be accepted.
-    """
-    from oar.credit.importance import gradient_importance
-
-    o = spec.options
-    accepted = set(inspect.signature(gradient_importance).parameters)
-    kw: dict[str, Any] = {
-        "mode": o.get("mode", "answer_mean"),
-        "noise_std": float(o.get("noise_std", noise_std)),
-        "chunk_size": None if o.get("chunk_size") is None else int(o["chunk_size"]),
-    }
-    for key, default in (("draws", 1), ("baseline", None)):
-        if o.get(key, default) != default:
-            if key not in accepted:
-                raise ValueError(f"oar.attribution: signal {spec.name!r}: this gradient_importance has no {key!r} option")
-            kw[key] = o[key]
-    by_seed = "seed" in accepted
-
-    def fn(p: Any) -> torch.Tensor:
-        if by_seed:
-            return gradient_importance(model, p, seed=int(seed), **kw)
-        return gradient_importance(model, p, generator=torch.Generator(device=device).manual_seed(int(seed)), **kw)
-
-    return fn
 
 
 def _mc_value_blame(ctx: Any, tokenizer: Any, response_ids: torch.Tensor, response_mask: torch.Tensor,
@@ -199,11 +235,10 @@ def _mc_value_blame(ctx: Any, tokenizer: Any, response_ids: torch.Tensor, respon
     idx = rows.tolist()
     sub = replace(ctx, prompts=[ctx.prompts[i] for i in idx], golds=[ctx.golds[i] for i in idx], seed=int(seed))
     mean, std = group_stats(rewards, group_ids)
-    o = spec.options
+    o, _ = spec.typed()
     delta, _, _ = mc_step_credit(sub, tokenizer, response_ids[rows], response_mask[rows], rewards[rows],
-                                 group_ids[rows], k=int(o.get("k", 1)), step_split=str(o.get("step_split", "synthetic")),
-                                 max_steps=int(o.get("max_steps", 8)), norm_by_std=False,
-                                 greedy=bool(o.get("greedy", False)), root=str(o.get("root", "group")),
+                                 group_ids[rows], k=o.k, step_split=o.step_split, max_steps=o.max_steps,
+                                 reasoning_only=o.reasoning_only, norm_by_std=False, greedy=o.greedy, root=o.root,
                                  group_moments=(mean[rows], std[rows]))
     return -delta.float().cpu()
 
@@ -219,10 +254,8 @@ def compute_signals(
     rewards: torch.Tensor,
     group_ids: torch.Tensor,
     rows: torch.Tensor,
-    signals: Sequence[str | Mapping[str, Any] | SignalSpec] = DEFAULT_SIGNALS,
+    signals: Sequence[Mapping[str, Any] | SignalSpec],
     conclude: str | None = None,
-    oar_p_chunk_size: int = 128,
-    noise_std: float = 1e-3,
     ktae_options: Mapping[str, Any] | None = None,
     seed: int = 0,
     warmup: bool = True,
@@ -242,11 +275,9 @@ def compute_signals(
         rewards: ``(B,)`` outcome rewards (correct when ``> 0``).
         group_ids: ``(B,)`` group of each response (KTAE groups).
         rows: ``(n,)`` long indices of the responses to score.
-        signals: names, config dicts or :class:`SignalSpec` (:func:`signal_specs`).
+        signals: config dicts or :class:`SignalSpec` (:func:`signal_specs`).
         conclude: probe conclude string (default :data:`oar.credit.probe.DEFAULT_CONCLUDE`); a
             signal's own ``conclude`` option wins.
-        oar_p_chunk_size: sequences per OAR-P forward (when the signal sets no ``chunk_size``).
-        noise_std: OAR-G embedding noise (when the signal sets no ``noise_std``).
         ktae_options: keywords of :func:`oar.credit.ktae.ktae_scores_batch` (default ignores eos).
         seed: seed of the OAR-G noise and the random baseline.
         warmup: run each OAR signal once on one response before timing (first-call overheads).
@@ -267,8 +298,7 @@ def compute_signals(
         raise ValueError(f"oar.attribution.compute_signals: repeats must be >= 1, got {repeats}")
     run = _SignalRun(model=model, tokenizer=tokenizer, prompt_ids=prompt_ids, prompt_mask=prompt_mask,
                      response_ids=response_ids, response_mask=response_mask, rewards=rewards, group_ids=group_ids,
-                     rows=torch.as_tensor(rows, dtype=torch.long), conclude=conclude, oar_p_chunk_size=oar_p_chunk_size,
-                     noise_std=noise_std, ktae_options=ktae_options, seed=seed, warmup=warmup, repeats=repeats,
+                     rows=torch.as_tensor(rows, dtype=torch.long), conclude=conclude, ktae_options=ktae_options, seed=seed, warmup=warmup, repeats=repeats,
                      continuations=continuations)
     base, _ = run.probe_for(run.default_conclude)
     info: dict[str, Any] = {
@@ -302,8 +332,6 @@ class _SignalRun:
     group_ids: torch.Tensor
     rows: torch.Tensor
     conclude: str | None
-    oar_p_chunk_size: int
-    noise_std: float
     ktae_options: Mapping[str, Any] | None
     seed: int
     warmup: bool
@@ -357,14 +385,20 @@ class _SignalRun:
         assert first is not None
         return first, best
 
+    def conclude_of(self, options: OarPOptions | OarGOptions) -> str:
+        """The probe conclude string of an OAR signal: its own, else the benchmark's."""
+        return self.default_conclude if options.conclude is None else str(options.conclude)
+
 
 #: A scorer: ``(run, spec) -> (scores (n, T) float on CPU, seconds, responses scored, note)``.
 Scorer = Callable[[_SignalRun, SignalSpec], tuple[torch.Tensor, float, int, str]]
 
 
-def _probe_scorer(run: _SignalRun, spec: SignalSpec, fn: Callable[..., torch.Tensor]) -> tuple[torch.Tensor, float, int, str]:
-    """OAR-P / OAR-G: ``fn(probe, rows)`` on the probe of the spec's conclude string (warmed up once)."""
-    cpu_probe, dev_probe = run.probe_for(str(spec.options.get("conclude", run.default_conclude)))
+
+def _probe_scorer(run: _SignalRun, options: OarPOptions | OarGOptions,
+                  fn: Callable[..., torch.Tensor]) -> tuple[torch.Tensor, float, int, str]:
+    """OAR-P / OAR-G: ``fn(probe, rows)`` on the probe of the signal's conclude string (warmed up once)."""
+    cpu_probe, dev_probe = run.probe_for(run.conclude_of(options))
     answered = cpu_probe.has_answer.nonzero().flatten()
     if run.warmup and answered.numel():
         fn(dev_probe.select(answered[:1]), answered[:1])
@@ -373,26 +407,22 @@ def _probe_scorer(run: _SignalRun, spec: SignalSpec, fn: Callable[..., torch.Ten
 
 
 def _score_oar_p(run: _SignalRun, spec: SignalSpec) -> tuple[torch.Tensor, float, int, str]:
-    from oar.credit.importance import perturbation_importance, value_tie_ids
-
-    o = spec.options
-    mode, cs = o.get("mode", "last"), int(o.get("chunk_size", run.oar_p_chunk_size))
-    ties = None
-    if o.get("tie", "none") == "values":
-        cpu_probe, _ = run.probe_for(str(o.get("conclude", run.default_conclude)))
-        ties = value_tie_ids(run.tokenizer, cpu_probe, run.response_ids[run.rows], run.response_mask[run.rows])
+    o, _ = spec.typed()
+    cpu_probe, _ = run.probe_for(run.conclude_of(o))
+    ties = oar_p_tie_ids(run.tokenizer, cpu_probe, run.response_ids[run.rows], run.response_mask[run.rows], o)
 
     def fn(p: Any, sel: Any) -> torch.Tensor:
         t = None if ties is None else (ties if sel is None else ties[sel])
-        t = None if t is None else t.to(p.input_ids.device)[:, t.shape[1] - p.input_ids.shape[1]:]
-        return perturbation_importance(run.model, p, mode=mode, chunk_size=cs, tie_ids=t).abs()
+        return oar_p_scores(run.model, p, o, tie_ids=t).abs()
 
-    return _probe_scorer(run, spec, fn)
+    return _probe_scorer(run, o, fn)
 
 
 def _score_oar_g(run: _SignalRun, spec: SignalSpec) -> tuple[torch.Tensor, float, int, str]:
-    g = _oar_g_fn(run.model, spec, noise_std=run.noise_std, seed=run.seed, device=run.device)
-    return _probe_scorer(run, spec, lambda p, sel: g(p))
+    """OAR-G seeded with the benchmark's seed, all rows in one call (``chunk_size`` splits them)."""
+    o, _ = spec.typed()
+    o = replace(o, seed=int(run.seed), chunk_tokens=None)
+    return _probe_scorer(run, o, lambda p, sel: oar_g_scores(run.model, p, o))
 
 
 def _score_ktae(run: _SignalRun, spec: SignalSpec) -> tuple[torch.Tensor, float, int, str]:
@@ -408,21 +438,23 @@ def _score_ktae(run: _SignalRun, spec: SignalSpec) -> tuple[torch.Tensor, float,
                                                        run.group_ids.long(), **opts))
     k, dt = run.ktae
     k = k.float().cpu()[run.rows]
-    return (k if spec.options.get("signed", False) else k.abs()), dt, int(run.response_ids.shape[0]), "per group member"
+    o, _ = spec.typed()
+    return (k if o.signed else k.abs()), dt, int(run.response_ids.shape[0]), "per group member"
 
 
 def _score_mc_value(run: _SignalRun, spec: SignalSpec) -> tuple[torch.Tensor, float, int, str]:
     s, dt = run.timed(lambda: _mc_value_blame(run.continuations, run.tokenizer, run.response_ids, run.response_mask,
                                               run.rewards, run.group_ids, run.rows, spec, run.seed))
-    refine = spec.options.get("refine")
-    if refine is None:
+    o, extra = spec.typed()
+    if o.refine is None:
         return s, dt, run.n, ""
-    (g_spec,) = signal_specs([{"name": f"{spec.name}.refine", "kind": "oar_g", **refine}])
+    (g_spec,) = signal_specs([{"name": f"{spec.name}.refine", "kind": "oar_g", **o.refine}])
     g, dt_g, _, _ = _score_oar_g(run, g_spec)
-    return refine_within_steps(s, g, float(spec.options.get("refine_weight", 1e-3))), dt + dt_g, run.n, "refined by OAR-G"
+    return refine_within_steps(s, g, float(extra.refine_weight)), dt + dt_g, run.n, "refined by OAR-G"
 
 
-def refine_within_steps(blame: torch.Tensor, g: torch.Tensor, weight: float = 1e-3) -> torch.Tensor:
+def refine_within_steps(blame: torch.Tensor, g: torch.Tensor,
+                        weight: float = McValueSignalOptions.refine_weight) -> torch.Tensor:
     """Break the ties of a step-level score with a token-level one: ``blame + weight * g / max_t g``.
 
     Args:
@@ -454,7 +486,7 @@ def _score_uniform(run: _SignalRun, spec: SignalSpec) -> tuple[torch.Tensor, flo
     return s, dt, run.n, ""
 
 
-#: The scorer of each signal kind (a new kind is one function here and its options in SIGNAL_OPTIONS).
+#: The scorer of each signal kind (a new kind is one function here and its options in SIGNAL_KINDS).
 _SCORERS: dict[str, Scorer] = {
     "oar_p": _score_oar_p,
     "oar_g": _score_oar_g,
@@ -463,4 +495,4 @@ _SCORERS: dict[str, Scorer] = {
     "random": _score_random,
     "uniform": _score_uniform,
 }
-assert set(_SCORERS) == set(SIGNAL_OPTIONS), "every signal kind needs a scorer and its options"
+assert set(_SCORERS) == set(SIGNAL_KINDS), "every signal kind needs a scorer and its options"

@@ -47,12 +47,12 @@ import torch
 
 from oar.credit import CreditBatch, CreditResult, register_estimator
 from oar.credit.advantages import SEQ_OPTIONS, check_options, group_moments, sequence_advantages
-from oar.credit.importance import OAR_G_OPTIONS, importance_scores
-from oar.credit.reshape import RESHAPE_OPTIONS
+from oar.credit.importance import OarGOptions, importance_scores, option_names, options_from
 
 __all__ = [
     "STEP_SPLITS",
     "MC_VALUE_OPTIONS",
+    "McValueOptions",
     "ROOTS",
     "ContinuationContext",
     "step_boundaries",
@@ -72,14 +72,52 @@ STEP_SPLITS: dict[str, str] = {
     "sentence": r"(?<=[.!?])\s+|\n+",
 }
 
-#: Options of the ``mc_value`` estimator.
-MC_VALUE_OPTIONS: tuple[str, ...] = SEQ_OPTIONS + ("k", "step_split", "max_steps", "seq_weight", "alpha",
-                                                   "reasoning_only", "greedy", "root", "refine", "refine_floor")
-#: OAR-G's options that ``refine`` takes: its scoring options without the sequence advantage and the
-#: Bi-Level reshaping (:func:`oar.credit.importance.importance_scores`).
-REFINE_OPTIONS: tuple[str, ...] = tuple(o for o in OAR_G_OPTIONS if o not in SEQ_OPTIONS + RESHAPE_OPTIONS)
 #: Where ``V_0`` comes from: the group's mean reward, or continuations of the bare prompt.
 ROOTS: tuple[str, ...] = ("group", "continuation")
+
+
+@dataclass(frozen=True)
+class McValueOptions:
+    """``mc_value``'s options (besides the sequence advantage's), the one place their defaults are
+    written (the estimator's, :func:`mc_step_credit`'s and the attribution benchmark's ``mc_value``
+    signals').
+
+    Attributes:
+        k: continuations per step boundary (VinePPO's K).
+        greedy: one greedy continuation per boundary instead of ``k`` sampled ones.
+        step_split: step boundaries (:data:`STEP_SPLITS` or a regular expression).
+        max_steps: at most this many boundaries per response (the first ones).
+        reasoning_only: no boundary after the last ``\\boxed{``.
+        root: :data:`ROOTS`, where ``V_0`` comes from.
+        refine: None, or OAR-G's options (:class:`oar.credit.importance.OarGOptions`) that spread each
+            step's credit over its tokens.
+        refine_floor: with ``refine``, the weight of a token OAR-G scores 0.
+        seq_weight: weight of the GRPO sequence advantage added to every token.
+        alpha: weight of the step advantage.
+    """
+
+    k: int = 1
+    greedy: bool = False
+    step_split: str = "synthetic"
+    max_steps: int = 8
+    reasoning_only: bool = True
+    root: str = "group"
+    refine: Mapping[str, Any] | None = None
+    refine_floor: float = 0.1
+    seq_weight: float = 0.0
+    alpha: float = 1.0
+
+    def __post_init__(self) -> None:
+        for key, cast in (("k", int), ("greedy", bool), ("step_split", str), ("max_steps", int),
+                          ("reasoning_only", bool), ("root", str), ("refine_floor", float), ("seq_weight", float),
+                          ("alpha", float)):
+            object.__setattr__(self, key, cast(getattr(self, key)))
+
+
+#: Options of the ``mc_value`` estimator.
+MC_VALUE_OPTIONS: tuple[str, ...] = SEQ_OPTIONS + option_names(McValueOptions)
+#: OAR-G's options that ``refine`` takes: its scoring options (:class:`oar.credit.importance.OarGOptions`).
+REFINE_OPTIONS: tuple[str, ...] = option_names(OarGOptions)
 
 
 @dataclass
@@ -276,10 +314,12 @@ def step_advantages(values: torch.Tensor, seg: torch.Tensor, response_mask: torc
 
 
 def mc_step_credit(ctx: ContinuationContext, tokenizer: Any, response_ids: torch.Tensor, response_mask: torch.Tensor,
-                   rewards: torch.Tensor, group_ids: torch.Tensor, *, k: int = 1, step_split: str = "synthetic",
-                   max_steps: int = 8, reasoning_only: bool = True, norm_by_std: bool = True,
-                   greedy: bool = False, group_moments: tuple[torch.Tensor, torch.Tensor] | None = None,
-                   root: str = "group", token_scores: torch.Tensor | None = None, refine_floor: float = 0.1,
+                   rewards: torch.Tensor, group_ids: torch.Tensor, *, k: int = McValueOptions.k,
+                   step_split: str = McValueOptions.step_split, max_steps: int = McValueOptions.max_steps,
+                   reasoning_only: bool = McValueOptions.reasoning_only, norm_by_std: bool = True,
+                   greedy: bool = McValueOptions.greedy, group_moments: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   root: str = McValueOptions.root, token_scores: torch.Tensor | None = None,
+                   refine_floor: float = McValueOptions.refine_floor,
                    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """Step deltas of a batch: ``(delta (B, T) float32, values (B, S + 1) float64, cost stats)``.
 
@@ -328,13 +368,13 @@ def mc_step_credit(ctx: ContinuationContext, tokenizer: Any, response_ids: torch
 def mc_value_estimator(batch: CreditBatch, **options: Any) -> CreditResult:
     """``mc_value``: Monte-Carlo step credit (module docstring), ``seq_weight * A_i + alpha * delta``.
 
-    Options: ``k`` (1, continuations per boundary), ``greedy`` (False: sampled at the rollout's
-    temperature; True: one greedy continuation), ``step_split`` (``synthetic``), ``max_steps`` (8),
-    ``reasoning_only`` (True), ``root`` (``group``: ``V_0`` is the group's mean reward;
-    ``continuation``: from continuations of the bare prompt), ``refine`` (None; a mapping of OAR-G's
+    Options: :class:`McValueOptions` (defaults there: ``k`` continuations per boundary, ``greedy``
+    (sampled at the rollout's temperature, or one greedy continuation), ``step_split``,
+    ``max_steps``, ``reasoning_only``, ``root`` (``group``: ``V_0`` is the group's mean reward;
+    ``continuation``: from continuations of the bare prompt), ``refine`` (a mapping of OAR-G's
     options, e.g. ``{mode: answer_joint}``: each step's credit spread over its tokens by OAR-G's
-    scores, one OAR-G pass over the answered responses), ``refine_floor`` (0.1), ``seq_weight``
-    (0.0), ``alpha`` (1.0), ``norm_by_std`` (True), ``eps``.
+    scores, one OAR-G pass over the answered responses), ``refine_floor``, ``seq_weight``,
+    ``alpha``) and the sequence advantage's ``norm_by_std`` (True), ``eps``.
     Needs ``batch.tokenizer`` and ``batch.extras["continuations"]`` (a :class:`ContinuationContext`,
     set by the trainer). Stats: the continuation cost (``mc_prefixes``, ``mc_states``,
     ``mc_continuations``, ``mc_tokens``, ``mc_seconds``) and ``mc_steps_per_response``.
@@ -345,8 +385,9 @@ def mc_value_estimator(batch: CreditBatch, **options: Any) -> CreditResult:
         raise ValueError("estimator 'mc_value': CreditBatch.extras['continuations'] (a ContinuationContext: the "
                          "rollout engine, prompts, gold answers and reward) and CreditBatch.tokenizer are needed")
     A = sequence_advantages(batch, options)
+    o = options_from(McValueOptions, {k: v for k, v in options.items() if k not in SEQ_OPTIONS}, "estimator 'mc_value'")
     scores, refine_stats = None, {}
-    refine = options.get("refine")
+    refine = o.refine
     if refine is not None:
         if not isinstance(refine, Mapping) or set(refine) - set(REFINE_OPTIONS):
             raise ValueError(f"estimator 'mc_value': refine must be a mapping of OAR-G options {list(REFINE_OPTIONS)}, "
@@ -356,13 +397,10 @@ def mc_value_estimator(batch: CreditBatch, **options: Any) -> CreditResult:
         refine_stats = {"refine_s": st["importance_s"] + st["probe_s"]}
     delta, _, stats = mc_step_credit(
         ctx, batch.tokenizer, batch.response_ids, batch.response_mask, batch.rewards, batch.group_ids,
-        k=int(options.get("k", 1)), step_split=str(options.get("step_split", "synthetic")),
-        max_steps=int(options.get("max_steps", 8)), reasoning_only=bool(options.get("reasoning_only", True)),
-        norm_by_std=bool(options.get("norm_by_std", True)), greedy=bool(options.get("greedy", False)),
-        root=str(options.get("root", "group")), token_scores=scores,
-        refine_floor=float(options.get("refine_floor", 0.1)))
+        k=o.k, step_split=o.step_split, max_steps=o.max_steps, reasoning_only=o.reasoning_only,
+        norm_by_std=bool(options.get("norm_by_std", True)), greedy=o.greedy, root=o.root, token_scores=scores,
+        refine_floor=o.refine_floor)
     stats.update(refine_stats)
     m = batch.response_mask.to(torch.float32)
-    token_adv = (float(options.get("seq_weight", 0.0)) * A.float()[:, None] * m
-                 + float(options.get("alpha", 1.0)) * delta.to(m.device) * m)
+    token_adv = o.seq_weight * A.float()[:, None] * m + o.alpha * delta.to(m.device) * m
     return CreditResult(token_advantages=token_adv, seq_advantages=A, weights=None, stats=stats)
