@@ -302,17 +302,13 @@ def gradient_importance(
         ``(B, L)`` float32 scores on the probe's device, 0 where ``probe.reasoning_mask`` is 0.
     """
     B = probe.input_ids.shape[0]
-    row_keys = _check_arguments(mode, noise_std, chunk_size, chunk_tokens, draws, baseline, row_keys, B)
-    if seed is None:
-        src = generator
-        seed = int(torch.randint(0, 2**62, (1,), generator=src, device=src.device if src is not None else "cpu"))
+    keys = _check_arguments(mode, noise_std, chunk_size, chunk_tokens, draws, baseline, row_keys, B).cpu()
+    seed = _base_seed(seed, generator)
     scores = torch.zeros(probe.input_ids.shape, dtype=torch.float32, device=probe.input_ids.device)
     rows_all, sub_all = answered(probe)
     if rows_all.numel() == 0 or not bool(sub_all.reasoning_mask.any()):
         return scores
-    dev = model_device(model)
-    embed = model.get_input_embeddings()
-    keys = row_keys.cpu()
+    dev, embed = model_device(model), model.get_input_embeddings()
     with eval_mode(model):
         for rows in _chunks(sub_all, rows_all, chunk_size, chunk_tokens, int(draws)):
             sub = probe.select(rows).to(dev)
@@ -321,6 +317,14 @@ def gradient_importance(
             # the group's probe may have dropped leading pad columns: align on the right
             scores[rows, scores.shape[1] - s.shape[1] :] = s.to(scores.device)
     return scores * probe.reasoning_mask
+
+
+def _base_seed(seed: int | None, generator: torch.Generator | None) -> int:
+    """``seed``, or (None) one draw from ``generator`` (the global RNG without one)."""
+    if seed is not None:
+        return seed
+    src = generator
+    return int(torch.randint(0, 2**62, (1,), generator=src, device=src.device if src is not None else "cpu"))
 
 
 def _check_arguments(mode: str, noise_std: float, chunk_size: int | None, chunk_tokens: int | None, draws: int,
