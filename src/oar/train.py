@@ -51,7 +51,6 @@ __all__ = [
     "TrainingError",
     "train",
     "check_train_inputs",
-    "train_from_config",
     "policy_forward",
     "load_training_records",
     "make_scheduler",
@@ -174,7 +173,7 @@ class _PromptStream:
         for _ in range(k):
             epoch, pos = divmod(self.cursor, self.n)
             if pos == 0 or not hasattr(self, "_perm") or self._epoch != epoch:
-                g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+                g = torch.Generator().manual_seed(self.seed * SEED_STRIDE + epoch)
                 self._perm, self._epoch = torch.randperm(self.n, generator=g).tolist(), epoch
             out.append(self._perm[pos])
             self.cursor += 1
@@ -200,8 +199,18 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+#: Seed derivation: a run's seed, a step and a salt give each random draw of the step its own seed
+#: (:func:`_step_seed`); the prompt order of an epoch is seeded ``seed * SEED_STRIDE + epoch``.
+SEED_STRIDE = 1_000_003
+STEP_STRIDE = 101
+#: Salts of the step's draws besides the rollout's rounds (0, 1, ... for DAPO's extra rounds).
+CONTINUATIONS_SALT = 104729  # mc_value's continuations
+UPDATE_SALT = 7919  # the update's mini-batch shuffles
+
+
 def _step_seed(seed: int, step: int, round_: int = 0) -> int:
-    return (seed * 1_000_003 + step * 101 + round_) % (2**63 - 1)
+    """The seed of a step's draw: ``round_`` is the rollout round or one of the salts above."""
+    return (seed * SEED_STRIDE + step * STEP_STRIDE + round_) % (2**63 - 1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -517,7 +526,7 @@ def _credit(loop: _Loop, batch: "StepBatch", step: int, timings: dict[str, float
     if estimator_needs_continuations(name):  # registered with needs_continuations (mc_value)
         extras["continuations"] = _continuations(loop.engine, batch, loop.prompts_all, loop.records,
                                                  config=loop.config, recipe=loop.recipe,
-                                                 seed=_step_seed(loop.seed, step, 104729))
+                                                 seed=_step_seed(loop.seed, step, CONTINUATIONS_SALT))
     with loop.strategy.local_phase(loop.model) if estimator_needs_model(name) else contextlib.nullcontext():
         with marked_timer("importance", timings):
             return get_estimator(name)(
@@ -539,7 +548,7 @@ def _update(loop: _Loop, batch: "StepBatch", credit: Any, step: int,
         out = _update_policy(loop.model, loop.optimizer, loop.strategy, batch.rollout,
                              credit.token_advantages.float(), loop.ref_model, recipe=loop.recipe, tcfg=loop.tcfg,
                              temperature=loop.rcfg["temperature"], agg_max_len=loop.agg_max_len,
-                             generator=torch.Generator().manual_seed(_step_seed(loop.seed, step, 7919)))
+                             generator=torch.Generator().manual_seed(_step_seed(loop.seed, step, UPDATE_SALT)))
         loop.scheduler.step()
         refresh_engine(loop.engine, loop.strategy, loop.model)
     return out
@@ -973,9 +982,3 @@ def _interrupted(stop: StopSignal, step: int, folder: RunFolder, tracker: Any, s
     strategy.barrier()
     return {"interrupted_at": step, "signal": reason, "checkpoint": str(folder.checkpoint) if checkpointed else None}
 
-
-def train_from_config(config_path: str | Path, method: str, seed: int, output: str | Path, **kw: Any) -> dict:
-    """Load and validate ``config_path``, then :func:`train`."""
-    from oar.config import load_config
-
-    return train(load_config(config_path), method, seed, output, **kw)
