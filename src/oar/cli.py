@@ -248,9 +248,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``oar`` parser: one subcommand per stage (each sets ``fn``, the function that runs it)."""
     p = argparse.ArgumentParser(prog="oar", description="Fine-grained credit assignment for RL of LLMs on math reasoning.")
     sub = p.add_subparsers(dest="command", required=True)
+    _add_stage_commands(sub)
+    _add_report_commands(sub)
+    _add_tool_commands(sub)
+    return p
 
+
+def _add_stage_commands(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """The pipeline's stages: ``sft``, ``train``, ``evaluate``, ``data``, ``attribution``."""
     s = sub.add_parser("sft", help="warm-start SFT on reference solutions (the synthetic task, or a benchmark with solutions such as gsm8k)")
     _add_config(s)
     s.add_argument("--output", required=True, help="folder for the SFT model (save_pretrained) and sft_summary.json")
@@ -290,6 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "attribution.md, localisation.png, fidelity.png, summary.json")
     s.set_defaults(fn=_cmd_attribution)
 
+
+def _add_report_commands(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """What reads finished runs: ``report``, ``compare``, ``regimes``."""
     s = sub.add_parser("report", help="comparison tables (main, efficiency) and figures from a results folder")
     _add_config(s)
     s.add_argument("--results", default=None, help="results folder of the config (default results_dir/name)")
@@ -322,6 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cells: the cells to write (default: every cell not marked optional)")
     s.set_defaults(fn=_cmd_regimes)
 
+
+def _add_tool_commands(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """The tools around the stages: ``init-tracking``, ``plan``, ``fetch-model``, ``methods``."""
     s = sub.add_parser("init-tracking", help="create the MLflow store and experiment (once, before parallel jobs)")
     _add_config(s)
     s.set_defaults(fn=_cmd_init_tracking)
@@ -344,7 +358,6 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("methods", help="list the config's methods as resolved (recipe, credit, options)")
     _add_config(s)
     s.set_defaults(fn=_cmd_methods)
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:

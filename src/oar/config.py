@@ -822,12 +822,54 @@ def resolve_method(config: dict, name: str, *, source: str | ConfigSource = "<co
     recipe_schema = sch["$defs"]["recipe"]
     user = None
     load = _credit_layer_here()
+    where = f"{src.locate(('methods', name, 'credit'))}: key methods.{name}.credit"
     if credit not in credit_schemas or credit == "description":
-        user = _user_estimator(credit, f"{src.locate(('methods', name, 'credit'))}: key methods.{name}.credit",
-                               credit_schemas, load=load)
-    credit_keys = set(credit_schemas[credit]["properties"]) if user is None else set(user.options or ())
+        user = _user_estimator(credit, where, credit_schemas, load=load)
     recipe = copy.deepcopy(recipes[recipe_name])
     _fill_defaults(recipe, recipe_schema)
+    credit_options = _split_method_options(flat, recipe, recipe_schema, credit_schemas, user, name=name,
+                                           recipe_name=recipe_name, credit=credit, src=src)
+    _check_method_options(recipe, credit_options, recipe_schema, credit_schemas.get(credit), user, name=name,
+                          credit=credit, src=src)
+    estimator = credit if credit != "none" else ("grpo" if recipe["norm_by_std"] else "drgrpo")
+    if load:
+        _check_registered(estimator, where)
+    _check_control_task(config, name, credit, credit_schemas, user, src)
+    return ResolvedMethod(
+        name=name,
+        recipe_name=recipe_name,
+        recipe=recipe,
+        credit=credit,
+        credit_options=credit_options,
+        estimator=estimator,
+        label=flat.get("label", name),
+        takes_norm_by_std=user is None or user.takes("norm_by_std"),
+    )
+
+
+def _split_method_options(
+    flat: Mapping[str, Any],
+    recipe: dict,
+    recipe_schema: Mapping[str, Any],
+    credit_schemas: Mapping[str, Any],
+    user: UserEstimator | None,
+    *,
+    name: str,
+    recipe_name: str,
+    credit: str,
+    src: ConfigSource,
+) -> dict[str, Any]:
+    """Sort the keys of the flattened method ``flat`` (all but :data:`RESERVED_METHOD_KEYS`) into the
+    recipe and the credit estimator's options; return the latter.
+
+    A key the credit estimator takes (its schema's properties, or a user estimator's keyword
+    parameters; any key but the recipe's for a user estimator taking ``**options``) is a credit
+    option; else a recipe key overrides ``recipe`` (updated in place).
+
+    Raises:
+        ConfigError: a key neither accepts (at ``methods.<name>.<key>``, with the nearest allowed key).
+    """
+    credit_keys = set(credit_schemas[credit]["properties"]) if user is None else set(user.options or ())
     credit_options: dict[str, Any] = {}
     for key, value in flat.items():
         if key in RESERVED_METHOD_KEYS:
@@ -842,9 +884,30 @@ def resolve_method(config: dict, name: str, *, source: str | ConfigSource = "<co
             hint = f"did you mean {near}? (allowed: {allowed})" if near is not None else f"allowed: {allowed}"
             raise src.error(("methods", name, key),
                             f"not an option of recipe {recipe_name!r} or credit {credit!r}; {hint}")
+    return credit_options
+
+
+def _check_method_options(
+    recipe: Mapping[str, Any],
+    credit_options: Mapping[str, Any],
+    recipe_schema: Mapping[str, Any],
+    credit_schema: Mapping[str, Any] | None,
+    user: UserEstimator | None,
+    *,
+    name: str,
+    credit: str,
+    src: ConfigSource,
+) -> None:
+    """Check a method's recipe and credit options: against the schema (a built-in credit; the recipe
+    always), or a user estimator's annotations and required keyword parameters.
+
+    Raises:
+        ConfigError: the first schema error (``(recipe setting)`` / ``(credit setting)``), a value of
+            the wrong type for a user estimator, or its missing required options.
+    """
     import jsonschema
 
-    for obj, sub, what in ((recipe, recipe_schema, "recipe"), (credit_options, credit_schemas.get(credit), "credit")):
+    for obj, sub, what in ((recipe, recipe_schema, "recipe"), (credit_options, credit_schema, "credit")):
         if sub is None:  # a user estimator: its annotations
             continue
         errs = list(jsonschema.Draft202012Validator(sub).iter_errors(obj))
@@ -861,26 +924,18 @@ def resolve_method(config: dict, name: str, *, source: str | ConfigSource = "<co
             raise src.error(("methods", name, "credit"),
                             f"{credit!r} ({user.origin}) needs option(s) {missing} (keyword parameters without a "
                             f"default); set them in methods.{name} or give them defaults")
-    estimator = credit if credit != "none" else ("grpo" if recipe["norm_by_std"] else "drgrpo")
-    if load:
-        _check_registered(estimator, f"{src.locate(('methods', name, 'credit'))}: key methods.{name}.credit")
-    # a control that reads a task's ground truth says so in the schema (x-task), checked before any work
+
+
+def _check_control_task(config: Mapping[str, Any], name: str, credit: str, credit_schemas: Mapping[str, Any],
+                        user: UserEstimator | None, src: ConfigSource) -> None:
+    """A control that reads a task's ground truth says so in the schema (``x-task``): raise
+    :class:`ConfigError` when the config's ``task.kind`` is another (checked before any work)."""
     needs_task = (credit_schemas.get(credit) or {}).get("x-task") if user is None else None
     task_kind = (config.get("task") or {}).get("kind")
     if needs_task is not None and task_kind is not None and task_kind != needs_task:
         raise src.error(("methods", name, "credit"),
                         f"{credit!r} is a control that reads the {needs_task} task's ground truth; it cannot run "
                         f"with task.kind {task_kind!r}")
-    return ResolvedMethod(
-        name=name,
-        recipe_name=recipe_name,
-        recipe=recipe,
-        credit=credit,
-        credit_options=credit_options,
-        estimator=estimator,
-        label=flat.get("label", name),
-        takes_norm_by_std=user is None or user.takes("norm_by_std"),
-    )
 
 
 def _credit_layer_here() -> bool:

@@ -85,7 +85,6 @@ def evaluate_records(
     from tqdm.auto import tqdm
 
     from oar.data.prompts import render_prompt
-    from oar.reward import extracted_answer, score_batch
     from oar.stats import pass_at_k
 
     if chunk_size < 1:
@@ -106,33 +105,11 @@ def evaluate_records(
                dynamic_ncols=True, unit="answer")
     try:
         for kind, per, kw in passes:
-            step = max(1, chunk_size // per)
-            n_correct = [0] * len(records)
-            total = 0.0
-            for c, lo in enumerate(range(0, len(records), step)):
-                chunk = list(range(lo, min(lo + step, len(records))))
-                ro = engine.generate([prompts[i] for i in chunk], temperature=temperature, top_p=top_p,
-                                     max_new_tokens=max_new_tokens,
-                                     seed=None if seed is None else seed * 1_000_003 + c, **kw)
-                idx = [chunk[j] for j in ro.prompt_index.tolist()]
-                scores = score_batch(ro.texts, [golds[i] for i in idx], correct=1.0, wrong=0.0, timeout_s=timeout_s,
-                                     workers=workers)
-                counter: dict[int, int] = {}
-                for i, text, s in zip(idx, ro.texts, scores):
-                    found = extracted_answer(text)
-                    n_answered += found is not None
-                    k = counter.get(i, 0)
-                    counter[i] = k + 1
-                    ok = bool(s > 0.5)
-                    n_correct[i] += ok
-                    row = {"id": records[i]["id"], "gold": golds[i], "correct": ok, "sample": -1 if kind == "greedy" else k}
-                    if keep_text:
-                        row.update(question=records[i]["question"], response=text, extracted=found)
-                    rows.append(row)
-                lengths.extend(ro.response_mask.sum(1).float().tolist())
-                total += float(sum(scores))
-                bar.update(len(ro.texts))
-                del ro
+            total, n_correct, answered = _evaluate_pass(
+                engine, records, prompts, golds, kind=kind, step=max(1, chunk_size // per), generate_kw=kw,
+                temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed,
+                timeout_s=timeout_s, workers=workers, keep_text=keep_text, rows=rows, lengths=lengths, bar=bar)
+            n_answered += answered
             acc = total / max(1, len(records) * per)
             if kind == "greedy":
                 summary["pass@1"] = acc
@@ -145,6 +122,70 @@ def evaluate_records(
     summary["mean_response_tokens"] = float(sum(lengths) / max(1, len(lengths)))
     summary["seconds"] = time.perf_counter() - t0
     return summary, rows
+
+
+def _evaluate_pass(
+    engine: Any,
+    records: Sequence[dict],
+    prompts: Sequence[str],
+    golds: Sequence[str],
+    *,
+    kind: str,
+    step: int,
+    generate_kw: dict,
+    temperature: float,
+    top_p: float,
+    max_new_tokens: int,
+    seed: int | None,
+    timeout_s: float,
+    workers: int | None,
+    keep_text: bool,
+    rows: list[dict],
+    lengths: list[float],
+    bar: Any,
+) -> tuple[float, list[int], int]:
+    """One pass of :func:`evaluate_records` (``kind`` ``greedy`` or ``sampled``), ``step`` problems per
+    ``engine.generate`` call (``generate_kw``: its ``n`` and ``greedy``; chunk ``c`` seeded
+    ``seed * 1_000_003 + c``), each chunk scored at once.
+
+    Appends a row per answer to ``rows`` and each answer's response length to ``lengths``, and
+    advances ``bar`` by the answers of each chunk.
+
+    Returns:
+        ``(total, n_correct, n_answered)``: the summed score of the pass's answers, the correct
+        answers per problem (in the order of ``records``), and the answers with a final answer the
+        reward can read.
+    """
+    from oar.reward import extracted_answer, score_batch
+
+    n_correct = [0] * len(records)
+    total = 0.0
+    n_answered = 0
+    for c, lo in enumerate(range(0, len(records), step)):
+        chunk = list(range(lo, min(lo + step, len(records))))
+        ro = engine.generate([prompts[i] for i in chunk], temperature=temperature, top_p=top_p,
+                             max_new_tokens=max_new_tokens,
+                             seed=None if seed is None else seed * 1_000_003 + c, **generate_kw)
+        idx = [chunk[j] for j in ro.prompt_index.tolist()]
+        scores = score_batch(ro.texts, [golds[i] for i in idx], correct=1.0, wrong=0.0, timeout_s=timeout_s,
+                             workers=workers)
+        counter: dict[int, int] = {}
+        for i, text, s in zip(idx, ro.texts, scores):
+            found = extracted_answer(text)
+            n_answered += found is not None
+            k = counter.get(i, 0)
+            counter[i] = k + 1
+            ok = bool(s > 0.5)
+            n_correct[i] += ok
+            row = {"id": records[i]["id"], "gold": golds[i], "correct": ok, "sample": -1 if kind == "greedy" else k}
+            if keep_text:
+                row.update(question=records[i]["question"], response=text, extracted=found)
+            rows.append(row)
+        lengths.extend(ro.response_mask.sum(1).float().tolist())
+        total += float(sum(scores))
+        bar.update(len(ro.texts))
+        del ro
+    return total, n_correct, n_answered
 
 
 def records_digest(records: Sequence[dict]) -> str:

@@ -28,8 +28,9 @@ from __future__ import annotations
 import math
 import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -236,6 +237,39 @@ def run_sft(
         train_seconds), "cpu_seconds" (process CPU time, all threads; less sensitive to other load on
         the machine), "response_tokens" (trained on), "eval_curve": [(step, accuracy), ...]}``.
     """
+    _check_sft_inputs(train_records, steps=steps, batch_size=batch_size)
+    if eval_records is not None and eval_every is None:
+        eval_every = steps
+    prompts = [render_prompt(template, r["question"], tokenizer) for r in train_records]
+    solutions = [r["solution"] for r in train_records]
+    optimizer = torch.optim.AdamW(_param_groups(model, weight_decay), lr=lr, betas=tuple(betas))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: lr_lambda(s, warmup_steps=warmup_steps, total_steps=steps, min_ratio=min_lr_ratio),
+    )
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=steps, desc="sft", unit="step", dynamic_ncols=True)
+    t0, c0 = time.perf_counter(), time.process_time()
+    model.train()
+    try:
+        curves = _sft_steps(model, tokenizer, prompts, solutions, optimizer, scheduler,
+                            _sft_batches(len(train_records), batch_size, seed), steps=steps,
+                            micro_batch_size=micro_batch_size, grad_clip=grad_clip, eval_records=eval_records,
+                            eval_every=eval_every, template=template, eval_max_new_tokens=eval_max_new_tokens,
+                            log_fn=log_fn, bar=bar)
+    finally:
+        model.eval()
+        if bar is not None:
+            bar.close()
+    return _sft_summary(curves, steps=steps, batch_size=batch_size, t0=t0, c0=c0)
+
+
+def _check_sft_inputs(train_records: Sequence[Mapping[str, Any]], *, steps: int, batch_size: int) -> None:
+    """Raise ValueError for :func:`run_sft`'s bad arguments: ``steps`` or ``batch_size`` below 1, no
+    training records, or a first record without ``question`` or ``solution``."""
     if steps < 1 or batch_size < 1:
         raise ValueError(f"sft: steps and batch_size must be >= 1 (got steps={steps}, batch_size={batch_size})")
     if not train_records:
@@ -244,92 +278,117 @@ def run_sft(
         for k in ("question", "solution"):
             if k not in r:
                 raise ValueError(f"sft: training record {i} has no {k!r} key (keys: {sorted(r)})")
-    if eval_records is not None and eval_every is None:
-        eval_every = steps
-    device = next(model.parameters()).device
 
-    prompts = [render_prompt(template, r["question"], tokenizer) for r in train_records]
-    solutions = [r["solution"] for r in train_records]
 
-    optimizer = torch.optim.AdamW(_param_groups(model, weight_decay), lr=lr, betas=tuple(betas))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda s: lr_lambda(s, warmup_steps=warmup_steps, total_steps=steps, min_ratio=min_lr_ratio),
-    )
+def _sft_batches(n_records: int, batch_size: int, seed: int) -> Iterator[list[int]]:
+    """The record indices of every SFT step: ``batch_size`` at a time, without replacement, from a
+    permutation of ``range(n_records)`` drawn from a generator seeded ``seed`` (a new permutation
+    each pass; a batch can span two)."""
     gen = torch.Generator().manual_seed(seed)
-    order = torch.randperm(len(train_records), generator=gen).tolist()
+    order = torch.randperm(n_records, generator=gen).tolist()
     cursor = 0
+    while True:
+        idx: list[int] = []
+        while len(idx) < batch_size:
+            if cursor >= len(order):
+                order = torch.randperm(n_records, generator=gen).tolist()
+                cursor = 0
+            take = order[cursor : cursor + batch_size - len(idx)]
+            idx.extend(take)
+            cursor += len(take)
+        yield idx
 
-    loss_curve: list[tuple[int, float]] = []
-    eval_curve: list[tuple[int, float]] = []
-    n_tokens = 0
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
 
-        bar = tqdm(total=steps, desc="sft", unit="step", dynamic_ncols=True)
-    t0 = time.perf_counter()
-    c0 = time.process_time()
-    eval_seconds = 0.0
-    model.train()
-    try:
-        for step in range(1, steps + 1):
-            idx: list[int] = []
-            while len(idx) < batch_size:
-                if cursor >= len(order):
-                    order = torch.randperm(len(train_records), generator=gen).tolist()
-                    cursor = 0
-                take = order[cursor : cursor + batch_size - len(idx)]
-                idx.extend(take)
-                cursor += len(take)
-            optimizer.zero_grad(set_to_none=True)
-            loss, n_step_tokens = sft_step(model, tokenizer, [prompts[i] for i in idx], [solutions[i] for i in idx],
-                                           micro_batch_size=micro_batch_size, device=device)
-            n_tokens += n_step_tokens
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"sft: loss is {loss.item()} at step {step}")
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
-            cur_lr = optimizer.param_groups[0]["lr"]
-            optimizer.step()
-            scheduler.step()
-            loss_v = float(loss.detach())
-            loss_curve.append((step, loss_v))
-            if log_fn is not None:
-                log_fn(step, {"sft/loss": loss_v, "sft/lr": cur_lr, "sft/grad_norm": grad_norm})
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss_v:.4f}", lr=f"{cur_lr:.2e}", refresh=False)
-            if eval_records is not None and (step % eval_every == 0 or step == steps):
-                te = time.perf_counter()
-                acc, _ = greedy_accuracy(model, tokenizer, eval_records, template=template,
-                                         max_new_tokens=eval_max_new_tokens)
-                eval_seconds += time.perf_counter() - te
-                eval_curve.append((step, acc))
-                if log_fn is not None:
-                    log_fn(step, {"sft/eval_accuracy": acc})
-                if bar is not None:
-                    bar.write(f"sft step {step}: eval accuracy {acc:.3f}")
-                model.train()
-    finally:
-        model.eval()
+@dataclass
+class _SftCurves:
+    """What :func:`_sft_steps` records: ``loss_curve`` and ``eval_curve`` as ``[(step, value), ...]``,
+    the response tokens trained on, and the seconds spent in evaluations."""
+
+    loss_curve: list[tuple[int, float]] = field(default_factory=list)
+    eval_curve: list[tuple[int, float]] = field(default_factory=list)
+    n_tokens: int = 0
+    eval_seconds: float = 0.0
+
+
+def _sft_steps(
+    model,
+    tokenizer,
+    prompts: Sequence[str],
+    solutions: Sequence[str],
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    batches: Iterator[list[int]],
+    *,
+    steps: int,
+    micro_batch_size: int | None,
+    grad_clip: float,
+    eval_records: Sequence[Mapping[str, Any]] | None,
+    eval_every: int | None,
+    template: str,
+    eval_max_new_tokens: int,
+    log_fn: LogFn | None,
+    bar: Any,
+) -> _SftCurves:
+    """The ``steps`` optimizer steps of :func:`run_sft` (the model in train mode), each on the next
+    indices of ``batches``; logs every step, evaluates every ``eval_every`` steps and after the last.
+
+    Raises:
+        FloatingPointError: a step's loss is not finite.
+    """
+    device = next(model.parameters()).device
+    curves = _SftCurves()
+    for step in range(1, steps + 1):
+        idx = next(batches)
+        optimizer.zero_grad(set_to_none=True)
+        loss, n_step_tokens = sft_step(model, tokenizer, [prompts[i] for i in idx], [solutions[i] for i in idx],
+                                       micro_batch_size=micro_batch_size, device=device)
+        curves.n_tokens += n_step_tokens
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"sft: loss is {loss.item()} at step {step}")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
+        cur_lr = optimizer.param_groups[0]["lr"]
+        optimizer.step()
+        scheduler.step()
+        loss_v = float(loss.detach())
+        curves.loss_curve.append((step, loss_v))
+        if log_fn is not None:
+            log_fn(step, {"sft/loss": loss_v, "sft/lr": cur_lr, "sft/grad_norm": grad_norm})
         if bar is not None:
-            bar.close()
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss_v:.4f}", lr=f"{cur_lr:.2e}", refresh=False)
+        if eval_records is not None and (step % eval_every == 0 or step == steps):
+            te = time.perf_counter()
+            acc, _ = greedy_accuracy(model, tokenizer, eval_records, template=template,
+                                     max_new_tokens=eval_max_new_tokens)
+            curves.eval_seconds += time.perf_counter() - te
+            curves.eval_curve.append((step, acc))
+            if log_fn is not None:
+                log_fn(step, {"sft/eval_accuracy": acc})
+            if bar is not None:
+                bar.write(f"sft step {step}: eval accuracy {acc:.3f}")
+            model.train()
+    return curves
+
+
+def _sft_summary(curves: _SftCurves, *, steps: int, batch_size: int, t0: float, c0: float) -> dict:
+    """:func:`run_sft`'s result from its curves, ``t0`` (``time.perf_counter()``) and ``c0``
+    (``time.process_time()``) taken when the steps started."""
     seconds = time.perf_counter() - t0
     cpu_seconds = time.process_time() - c0
-    train_seconds = seconds - eval_seconds
-    last = [v for _, v in loss_curve[-10:]]
+    train_seconds = seconds - curves.eval_seconds
+    last = [v for _, v in curves.loss_curve[-10:]]
     return {
         "steps": steps,
         "batch_size": batch_size,
-        "loss_curve": loss_curve,
-        "final_loss": loss_curve[-1][1],
+        "loss_curve": curves.loss_curve,
+        "final_loss": curves.loss_curve[-1][1],
         "final_loss_mean10": sum(last) / len(last),
         "seconds": seconds,
         "train_seconds": train_seconds,
         "steps_per_s": steps / train_seconds if train_seconds > 0 else float("inf"),
         "cpu_seconds": cpu_seconds,
-        "response_tokens": n_tokens,
-        "eval_curve": eval_curve,
+        "response_tokens": curves.n_tokens,
+        "eval_curve": curves.eval_curve,
     }
 
 
@@ -487,7 +546,6 @@ def sft_from_config(
     from oar.io import check_output_folder
     from oar.models import load_policy
     from oar.provenance import provenance, with_end_time
-    from oar.reward import extracted_answer
 
     t0 = time.perf_counter()
     check_output_folder(output_dir, what="the SFT output folder (--output)")  # before the training, not after
@@ -507,10 +565,45 @@ def sft_from_config(
     device = config["device"]
     model.to(device)
 
-    result = run_sft(
-        model,
-        tokenizer,
-        train_records,
+    result = run_sft(model, tokenizer, train_records, **_run_sft_options(sft), seed=sft_seed,
+                     micro_batch_size=sft.get("micro_batch_size"), template=template, progress=progress,
+                     log_fn=log_fn)
+    accuracy, extracted, examples = _heldout_accuracy(
+        model, tokenizer, eval_sets, reward, template=template, max_new_tokens=max_new_tokens, step=result["steps"],
+        log_fn=log_fn, n_examples=n_examples)
+    summary = {
+        "accuracy": accuracy,
+        "extracted": extracted,
+        "eval_size": int(_key(sft, "sft", "eval_size")),
+        "seconds": None,  # filled below
+        "sft": result,
+        "examples": examples,
+        "config_sft": dict(sft),
+        "model": _model_facts(model, model_spec.get("source")),
+        "train_size": len(train_records),
+        "template": template,
+        "provenance": with_end_time(provenance(device=str(device), started=started)),
+    }
+    save_sft_model(output_dir, model, tokenizer, summary, started=t0)
+    return summary
+
+
+def _model_facts(model, source: Any) -> dict[str, Any]:
+    """The summary's ``model`` entry: ``source`` (``model.source``), parameter count, attention
+    implementation and torch's thread count."""
+    return {
+        "source": source,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "attn_implementation": getattr(model.config, "_attn_implementation", None),
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def _run_sft_options(sft: Mapping[str, Any]) -> dict[str, Any]:
+    """:func:`run_sft`'s optimisation settings from the ``sft`` section (``steps``, ``batch_size``,
+    ``lr``, ``weight_decay``, ``betas``, ``warmup_steps``, ``grad_clip``; read in that order, the first
+    missing one a ValueError)."""
+    return dict(
         steps=int(_key(sft, "sft", "steps")),
         batch_size=int(_key(sft, "sft", "batch_size")),
         lr=float(_key(sft, "sft", "lr")),
@@ -518,12 +611,31 @@ def sft_from_config(
         betas=[float(b) for b in _key(sft, "sft", "betas")],
         warmup_steps=int(_key(sft, "sft", "warmup_steps")),
         grad_clip=float(_key(sft, "sft", "grad_clip")),
-        seed=sft_seed,
-        micro_batch_size=sft.get("micro_batch_size"),
-        template=template,
-        progress=progress,
-        log_fn=log_fn,
     )
+
+
+def _heldout_accuracy(
+    model,
+    tokenizer,
+    eval_sets: Mapping[str, Sequence[Mapping[str, Any]]],
+    reward: Mapping[str, Any],
+    *,
+    template: str,
+    max_new_tokens: int,
+    step: int,
+    log_fn: LogFn | None,
+    n_examples: int,
+) -> tuple[dict[str, float], dict[str, float], list[dict]]:
+    """Greedy accuracy (:func:`greedy_accuracy`, the ``reward`` section's ``timeout_s`` and
+    ``workers``) and the share of responses with an extractable final answer on each held-out set,
+    each logged at ``step``; with the first ``n_examples`` questions of the first set, their responses
+    and gold answers.
+
+    Returns:
+        ``(accuracy, extracted, examples)``, the first two keyed by set name.
+    """
+    from oar.reward import extracted_answer
+
     reward_kw = {
         "timeout_s": float(_key(reward, "reward", "timeout_s")),
         "workers": _key(reward, "reward", "workers"),
@@ -537,32 +649,13 @@ def sft_from_config(
         accuracy[split] = acc
         extracted[split] = sum(extracted_answer(r) is not None for r in responses) / len(responses)
         if log_fn is not None:
-            log_fn(result["steps"], {f"sft/accuracy_{split}": acc, f"sft/extracted_{split}": extracted[split]})
+            log_fn(step, {f"sft/accuracy_{split}": acc, f"sft/extracted_{split}": extracted[split]})
         if not examples:
             examples = [
                 {"question": r["question"], "response": resp, "answer": r["answer"]}
                 for r, resp in zip(recs[:n_examples], responses[:n_examples])
             ]
-    summary = {
-        "accuracy": accuracy,
-        "extracted": extracted,
-        "eval_size": int(_key(sft, "sft", "eval_size")),
-        "seconds": None,  # filled below
-        "sft": result,
-        "examples": examples,
-        "config_sft": dict(sft),
-        "model": {
-            "source": model_spec.get("source"),
-            "parameters": sum(p.numel() for p in model.parameters()),
-            "attn_implementation": getattr(model.config, "_attn_implementation", None),
-            "torch_threads": torch.get_num_threads(),
-        },
-        "train_size": len(train_records),
-        "template": template,
-        "provenance": with_end_time(provenance(device=str(device), started=started)),
-    }
-    save_sft_model(output_dir, model, tokenizer, summary, started=t0)
-    return summary
+    return accuracy, extracted, examples
 
 
 def sft_or_cached(config: Mapping[str, Any], output_dir: str | os.PathLike, *, progress: bool = True,

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -205,6 +205,49 @@ def ktae_scores_batch(
         and in degenerate groups (all correct or all wrong).
     """
     _validate_ktae(alpha, beta, gamma, top, bm25_k1, bm25_b)
+    _check_ktae_shapes(token_ids, mask, rewards, group_ids)
+    bsz, _ = token_ids.shape
+    out_dtype = torch.float64 if rewards.dtype == torch.float64 else torch.float32
+    device = token_ids.device
+    out = torch.zeros(token_ids.shape, dtype=out_dtype, device=device)
+    m = mask.bool()
+    if bsz == 0 or not bool(m.any()):
+        return out
+
+    gidx, ng = group_index(group_ids)
+    correct = rewards > 0
+    n_t, n_f, tok_t, tok_f = _class_totals(gidx, ng, correct, m, device)
+    keys = _group_token_keys(token_ids, m, gidx, ng, correct)
+    nt_k = n_t[keys.group]
+    nf_k = n_f[keys.group]
+    side = int(max(n_t.max(), n_f.max())) + 1
+    table_weight, x = _table_terms(keys.a, keys.b, nt_k, nf_k, side, alpha=alpha, beta=beta,
+                                   eps_direction=eps_direction, p_one_tol=p_one_tol, fisher_rel_tol=fisher_rel_tol)
+    if gamma > 0:
+        avg = ((tok_t + tok_f) / 2.0)[keys.group]
+        tf_t = _bm25_tf(keys.f_t, tok_t[keys.group], avg, bm25_k1, bm25_b)
+        tf_f = _bm25_tf(keys.f_f, tok_f[keys.group], avg, bm25_k1, bm25_b)
+        x = x + gamma * (tf_t / (tf_f + eps_tf) - tf_f / (tf_t + eps_tf))
+
+    k_raw = table_weight * x / (alpha + beta)
+    k = top * torch.tanh(k_raw / 2.0)
+    degenerate = (nt_k == 0) | (nf_k == 0)
+    k = torch.where(degenerate, torch.zeros_like(k), k)
+    ignore = sorted({int(i) for i in ignore_token_ids})
+    if ignore:
+        ign = torch.isin(keys.token, torch.tensor(ignore, dtype=keys.token.dtype, device=device))
+        k = torch.where(ign, torch.zeros_like(k), k)
+
+    vals = torch.empty(keys.order.numel(), dtype=out_dtype, device=device)
+    vals[keys.order] = k.to(out_dtype)[keys.key_id]
+    out.masked_scatter_(m, vals)
+    return out
+
+
+def _check_ktae_shapes(token_ids: torch.Tensor, mask: torch.Tensor, rewards: torch.Tensor,
+                       group_ids: torch.Tensor) -> None:
+    """Raise ValueError unless ``token_ids`` and ``mask`` are ``(B, T)``, ``rewards`` and ``group_ids``
+    are ``(B,)``, and ``token_ids`` is an integer tensor."""
     if token_ids.dim() != 2 or mask.shape != token_ids.shape:
         raise ValueError(
             f"oar.credit.ktae: token_ids and mask must both be (B, T), got {tuple(token_ids.shape)} "
@@ -218,22 +261,55 @@ def ktae_scores_batch(
         )
     if token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool:
         raise ValueError(f"oar.credit.ktae: token_ids must be an integer tensor, got {token_ids.dtype}")
-    out_dtype = torch.float64 if rewards.dtype == torch.float64 else torch.float32
-    device = token_ids.device
-    out = torch.zeros(token_ids.shape, dtype=out_dtype, device=device)
-    m = mask.bool()
-    if bsz == 0 or not bool(m.any()):
-        return out
 
-    gidx, ng = group_index(group_ids)
-    correct = rewards > 0
-    ones = torch.ones(bsz, dtype=torch.float64, device=device)
+
+def _class_totals(gidx: torch.Tensor, ng: int, correct: torch.Tensor, m: torch.Tensor,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per group, from ``(B,)`` group indices ``gidx`` (``0 .. ng-1``), ``(B,)`` bool ``correct`` and
+    the ``(B, T)`` bool mask ``m``: ``(n_T, n_F, N_T, N_F)``, ``(ng,)`` float64 each -- the correct and
+    wrong responses and the valid tokens of each class (on ``device``)."""
+    ones = torch.ones(m.shape[0], dtype=torch.float64, device=device)
     n_t = torch.zeros(ng, dtype=torch.float64, device=device).index_add_(0, gidx, correct.double())
     n_f = torch.zeros(ng, dtype=torch.float64, device=device).index_add_(0, gidx, ones) - n_t
     lens = m.sum(dim=1).double()
     tok_t = torch.zeros(ng, dtype=torch.float64, device=device).index_add_(0, gidx, lens * correct.double())
     tok_f = torch.zeros(ng, dtype=torch.float64, device=device).index_add_(0, gidx, lens) - tok_t
+    return n_t, n_f, tok_t, tok_f
 
+
+class _GroupTokenKeys(NamedTuple):
+    """The distinct ``(group, token)`` keys of a batch's masked positions (``K`` keys, ``N`` positions).
+
+    Attributes:
+        order: ``(N,)`` long, the sort order of the positions (row-major masked order -> sorted).
+        key_id: ``(N,)`` long, the key of each sorted position (``0 .. K-1``).
+        group, token: ``(K,)`` long, each key's group index and token id.
+        a, b: ``(K,)`` float64, the correct / wrong responses that contain the token.
+        f_t, f_f: ``(K,)`` float64, its occurrences in correct / wrong responses.
+    """
+
+    order: torch.Tensor
+    key_id: torch.Tensor
+    group: torch.Tensor
+    token: torch.Tensor
+    a: torch.Tensor
+    b: torch.Tensor
+    f_t: torch.Tensor
+    f_f: torch.Tensor
+
+
+def _group_token_keys(token_ids: torch.Tensor, m: torch.Tensor, gidx: torch.Tensor, ng: int,
+                      correct: torch.Tensor) -> _GroupTokenKeys:
+    """One sort of the masked positions of ``(B, T)`` ``token_ids`` (``m``: ``(B, T)`` bool) by
+    ``(group, token, response)`` packed into an int64 (``gidx``: ``(B,)`` group indices of ``ng``
+    groups; ``correct``: ``(B,)`` bool): runs of equal ``(group, token)`` are the keys, and a new
+    ``(group, token, response)`` inside a run is one more response that contains the token.
+
+    Raises:
+        ValueError: a negative token id inside the mask, or keys too large for int64.
+    """
+    bsz = token_ids.shape[0]
+    device = token_ids.device
     # Masked positions in row-major order (masked_select / masked_scatter order).
     toks = token_ids.masked_select(m).long()
     rows = torch.repeat_interleave(torch.arange(bsz, device=device), m.sum(dim=1))
@@ -244,9 +320,6 @@ def ktae_scores_batch(
     if max(ng - 1, 1).bit_length() + vocab_bits + row_bits > 62:
         raise ValueError("oar.credit.ktae: groups x vocabulary x batch too large for int64 sort keys")
 
-    # One sort by (group, token, response) packed into an int64: runs of equal (group, token) are
-    # the keys whose statistics we need; a new (group, token, response) inside a run is one more
-    # response that contains the token.
     n_pos = rows.numel()
     gt_key = (gidx[rows] << vocab_bits) | toks
     skey, order = torch.sort((gt_key << row_bits) | rows)
@@ -259,21 +332,41 @@ def ktae_scores_batch(
     key_id = torch.cumsum(new_key, dim=0) - 1
     grp_key = sgt[new_key]
     n_keys = grp_key.numel()
-    key_group = grp_key >> vocab_bits
-    key_tok = grp_key & ((1 << vocab_bits) - 1)
 
     pos_correct = correct[srow]
     a = torch.bincount(key_id, weights=(new_pair & pos_correct).double(), minlength=n_keys)
     b = torch.bincount(key_id, weights=new_pair.double(), minlength=n_keys) - a
     f_t = torch.bincount(key_id, weights=pos_correct.double(), minlength=n_keys)
     f_f = torch.bincount(key_id, minlength=n_keys).double() - f_t
-    nt_k = n_t[key_group]
-    nf_k = n_f[key_group]
+    return _GroupTokenKeys(order=order, key_id=key_id, group=grp_key >> vocab_bits,
+                           token=grp_key & ((1 << vocab_bits) - 1), a=a, b=b, f_t=f_t, f_f=f_f)
 
-    # Table-only terms (F, IG, h) once per distinct table (a, b, n_T, n_F).
-    side = int(max(n_t.max(), n_f.max())) + 1
+
+def _table_terms(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    nt_k: torch.Tensor,
+    nf_k: torch.Tensor,
+    side: int,
+    *,
+    alpha: float,
+    beta: float,
+    eps_direction: float,
+    p_one_tol: float,
+    fisher_rel_tol: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The table-only terms of each key, computed once per distinct table ``(a, b, n_T, n_F)``.
+
+    Args:
+        a, b, nt_k, nf_k: ``(K,)`` float64 integer-valued cells and class sizes of each key's table.
+        side: one more than the largest class size (the base the tables are packed in).
+
+    Returns:
+        ``(alpha F + beta IG, h)``, ``(K,)`` float64 each: the Fisher and information-gain weight and
+        the direction ``asin(sqrt(pT)) - asin(sqrt(pF))`` (see the module docstring).
+    """
     code = ((a.long() * side + b.long()) * side + nt_k.long()) * side + nf_k.long()
-    if side**4 <= 4 * n_keys + 2**20:  # small table space: find the present tables without a sort
+    if side**4 <= 4 * a.numel() + 2**20:  # small table space: find the present tables without a sort
         present = torch.bincount(code, minlength=side**4) > 0
         ucode = present.nonzero().squeeze(1)
         code_inv = (torch.cumsum(present, dim=0) - 1)[code]
@@ -289,34 +382,13 @@ def ktae_scores_batch(
         p = fisher_exact_two_sided(ua, ub, uc, ud, rel_tol=fisher_rel_tol)
         fisher = torch.where(p >= 1.0 - p_one_tol, torch.zeros_like(p), torch.exp(-2.0 * p))
     else:
-        fisher = torch.zeros(ucode.shape, dtype=torch.float64, device=device)
+        fisher = torch.zeros(ucode.shape, dtype=torch.float64, device=a.device)
     ig = information_gain_bits(ua, ub, uc, ud) if beta > 0 else torch.zeros_like(fisher)
     fa, fb, fc, fd = (t.to(torch.float64) for t in (ua, ub, uc, ud))
     pt = (fa / (fa + fc + eps_direction)).clamp(0.0, 1.0)
     pf = (fb / (fb + fd + eps_direction)).clamp(0.0, 1.0)
     h = torch.asin(pt.sqrt()) - torch.asin(pf.sqrt())
-    table_weight = (alpha * fisher + beta * ig)[code_inv]
-    x = h[code_inv]
-
-    if gamma > 0:
-        avg = ((tok_t + tok_f) / 2.0)[key_group]
-        tf_t = _bm25_tf(f_t, tok_t[key_group], avg, bm25_k1, bm25_b)
-        tf_f = _bm25_tf(f_f, tok_f[key_group], avg, bm25_k1, bm25_b)
-        x = x + gamma * (tf_t / (tf_f + eps_tf) - tf_f / (tf_t + eps_tf))
-
-    k_raw = table_weight * x / (alpha + beta)
-    k = top * torch.tanh(k_raw / 2.0)
-    degenerate = (nt_k == 0) | (nf_k == 0)
-    k = torch.where(degenerate, torch.zeros_like(k), k)
-    ignore = sorted({int(i) for i in ignore_token_ids})
-    if ignore:
-        ign = torch.isin(key_tok, torch.tensor(ignore, dtype=key_tok.dtype, device=device))
-        k = torch.where(ign, torch.zeros_like(k), k)
-
-    vals = torch.empty(n_pos, dtype=out_dtype, device=device)
-    vals[order] = k.to(out_dtype)[key_id]
-    out.masked_scatter_(m, vals)
-    return out
+    return (alpha * fisher + beta * ig)[code_inv], h[code_inv]
 
 
 def key_token_scores(

@@ -239,6 +239,86 @@ def locate_answer_tokens(
     return n_reason, a0, a1
 
 
+def _probe_rows(
+    tokenizer: Any,
+    prompts: torch.Tensor,
+    responses: torch.Tensor,
+    pmask: torch.Tensor,
+    rmask: torch.Tensor,
+    conc: list[int],
+    markers: tuple[str, ...],
+) -> tuple[list[list[int]], list[list[int]], list[tuple[int, int, int]], list[bool]]:
+    """The unpadded probe row of each response (``(B, P)`` ``prompts`` and ``(B, T)`` ``responses``
+    with their bool masks; ``conc``: the conclude ids).
+
+    Returns:
+        ``(ids, position_map, (n_prompt, n_reasoning, n_answer), has_answer)`` per row: the probe ids
+        ``prompt + reasoning + conclude + answer`` (the real prompt tokens only for a row without an
+        answer), the response position of each (-1 off the response), the lengths of its parts.
+    """
+    B = responses.shape[0]
+    p_cpu, pm_cpu = prompts.detach().cpu(), pmask.cpu()
+    r_cpu, rm_cpu = responses.detach().cpu(), rmask.cpu()
+    cache: dict[int, str] = {}
+    rows_ids: list[list[int]] = []
+    rows_pmap: list[list[int]] = []
+    rows_rlen: list[tuple[int, int, int]] = []  # (n_prompt, n_reasoning, n_answer)
+    has = []
+    for b in range(B):
+        prompt = p_cpu[b][pm_cpu[b]].tolist()
+        pos = rm_cpu[b].nonzero().flatten().tolist()
+        ids = r_cpu[b, pos].tolist() if pos else []
+        loc = locate_answer_tokens(tokenizer, ids, markers=markers, _piece_cache=cache)
+        if loc is None:
+            rows_ids.append(prompt)
+            rows_pmap.append([-1] * len(prompt))
+            rows_rlen.append((len(prompt), 0, 0))
+            has.append(False)
+            continue
+        n_r, a0, a1 = loc
+        seq = prompt + ids[:n_r] + conc + ids[a0:a1]
+        pmap = [-1] * len(prompt) + pos[:n_r] + [-1] * len(conc) + pos[a0:a1]
+        rows_ids.append(seq)
+        rows_pmap.append(pmap)
+        rows_rlen.append((len(prompt), n_r, a1 - a0))
+        has.append(True)
+    return rows_ids, rows_pmap, rows_rlen, has
+
+
+def _left_pad_probe(
+    rows_ids: list[list[int]],
+    rows_pmap: list[list[int]],
+    rows_rlen: list[tuple[int, int, int]],
+    has: list[bool],
+    pad_id: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Left-pad the rows of :func:`_probe_rows` to ``L = max(length, 1)`` (on the CPU).
+
+    Returns:
+        ``(input_ids, attention_mask, reasoning_mask, answer_mask, position_map, last_index)``: the
+        ``(B, L)`` tensors and the ``(B,)`` last index of :class:`Probe`.
+    """
+    B = len(rows_ids)
+    L = max([len(s) for s in rows_ids] + [1])
+    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, L), dtype=torch.long)
+    reason = torch.zeros((B, L), dtype=torch.bool)
+    answer = torch.zeros((B, L), dtype=torch.bool)
+    pmap_t = torch.full((B, L), -1, dtype=torch.long)
+    last = torch.full((B,), -1, dtype=torch.long)
+    for b, (seq, pmap, (n_p, n_r, n_a)) in enumerate(zip(rows_ids, rows_pmap, rows_rlen)):
+        off = L - len(seq)
+        if seq:
+            input_ids[b, off:] = torch.tensor(seq, dtype=torch.long)
+            pmap_t[b, off:] = torch.tensor(pmap, dtype=torch.long)
+            attn[b, off:] = 1
+        reason[b, off + n_p : off + n_p + n_r] = True
+        if has[b]:
+            answer[b, L - n_a :] = True
+            last[b] = L - n_a - 1
+    return input_ids, attn, reason, answer, pmap_t, last
+
+
 def _mask_or_pad(ids: torch.Tensor, mask: torch.Tensor | None, pad_id: int, name: str) -> torch.Tensor:
     if mask is None:
         return ids != pad_id
@@ -286,50 +366,9 @@ def build_probe(
     rmask = _mask_or_pad(responses, response_mask, pad_id, "response_mask")
     conc = list(tokenizer(conclude, add_special_tokens=False)["input_ids"]) if conclude else []
 
-    B, T = responses.shape
-    p_cpu, pm_cpu = prompts.detach().cpu(), pmask.cpu()
-    r_cpu, rm_cpu = responses.detach().cpu(), rmask.cpu()
-    cache: dict[int, str] = {}
-    rows_ids: list[list[int]] = []
-    rows_pmap: list[list[int]] = []
-    rows_rlen: list[tuple[int, int, int]] = []  # (n_prompt, n_reasoning, n_answer)
-    has = []
-    for b in range(B):
-        prompt = p_cpu[b][pm_cpu[b]].tolist()
-        pos = rm_cpu[b].nonzero().flatten().tolist()
-        ids = r_cpu[b, pos].tolist() if pos else []
-        loc = locate_answer_tokens(tokenizer, ids, markers=markers, _piece_cache=cache)
-        if loc is None:
-            rows_ids.append(prompt)
-            rows_pmap.append([-1] * len(prompt))
-            rows_rlen.append((len(prompt), 0, 0))
-            has.append(False)
-            continue
-        n_r, a0, a1 = loc
-        seq = prompt + ids[:n_r] + conc + ids[a0:a1]
-        pmap = [-1] * len(prompt) + pos[:n_r] + [-1] * len(conc) + pos[a0:a1]
-        rows_ids.append(seq)
-        rows_pmap.append(pmap)
-        rows_rlen.append((len(prompt), n_r, a1 - a0))
-        has.append(True)
-
-    L = max([len(s) for s in rows_ids] + [1])
-    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
-    attn = torch.zeros((B, L), dtype=torch.long)
-    reason = torch.zeros((B, L), dtype=torch.bool)
-    answer = torch.zeros((B, L), dtype=torch.bool)
-    pmap_t = torch.full((B, L), -1, dtype=torch.long)
-    last = torch.full((B,), -1, dtype=torch.long)
-    for b, (seq, pmap, (n_p, n_r, n_a)) in enumerate(zip(rows_ids, rows_pmap, rows_rlen)):
-        off = L - len(seq)
-        if seq:
-            input_ids[b, off:] = torch.tensor(seq, dtype=torch.long)
-            pmap_t[b, off:] = torch.tensor(pmap, dtype=torch.long)
-            attn[b, off:] = 1
-        reason[b, off + n_p : off + n_p + n_r] = True
-        if has[b]:
-            answer[b, L - n_a :] = True
-            last[b] = L - n_a - 1
+    T = responses.shape[1]
+    rows_ids, rows_pmap, rows_rlen, has = _probe_rows(tokenizer, prompts, responses, pmask, rmask, conc, markers)
+    input_ids, attn, reason, answer, pmap_t, last = _left_pad_probe(rows_ids, rows_pmap, rows_rlen, has, pad_id)
     dev = responses.device
     return Probe(
         input_ids=input_ids.to(dev),

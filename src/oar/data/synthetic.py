@@ -336,39 +336,67 @@ def generate(
                 f"n: could not draw {n} distinct {split} questions (got {len(records)}) in {tries - 1} tries; "
                 f"the question space is too small (digits={digits}, operators={operators})"
             )
-        if split == "ood":
-            k = ood_operands
-        elif split == "train" and q_rng.random() < long_share:
-            k = long_operands
-        else:
-            k = q_rng.choice(operands)
-        nums = [q_rng.randrange(10**digits) for _ in range(k)]
-        ops = [q_rng.choice(operators) for _ in range(k - 1)]
-        expr = str(nums[0]) + "".join(f"{o}{x}" for o, x in zip(ops, nums[1:]))
-        question = f"Compute {expr}."
-        if (_stable_unit(question, "oar-synthetic-pool") < test_share) != held_out_wanted:
+        question, nums, ops = _draw_question(q_rng, split, operands=operands, long_operands=long_operands,
+                                             long_share=long_share, ood_operands=ood_operands, digits=digits,
+                                             operators=operators)
+        if not _in_split(question, test_share=test_share, held_out_wanted=held_out_wanted, seen=seen):
             continue
-        if held_out_wanted:
-            if question in seen:
-                continue
-            seen.add(question)
-        steps = solve_steps(nums, ops)
-        demo_steps, demo_errors = corrupt_steps(nums, ops, error_rate, e_rng) if error_rate > 0 else (steps, [])
-        gap_fillers = [" ".join(f_rng.choice(fillers) for _ in range(filler_words)) if f_rng.random() < filler_prob
-                       else None for _ in steps]
-        solution, result_spans, filler_spans = format_solution(demo_steps, gap_fillers)
-        records.append(
-            {
-                "id": f"synthetic-{split}-{len(records)}",
-                "question": question,
-                "answer": str(steps[-1][3]),
-                "solution": solution,
-                "source": f"synthetic-{split}",
-                "n_operands": k,
-                "result_spans": result_spans,
-                "filler_spans": filler_spans,
-                "demo_errors": demo_errors,
-            }
-        )
+        records.append(_make_record(split, len(records), question, nums, ops, error_rate=error_rate, e_rng=e_rng,
+                                    f_rng=f_rng, fillers=fillers, filler_prob=filler_prob, filler_words=filler_words))
     return records
 
+
+def _draw_question(q_rng: random.Random, split: str, *, operands: Sequence[int], long_operands: int,
+                   long_share: float, ood_operands: int, digits: int,
+                   operators: Sequence[str]) -> tuple[str, list[int], list[str]]:
+    """One question of :func:`generate` (``"Compute <expr>."``) with its operands and operators, drawn
+    from ``q_rng``: the operand count (``ood_operands`` for ood; for train ``long_operands`` with
+    probability ``long_share``; else uniform over ``operands``), the operands (uniform in
+    ``[0, 10**digits)``) and the operators (uniform over ``operators``)."""
+    if split == "ood":
+        k = ood_operands
+    elif split == "train" and q_rng.random() < long_share:
+        k = long_operands
+    else:
+        k = q_rng.choice(operands)
+    nums = [q_rng.randrange(10**digits) for _ in range(k)]
+    ops = [q_rng.choice(operators) for _ in range(k - 1)]
+    expr = str(nums[0]) + "".join(f"{o}{x}" for o, x in zip(ops, nums[1:]))
+    return f"Compute {expr}.", nums, ops
+
+
+def _in_split(question: str, *, test_share: float, held_out_wanted: bool, seen: set[str]) -> bool:
+    """Whether ``question`` belongs to the split being drawn: its stable hash puts it in the held-out
+    pool (share ``test_share``) exactly when a held-out split is wanted, and a held-out question is
+    new (added to ``seen``; held-out splits hold distinct questions)."""
+    if (_stable_unit(question, "oar-synthetic-pool") < test_share) != held_out_wanted:
+        return False
+    if held_out_wanted:
+        if question in seen:
+            return False
+        seen.add(question)
+    return True
+
+
+def _make_record(split: str, i: int, question: str, nums: list[int], ops: list[str], *, error_rate: float,
+                 e_rng: random.Random, f_rng: random.Random, fillers: Sequence[str], filler_prob: float,
+                 filler_words: int) -> dict:
+    """Record ``i`` of :func:`generate`: the solution of ``nums`` and ``ops`` (its steps corrupted
+    with ``error_rate`` from ``e_rng``, :func:`corrupt_steps`), each gap's filler words drawn from
+    ``f_rng`` with probability ``filler_prob``."""
+    steps = solve_steps(nums, ops)
+    demo_steps, demo_errors = corrupt_steps(nums, ops, error_rate, e_rng) if error_rate > 0 else (steps, [])
+    gap_fillers = [" ".join(f_rng.choice(fillers) for _ in range(filler_words)) if f_rng.random() < filler_prob
+                   else None for _ in steps]
+    solution, result_spans, filler_spans = format_solution(demo_steps, gap_fillers)
+    return {
+        "id": f"synthetic-{split}-{i}",
+        "question": question,
+        "answer": str(steps[-1][3]),
+        "solution": solution,
+        "source": f"synthetic-{split}",
+        "n_operands": len(nums),
+        "result_spans": result_spans,
+        "filler_spans": filler_spans,
+        "demo_errors": demo_errors,
+    }

@@ -102,15 +102,7 @@ def build_report(
     """
     import pandas as pd
 
-    from oar.learning_curves import (
-        auto_threshold,
-        learning_speed_markdown,
-        learning_speed_table,
-        plot_learning_curves,
-        steps_to_threshold,
-        threshold_markdown,
-    )
-    from oar.report.render import main_latex, main_markdown, versus_markdown
+    from oar.learning_curves import learning_speed_table, plot_learning_curves, steps_to_threshold
 
     root = results_root(config, results)
     labels = dict(rows_of(config))
@@ -125,8 +117,81 @@ def build_report(
     metrics = all_metrics(config, root)
     eff = efficiency_table(config, root, reference=reference, metrics=metrics, skip_steps=skip_steps)
     heldout = _all_heldout(config, root)
-    threshold = report_option(config, "threshold", None)
     ref_label = labels.get(reference, reference)
+    threshold, how = _report_threshold(config, heldout, reference, ref_label)
+    steps = steps_to_threshold(heldout, threshold, labels) if not math.isnan(threshold) else steps_to_threshold({}, 0.0)
+    speed = learning_speed_table(heldout, threshold, reference, labels=labels, confidence=confidence)
+    out = _report_paths(root)
+    ev = config["eval"]
+    k = int(ev.get("samples") or 0) or None
+    temperature = float(ev["temperature"])
+    rollout_t = (config.get("rollout") or {}).get("temperature")
+    atomic_write_text(out["main_csv"], pd.concat(list(tables.values()), ignore_index=True)
+                      .to_csv(index=False, float_format="%.6g"))
+    versus = _write_versus(config, root, out, labels, n_boot=n_boot, seed=seed, confidence=confidence,
+                           metric=metrics_shown[0], power=power)
+    versus = _write_credit_efficiency(config, root, out, tables[metrics_shown[0]], labels, ref_label=ref_label,
+                                      confidence=confidence) + versus
+    _write_main_markdown(config, root, out, tables, start, steps, speed, extra=versus, threshold=threshold, how=how,
+                         reference=reference, ref_label=ref_label, confidence=confidence, power=power, n_boot=n_boot,
+                         seed=seed, k=k, temperature=temperature, rollout_t=rollout_t)
+    atomic_write_text(out["steps_to_threshold_csv"], steps.to_csv(index=False, float_format="%.6g"))
+    atomic_write_text(out["learning_speed_csv"], speed.to_csv(index=False, float_format="%.6g"))
+    atomic_write_text(out["efficiency_csv"], eff.to_csv(index=False, float_format="%.6g"))
+    plot_learning_curves(out["learning_curves"], heldout, labels, band=report_option(config, "band", None),
+                         threshold=threshold)
+    plot_training_curves(out["training_curves"], metrics, labels)
+    plot_credit_concentration(out["credit_concentration"], metrics, labels)
+    return out
+
+
+def _write_main_markdown(
+    config: Mapping[str, Any],
+    root: Path,
+    out: Mapping[str, Path],
+    tables: Mapping[str, "pd.DataFrame"],  # noqa: F821
+    start: "pd.DataFrame",  # noqa: F821
+    steps: "pd.DataFrame",  # noqa: F821
+    speed: "pd.DataFrame",  # noqa: F821
+    *,
+    extra: str,
+    threshold: float,
+    how: str,
+    reference: str,
+    ref_label: str,
+    confidence: float,
+    power: float,
+    n_boot: int,
+    seed: int,
+    k: int | None,
+    temperature: float,
+    rollout_t: float | None,
+) -> None:
+    """Write ``tables/main.md`` (the main tables, ``extra`` (the sections of ``report.also_against``
+    and ``report.efficiency_oracle``), the steps to ``threshold`` and the learning speed, and the
+    provenance footer) and ``tables/main.tex``."""
+    from oar.learning_curves import learning_speed_markdown, threshold_markdown
+    from oar.report.render import main_latex, main_markdown
+
+    md = main_markdown(
+        tables, start=start, reference=reference, reference_label=ref_label, confidence=confidence, power=power,
+        n_boot=n_boot, seed=seed, k=k, temperature=temperature, rollout_temperature=rollout_t,
+        seeds=list(config.get("seeds") or [0]),
+        extra=extra + threshold_markdown(steps, threshold=threshold, how=how) + "\n" + learning_speed_markdown(
+            speed, threshold=threshold, reference_label=ref_label, confidence=confidence))
+    footer = provenance_footer(result_provenances(config, root))
+    atomic_write_text(out["main_md"], md + (f"\n{footer}\n" if footer else ""))
+    atomic_write_text(out["main_tex"], main_latex(tables, reference=reference, reference_label=ref_label,
+                                                  confidence=confidence, k=k, temperature=temperature))
+
+
+def _report_threshold(config: Mapping[str, Any], heldout: Mapping[str, Mapping[int, Any]], reference: str,
+                      ref_label: str) -> tuple[float, str]:
+    """The held-out accuracy the steps to threshold are counted to (``report.threshold``, else
+    :func:`oar.learning_curves.auto_threshold`; NaN when there is none) and how it was chosen."""
+    from oar.learning_curves import auto_threshold
+
+    threshold = report_option(config, "threshold", None)
     if threshold is None:
         threshold = auto_threshold(heldout, reference)
         how = f"halfway between the start model's held-out accuracy and {ref_label}'s last one"
@@ -137,9 +202,12 @@ def build_report(
     elif math.isnan(threshold):
         how = (f"{ref_label}'s last held-out accuracy is not above the start model's, so no accuracy lies "
                "between them; set report.threshold")
-    steps = steps_to_threshold(heldout, threshold, labels) if not math.isnan(threshold) else steps_to_threshold({}, 0.0)
-    speed = learning_speed_table(heldout, threshold, reference, labels=labels, confidence=confidence)
-    out = {
+    return threshold, how
+
+
+def _report_paths(root: Path) -> dict[str, Path]:
+    """The files :func:`build_report` always writes under the results folder ``root``."""
+    return {
         "main_csv": root / "tables" / "main.csv",
         "main_md": root / "tables" / "main.md",
         "main_tex": root / "tables" / "main.tex",
@@ -150,45 +218,42 @@ def build_report(
         "training_curves": root / "figures" / "training_curves.png",
         "credit_concentration": root / "figures" / "credit_concentration.png",
     }
-    ev = config["eval"]
-    k = int(ev.get("samples") or 0) or None
-    temperature = float(ev["temperature"])
-    rollout_t = (config.get("rollout") or {}).get("temperature")
-    atomic_write_text(out["main_csv"], pd.concat(list(tables.values()), ignore_index=True)
-                      .to_csv(index=False, float_format="%.6g"))
-    versus = ""  # report.also_against: the same paired, seed-level differences against other methods
+
+
+def _write_versus(config: Mapping[str, Any], root: Path, out: dict[str, Path], labels: Mapping[str, str], *,
+                  n_boot: int, seed: int, confidence: float, metric: str, power: float) -> str:
+    """``report.also_against``: the same paired, seed-level differences against each other method
+    listed, written to ``tables/versus_<method>.csv`` (added to ``out``); returns their markdown.
+
+    Raises:
+        ReportError: a listed name is not a method of the config.
+    """
+    from oar.report.render import versus_markdown
+
+    versus = ""
     for other in report_option(config, "also_against", None):
         if other not in labels:
             raise ReportError(f"report.also_against: {other!r} is not a method of this config")
         vs = main_table(config, root, reference=other, n_boot=n_boot, seed=seed, confidence=confidence,
-                        metric=metrics_shown[0], power=power)
+                        metric=metric, power=power)
         out[f"versus_{other}_csv"] = root / "tables" / f"versus_{other}.csv"
         atomic_write_text(out[f"versus_{other}_csv"], vs.to_csv(index=False, float_format="%.6g"))
         versus += "\n" + versus_markdown(vs, reference_label=labels.get(other, other), confidence=confidence) + "\n"
-    oracle = report_option(config, "efficiency_oracle", None)
-    if oracle is not None:  # report.efficiency_oracle: how much of the oracle's lead each method captures
-        from oar.report.capture import credit_efficiency_markdown, credit_efficiency_table
+    return versus
 
-        eff_credit = credit_efficiency_table(tables[metrics_shown[0]], oracle=oracle, confidence=confidence)
-        out["credit_efficiency_csv"] = root / "tables" / "credit_efficiency.csv"
-        atomic_write_text(out["credit_efficiency_csv"], eff_credit.to_csv(index=False, float_format="%.6g"))
-        versus = "\n" + credit_efficiency_markdown(eff_credit, oracle_label=labels.get(oracle, oracle),
-                                                    reference_label=ref_label, confidence=confidence) + versus
-    md = main_markdown(
-        tables, start=start, reference=reference, reference_label=ref_label, confidence=confidence, power=power,
-        n_boot=n_boot, seed=seed, k=k, temperature=temperature, rollout_temperature=rollout_t,
-        seeds=list(config.get("seeds") or [0]),
-        extra=versus + threshold_markdown(steps, threshold=threshold, how=how) + "\n" + learning_speed_markdown(
-            speed, threshold=threshold, reference_label=ref_label, confidence=confidence))
-    footer = provenance_footer(result_provenances(config, root))
-    atomic_write_text(out["main_md"], md + (f"\n{footer}\n" if footer else ""))
-    atomic_write_text(out["main_tex"], main_latex(tables, reference=reference, reference_label=ref_label,
-                                                  confidence=confidence, k=k, temperature=temperature))
-    atomic_write_text(out["steps_to_threshold_csv"], steps.to_csv(index=False, float_format="%.6g"))
-    atomic_write_text(out["learning_speed_csv"], speed.to_csv(index=False, float_format="%.6g"))
-    atomic_write_text(out["efficiency_csv"], eff.to_csv(index=False, float_format="%.6g"))
-    plot_learning_curves(out["learning_curves"], heldout, labels, band=report_option(config, "band", None),
-                         threshold=threshold)
-    plot_training_curves(out["training_curves"], metrics, labels)
-    plot_credit_concentration(out["credit_concentration"], metrics, labels)
-    return out
+
+def _write_credit_efficiency(config: Mapping[str, Any], root: Path, out: dict[str, Path], table: "pd.DataFrame",  # noqa: F821
+                             labels: Mapping[str, str], *, ref_label: str, confidence: float) -> str:
+    """``report.efficiency_oracle``: how much of the oracle's lead each method captures, from the
+    main ``table``, written to ``tables/credit_efficiency.csv`` (added to ``out``); returns its
+    markdown ("" without an oracle)."""
+    oracle = report_option(config, "efficiency_oracle", None)
+    if oracle is None:
+        return ""
+    from oar.report.capture import credit_efficiency_markdown, credit_efficiency_table
+
+    eff_credit = credit_efficiency_table(table, oracle=oracle, confidence=confidence)
+    out["credit_efficiency_csv"] = root / "tables" / "credit_efficiency.csv"
+    atomic_write_text(out["credit_efficiency_csv"], eff_credit.to_csv(index=False, float_format="%.6g"))
+    return "\n" + credit_efficiency_markdown(eff_credit, oracle_label=labels.get(oracle, oracle),
+                                              reference_label=ref_label, confidence=confidence)

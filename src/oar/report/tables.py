@@ -80,6 +80,38 @@ def main_table(
         raise ValueError("config: eval.benchmarks is empty; nothing to report")
     n_boot = int(config["eval"]["bootstrap"]) if n_boot is None else int(n_boot)
     rows = rows_of(config)
+    scores = _table_scores(root, rows, seeds, benches, metric)
+    has_ref = reference in scores and reference != BASE_ROW
+    opts = dict(n_boot=n_boot, seed=seed, confidence=confidence)
+
+    records = []
+    for row, label in rows:
+        per_bench = {b: scores[row][b].scores.mean(axis=1) * 100.0 for b in benches}  # (n_seeds,)
+        cols = [(b, per_bench[b], [j]) for j, b in enumerate(benches)]
+        cols.append(("Average", np.mean([per_bench[b] for b in benches], axis=0), list(range(len(benches)))))
+        for bname, values, bidx in cols:
+            vs_ref = vs_start = None
+            if has_ref and row != reference:
+                vs_ref = compare_rows(scores[row], scores[reference], benches, bidx, **opts)
+            if row != BASE_ROW:
+                vs_start = compare_rows(scores[row], scores[BASE_ROW], benches, bidx, **opts)
+            n_problems = (int(sum(len(scores[row][b].ids) for b in benches)) if bname == "Average"
+                          else len(scores[row][bname].ids))
+            records.append(_table_record(row, label, metric, bname, n_problems, values, vs_ref, vs_start))
+    df = pd.DataFrame.from_records(records)
+    target = float(report_option(config, "target_mde", target_mde))
+    mdes = column_mde(df, reference=reference, alpha=1.0 - confidence, power=power, target=target)
+    for j, key in enumerate(("mde", "seeds_for_target", "mde_source")):
+        df[key] = df["benchmark"].map(lambda b, j=j: mdes[b][j])
+    df["target_mde"] = target
+    return df
+
+
+def _table_scores(root: Path, rows: list[tuple[str, str]], seeds: list[int], benches: list[str],
+                  metric: str) -> dict[str, dict[str, RunScores]]:
+    """The ``metric`` scores of every row and benchmark (``{row: {benchmark: RunScores}}``), after
+    checking that every evaluation file exists (:func:`require_files` names all missing ones) and that
+    each summary agrees with its rows (:func:`check_summary`)."""
     files = []
     for row, _ in rows:
         for d in eval_dirs(root, row, seeds).values():
@@ -95,58 +127,44 @@ def main_table(
             for k, (s, d) in enumerate(dirs.items()):
                 check_summary(d, b, rs.scores[k], metric)
             scores[row][b] = rs
-    has_ref = reference in scores and reference != BASE_ROW
-    opts = dict(n_boot=n_boot, seed=seed, confidence=confidence)
+    return scores
 
-    records = []
-    for row, label in rows:
-        per_bench = {b: scores[row][b].scores.mean(axis=1) * 100.0 for b in benches}  # (n_seeds,)
-        cols = [(b, per_bench[b], [j]) for j, b in enumerate(benches)]
-        cols.append(("Average", np.mean([per_bench[b] for b in benches], axis=0), list(range(len(benches)))))
-        for bname, values, bidx in cols:
-            vs_ref = vs_start = None
-            if has_ref and row != reference:
-                vs_ref = compare_rows(scores[row], scores[reference], benches, bidx, **opts)
-            if row != BASE_ROW:
-                vs_start = compare_rows(scores[row], scores[BASE_ROW], benches, bidx, **opts)
-            nan = math.nan
-            records.append({
-                "row": row,
-                "label": label,
-                "metric": metric,
-                "benchmark": bname,
-                "n_problems": int(sum(len(scores[row][b].ids) for b in benches)) if bname == "Average"
-                else len(scores[row][bname].ids),
-                "n_seeds": len(values),
-                "mean": float(np.mean(values)),
-                "std": float(np.std(values, ddof=1)) if len(values) > 1 else nan,
-                "per_seed": ";".join(f"{v:.4f}" for v in values),
-                "diff": vs_ref["diff"] if vs_ref else nan,
-                "ci_low": vs_ref["low"] if vs_ref else nan,
-                "ci_high": vs_ref["high"] if vs_ref else nan,
-                "se": vs_ref["se"] if vs_ref else nan,
-                "p": vs_ref["p"] if vs_ref else nan,
-                "sd_seed": vs_ref["sd_seed"] if vs_ref else nan,
-                "diff_per_seed": ";".join(f"{v:.4f}" for v in vs_ref["per_seed"]) if vs_ref else "",
-                "problem_ci_low": vs_ref["problem_low"] if vs_ref else nan,
-                "problem_ci_high": vs_ref["problem_high"] if vs_ref else nan,
-                "problem_se": vs_ref["problem_se"] if vs_ref else nan,
-                "start_diff": vs_start["diff"] if vs_start else nan,
-                "start_ci_low": vs_start["low"] if vs_start else nan,
-                "start_ci_high": vs_start["high"] if vs_start else nan,
-                "start_se": vs_start["se"] if vs_start else nan,
-                "start_p": vs_start["p"] if vs_start else nan,
-                "start_sd_seed": vs_start["sd_seed"] if vs_start else nan,
-                "start_problem_ci_low": vs_start["problem_low"] if vs_start else nan,
-                "start_problem_ci_high": vs_start["problem_high"] if vs_start else nan,
-            })
-    df = pd.DataFrame.from_records(records)
-    target = float(report_option(config, "target_mde", target_mde))
-    mdes = column_mde(df, reference=reference, alpha=1.0 - confidence, power=power, target=target)
-    for j, key in enumerate(("mde", "seeds_for_target", "mde_source")):
-        df[key] = df["benchmark"].map(lambda b, j=j: mdes[b][j])
-    df["target_mde"] = target
-    return df
+
+def _table_record(row: str, label: str, metric: str, bname: str, n_problems: int, values: np.ndarray,
+                  vs_ref: dict | None, vs_start: dict | None) -> dict[str, Any]:
+    """One row of :func:`main_table`: the per-seed ``values`` (percent) of ``row`` on benchmark
+    ``bname``, with its comparisons (:func:`oar.report.scores.compare_rows`) against the reference
+    (``vs_ref``) and the start model (``vs_start``), NaN (``""`` for ``diff_per_seed``) where None."""
+    nan = math.nan
+    return {
+        "row": row,
+        "label": label,
+        "metric": metric,
+        "benchmark": bname,
+        "n_problems": n_problems,
+        "n_seeds": len(values),
+        "mean": float(np.mean(values)),
+        "std": float(np.std(values, ddof=1)) if len(values) > 1 else nan,
+        "per_seed": ";".join(f"{v:.4f}" for v in values),
+        "diff": vs_ref["diff"] if vs_ref else nan,
+        "ci_low": vs_ref["low"] if vs_ref else nan,
+        "ci_high": vs_ref["high"] if vs_ref else nan,
+        "se": vs_ref["se"] if vs_ref else nan,
+        "p": vs_ref["p"] if vs_ref else nan,
+        "sd_seed": vs_ref["sd_seed"] if vs_ref else nan,
+        "diff_per_seed": ";".join(f"{v:.4f}" for v in vs_ref["per_seed"]) if vs_ref else "",
+        "problem_ci_low": vs_ref["problem_low"] if vs_ref else nan,
+        "problem_ci_high": vs_ref["problem_high"] if vs_ref else nan,
+        "problem_se": vs_ref["problem_se"] if vs_ref else nan,
+        "start_diff": vs_start["diff"] if vs_start else nan,
+        "start_ci_low": vs_start["low"] if vs_start else nan,
+        "start_ci_high": vs_start["high"] if vs_start else nan,
+        "start_se": vs_start["se"] if vs_start else nan,
+        "start_p": vs_start["p"] if vs_start else nan,
+        "start_sd_seed": vs_start["sd_seed"] if vs_start else nan,
+        "start_problem_ci_low": vs_start["problem_low"] if vs_start else nan,
+        "start_problem_ci_high": vs_start["problem_high"] if vs_start else nan,
+    }
 
 
 def column_mde(df: "pd.DataFrame", *, reference: str, alpha: float = 0.05,  # noqa: F821

@@ -176,17 +176,10 @@ def lean_generate(
         compacting);
         ``T <= max_new_tokens`` is the step at which the last row stopped.
     """
-    from transformers.generation.logits_process import TopPLogitsWarper
-
     B = input_ids.shape[0]
     device = input_ids.device
-    temp = 1.0 if greedy else float(temperature)
-    # TemperatureLogitsWarper is ``scores / temperature``, applied (by generate) only when temperature != 1
-    top_p_warper = TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=1) if not greedy and top_p < 1.0 else None
-    # as generate: positions from the mask; the mask itself is dropped when it is all ones
-    position_ids = attention_mask.long().cumsum(-1) - 1
-    position_ids = position_ids.masked_fill(attention_mask == 0, 0)
-    mask = None if bool((attention_mask == 1).all()) else attention_mask
+    temp, top_p_warper = _warpers(greedy, temperature, top_p)
+    position_ids, mask = _prompt_positions(attention_mask)
     cache = _preallocated_cache(model, input_ids.shape[1] + max_new_tokens)
     cache_arg = cache_argument(model)  # its name differs between transformers versions
     eos_t = torch.tensor(list(eos_ids), dtype=torch.long, device=device) if eos_ids else None
@@ -201,19 +194,8 @@ def lean_generate(
                     use_cache=True, logits_to_keep=1, return_dict=True)
         logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
         del out
-        scaled = logits / temp if temp != 1.0 else logits  # the warped scores, and what token_logprobs uses
-        if greedy:
-            nxt = torch.argmax(logits, dim=-1)
-        else:
-            scores = top_p_warper(step_ids, scaled) if top_p_warper is not None else scaled
-            probs = torch.softmax(scores, dim=-1)
-            if len(rows) == B:
-                nxt = torch.multinomial(probs, num_samples=1).squeeze(1)
-            else:
-                nxt = multinomial_rows(probs, rows, B)
-        if eos_t is not None:
-            nxt = torch.where(unfinished, nxt, pad_id)
-        lp = torch.gather(torch.log_softmax(scaled, dim=-1), -1, nxt.unsqueeze(-1)).squeeze(-1)
+        nxt, lp = _next_tokens(logits, step_ids, rows, B, greedy=greedy, temp=temp, top_p_warper=top_p_warper,
+                               unfinished=unfinished if eos_t is not None else None, pad_id=pad_id)
         if len(rows) == B:
             tokens[:, t], logprobs[:, t] = nxt, lp
         else:
@@ -224,17 +206,98 @@ def lean_generate(
             if n_left == 0:
                 T = t + 1
                 break
-        step_ids = nxt.unsqueeze(1)
-        step_pos = step_pos[:, -1:] + 1
-        if mask is not None:
-            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
+        step_ids, step_pos, mask = nxt.unsqueeze(1), step_pos[:, -1:] + 1, _grow_mask(mask)
         if compact and eos_t is not None and n_left <= COMPACT_BELOW * len(rows):
-            keep = unfinished.nonzero().squeeze(1)
-            rows, unfinished, step_ids, step_pos = rows[keep], unfinished[keep], step_ids[keep], step_pos[keep]
-            mask = mask[keep] if mask is not None else None
-            for layer in cache.layers:
-                layer.batch_select_indices(keep)
+            rows, unfinished, step_ids, step_pos, mask = _drop_finished(cache, rows, unfinished, step_ids, step_pos, mask)
     return tokens[:, :T], logprobs[:, :T]
+
+
+def _warpers(greedy: bool, temperature: float, top_p: float) -> tuple[float, Any]:
+    """The temperature :func:`lean_generate` divides the logits by (1 when greedy) and its top-p
+    warper (transformers' ``TopPLogitsWarper``; None when greedy or ``top_p >= 1``)."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    temp = 1.0 if greedy else float(temperature)
+    # TemperatureLogitsWarper is ``scores / temperature``, applied (by generate) only when temperature != 1
+    top_p_warper = TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=1) if not greedy and top_p < 1.0 else None
+    return temp, top_p_warper
+
+
+def _grow_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The ``(b, L)`` attention mask with a column of ones for the step's new token (None stays None)."""
+    if mask is None:
+        return None
+    return torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
+
+
+def _prompt_positions(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """As ``generate``: the ``(B, P)`` position ids of left-padded prompts from their attention mask
+    (0 on padding), and the mask itself, or None when it is all ones (no padding)."""
+    position_ids = attention_mask.long().cumsum(-1) - 1
+    position_ids = position_ids.masked_fill(attention_mask == 0, 0)
+    mask = None if bool((attention_mask == 1).all()) else attention_mask
+    return position_ids, mask
+
+
+def _next_tokens(
+    logits: torch.Tensor,
+    step_ids: torch.Tensor,
+    rows: torch.Tensor,
+    batch: int,
+    *,
+    greedy: bool,
+    temp: float,
+    top_p_warper: Any,
+    unfinished: torch.Tensor | None,
+    pad_id: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step's tokens of :func:`lean_generate` and their log-probs.
+
+    Args:
+        logits: ``(b, V)`` float32 last-position logits of the ``b`` rows in the forward's batch.
+        step_ids: the forward's input ids (what the top-p warper is given, as in ``generate``).
+        rows: ``(b,)`` long, each row's index in the full batch of ``batch`` rows (the random draws
+            are the full batch's, :func:`multinomial_rows`, when ``b < batch``).
+        greedy: ``argmax`` of the raw logits; else a draw from ``softmax`` of the warped scores
+            (``logits / temp`` when ``temp != 1``, then ``top_p_warper`` when given).
+        unfinished: ``(b,)`` bool; the tokens of finished rows are replaced by ``pad_id`` (None: no eos).
+
+    Returns:
+        ``(b,)`` long tokens and ``(b,)`` float32 log-probs under ``log_softmax(logits / temp)``.
+    """
+    scaled = logits / temp if temp != 1.0 else logits  # the warped scores, and what token_logprobs uses
+    if greedy:
+        nxt = torch.argmax(logits, dim=-1)
+    else:
+        scores = top_p_warper(step_ids, scaled) if top_p_warper is not None else scaled
+        probs = torch.softmax(scores, dim=-1)
+        if len(rows) == batch:
+            nxt = torch.multinomial(probs, num_samples=1).squeeze(1)
+        else:
+            nxt = multinomial_rows(probs, rows, batch)
+    if unfinished is not None:
+        nxt = torch.where(unfinished, nxt, pad_id)
+    lp = torch.gather(torch.log_softmax(scaled, dim=-1), -1, nxt.unsqueeze(-1)).squeeze(-1)
+    return nxt, lp
+
+
+def _drop_finished(
+    cache: Any,
+    rows: torch.Tensor,
+    unfinished: torch.Tensor,
+    step_ids: torch.Tensor,
+    step_pos: torch.Tensor,
+    mask: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``lean_compact``: keep only the unfinished rows of the forward's batch (``(b,)`` ``rows`` and
+    ``unfinished``, ``(b, 1)`` next input ids and positions, ``(b, L)`` mask or None) and of every
+    layer of ``cache`` (in place); returns the first five, selected."""
+    keep = unfinished.nonzero().squeeze(1)
+    rows, unfinished, step_ids, step_pos = rows[keep], unfinished[keep], step_ids[keep], step_pos[keep]
+    mask = mask[keep] if mask is not None else None
+    for layer in cache.layers:
+        layer.batch_select_indices(keep)
+    return rows, unfinished, step_ids, step_pos, mask
 
 
 def multinomial_rows(probs: torch.Tensor, rows: torch.Tensor, batch: int) -> torch.Tensor:

@@ -97,10 +97,20 @@ def parse_response(
     end = _marker_start(text, span[0], markers)
     if end is None:
         return None
-    words = sorted({str(f) for f in fillers}, key=len, reverse=True)
-    # a gap's filler: one or more filler words, each followed by a space (task.synthetic.filler_words)
-    filler_re = re.compile("(?:(?:" + "|".join(re.escape(w) for w in words) + ") )+") if words else None
+    return _parse_reasoning(text, end, text[span[0] : span[1]], _filler_regex(fillers))
 
+
+def _filler_regex(fillers: Sequence[str]) -> re.Pattern[str] | None:
+    """A gap's filler: one or more of the words ``fillers``, each followed by a space
+    (task.synthetic.filler_words), longest words first; None without words."""
+    words = sorted({str(f) for f in fillers}, key=len, reverse=True)
+    return re.compile("(?:(?:" + "|".join(re.escape(w) for w in words) + ") )+") if words else None
+
+
+def _parse_reasoning(text: str, end: int, answer: str, filler_re: re.Pattern[str] | None) -> ParsedResponse | None:
+    """Match ``text[:end]`` (the reasoning before the answer marker) against the grammar of
+    :func:`parse_response`, filler gaps matched by ``filler_re``; the :class:`ParsedResponse` with
+    boxed content ``answer``, or None when it does not follow the grammar."""
     pivotal: list[list[int]] = []
     filler: list[list[int]] = []
     steps: list[tuple[int, str, int, int]] = []
@@ -148,7 +158,7 @@ def parse_response(
             return None
     if pos != end:
         return None
-    return ParsedResponse(pivotal, filler, steps, end, text[span[0] : span[1]], step_spans, result_spans, gap_fillers)
+    return ParsedResponse(pivotal, filler, steps, end, answer, step_spans, result_spans, gap_fillers)
 
 
 def token_char_spans(tokenizer: Any, ids: Sequence[int]) -> tuple[str, np.ndarray, np.ndarray]:

@@ -1,0 +1,81 @@
+"""No function of ``src/oar`` is longer than :data:`MAX_LINES` lines (issue 32).
+
+A function's length is counted with ``ast`` from its ``def`` line to the last line of its body
+(``end_lineno - lineno + 1``: signature, docstring and body; decorators not included), for every
+function and method, nested ones included. A longer function is split into named, documented
+helpers (its phases), not cut at an arbitrary line.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from helpers import ROOT
+
+SRC = ROOT / "src" / "oar"
+
+#: The longest a function may be, in lines.
+MAX_LINES = 80
+
+#: Functions allowed over :data:`MAX_LINES` for now, by qualified name (module, then the enclosing
+#: classes and functions). Each is being split in another branch at the time of writing (the
+#: training step, the memory plan and the importance scores are under other people's edits); empty
+#: this list as that work lands. Do not add to it: split the function instead.
+EXEMPT: frozenset[str] = frozenset({
+    "oar.train._update_policy",  # train.py: being split elsewhere
+    "oar.plan._training_terms",  # plan.py: being split elsewhere
+    "oar.credit.importance.importance_scores",  # credit/importance/: being split elsewhere
+    "oar.credit.importance.oar_g.gradient_importance",  # credit/importance/: being split elsewhere
+    "oar.credit.importance.oar_g._oar_g_group",  # credit/importance/: being split elsewhere
+})
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def function_lengths(source: str, module: str) -> list[tuple[str, int, int]]:
+    """``(qualified name, first line, length in lines)`` of every function and method in the Python
+    ``source`` of ``module``."""
+    out: list[tuple[str, int, int]] = []
+
+    def walk(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                name = f"{prefix}.{child.name}"
+                out.append((name, child.lineno, child.end_lineno - child.lineno + 1))
+                walk(child, name)
+            elif isinstance(child, ast.ClassDef):
+                walk(child, f"{prefix}.{child.name}")
+            else:
+                walk(child, prefix)
+
+    walk(ast.parse(source, filename=module), module)
+    return out
+
+
+def _all_lengths() -> list[tuple[Path, str, int, int]]:
+    return [(path, name, line, n) for path in sorted(SRC.rglob("*.py"))
+            for name, line, n in function_lengths(path.read_text(encoding="utf-8"), _module_name(path))]
+
+
+def test_no_function_is_longer_than_max_lines():
+    long = [f"{path.relative_to(ROOT)}:{line}: {name} has {n} lines"
+            for path, name, line, n in _all_lengths() if n > MAX_LINES and name not in EXEMPT]
+    assert not long, (f"functions over {MAX_LINES} lines (split them into named helpers, one per phase):\n"
+                      + "\n".join(long))
+
+
+def test_lengths_are_counted_from_def_to_the_end_of_the_body():
+    source = ('@staticmethod\ndef f(\n    x,\n):\n    """Doc."""\n    return x\n\n\n'
+              "class C:\n    def g(self):\n        def inner():\n            pass\n        return 1\n")
+    assert function_lengths(source, "oar.m") == [("oar.m.f", 2, 5), ("oar.m.C.g", 10, 4), ("oar.m.C.g.inner", 11, 2)]
+
+
+def test_exemptions_name_functions_of_the_modules_being_split_elsewhere():
+    """The list only holds functions of train.py, plan.py and credit/importance/ (see :data:`EXEMPT`)."""
+    assert all(name.startswith(("oar.train.", "oar.plan.", "oar.credit.importance.")) for name in EXEMPT)
