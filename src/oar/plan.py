@@ -536,15 +536,34 @@ def training_terms(config: dict, world: int | None = None, *, padded: bool = Tru
     return _training_terms(shape, s, padded=padded)
 
 
-def _training_terms(shape: ModelShape, s: dict, *, padded: bool) -> list[Term]:
-    P, W, mb, wb = shape.num_params, s["world"], s["master_b"], s["weight_b"]
+def _placement(shape: ModelShape, s: dict) -> tuple[int, int, str, str]:
+    """How the training state is placed: (this process's parameters, shards, the note saying where,
+    the hint saying what to change)."""
+    P, W = shape.num_params, s["world"]
     shard = W if s["fsdp"] else 1
-    local = math.ceil(P / shard)
-    off = s["cpu_offload"]
     where = f"/ {W} {'GPUs' if s['on_gpu'] else 'processes'} (fsdp)" if s["fsdp"] else \
         f"(whole model per {'GPU' if s['on_gpu'] else 'process'}, ddp)"
     more = "more GPUs (resources.train.gpu) or train.fsdp.cpu_offload: true" if s["fsdp"] else \
         "train.strategy: fsdp (shards it over the GPUs)"
+    return math.ceil(P / shard), shard, where, more
+
+
+def _training_terms(shape: ModelShape, s: dict, *, padded: bool) -> list[Term]:
+    """Every term of the training memory model: the training state, the forward's weights, the
+    embedding and lm_head gradients, the activations, the optimizer step and the rollout."""
+    wb = s["weight_b"]
+    terms = _state_terms(shape, s) + _forward_weight_terms(shape, s)
+    vh = shape.vocab_size * shape.hidden_size * wb
+    terms += _head_gradient_terms(shape, s, vh)
+    terms += _activation_terms(shape, s, padded=padded, lm_head_grad=vh)
+    return terms + _step_and_rollout_terms(shape, s)
+
+
+def _state_terms(shape: ModelShape, s: dict) -> list[Term]:
+    """Master weights, gradients, optimizer states and the KL reference."""
+    P, W, mb = shape.num_params, s["world"], s["master_b"]
+    local, _, where, more = _placement(shape, s)
+    off = s["cpu_offload"]
 
     def placed(name: str, nbytes: int, note: str, hint: str, phases: tuple[str, ...] = _ALL) -> Term:
         return Term(name, 0 if off else nbytes, phases, note + (" -- in CPU memory (cpu_offload)" if off else ""),
@@ -575,7 +594,13 @@ def _training_terms(shape: ModelShape, s: dict, *, padded: bool) -> list[Term]:
                           f"KL reference of {', '.join(s['kl_methods'])}: {P / 1e9:.3g}B x {ref_b} B {where}",
                           "kl_coef 0, or train.strategy: fsdp"))
 
-    # weights the forward reads besides the master weights
+    return terms
+
+
+def _forward_weight_terms(shape: ModelShape, s: dict) -> list[Term]:
+    """Weights the forward reads besides the master weights (FSDP's gathered ones, autocast's copies)."""
+    P, wb = shape.num_params, s["weight_b"]
+    terms: list[Term] = []
     if s["fsdp"]:
         if s["reshard_after_forward"]:
             n = shape.root_params + 2 * shape.layer_params
@@ -596,10 +621,16 @@ def _training_terms(shape: ModelShape, s: dict, *, padded: bool) -> list[Term]:
                           ("forward", "logits") if s["checkpointing"] else _SAVED,
                           f"autocast's {s['compute']} copy of every linear weight", "train.strategy: fsdp"))
 
+    return terms
+
+
+def _head_gradient_terms(shape: ModelShape, s: dict, vh: int) -> list[Term]:
+    """The lm_head's and the embedding's weight gradients (``vh``: vocab x hidden x weight bytes)."""
+    wb = s["weight_b"]
+    terms: list[Term] = []
     # the lm_head's weight gradient, kept until the backward ends (fsdp: the root's gradients are
     # reduced last; a tied weight: autograd holds it until the embedding's gradient is added), then
     # the embedding's dense gradient (and, tied, their sum) at the end of the backward
-    vh = shape.vocab_size * shape.hidden_size * wb
     terms.append(Term("lm_head gradient", vh, ("backward", "backward end"),
                       f"vocab x hidden in {wb} B, from the start of the backward (in the logits phase: see logits)",
                       "train.compute_dtype: bfloat16"))
@@ -609,8 +640,15 @@ def _training_terms(shape: ModelShape, s: dict, *, padded: bool) -> list[Term]:
                       f"vocab x hidden in {wb} B at the end of the backward"
                       + (" (x 2: the tied weight's two gradients' sum)" if k == 2 else "")
                       + " + the gradient of the embedding output", "train.compute_dtype: bfloat16"))
-    terms += _activation_terms(shape, s, padded=padded, lm_head_grad=vh)
+    return terms
 
+
+def _step_and_rollout_terms(shape: ModelShape, s: dict) -> list[Term]:
+    """The optimizer step's temporaries and the rollout and credit passes' memory."""
+    P, mb, wb = shape.num_params, s["master_b"], s["weight_b"]
+    local, shard, _, more = _placement(shape, s)
+    off = s["cpu_offload"]
+    terms: list[Term] = []
     # optimizer step
     if not off:
         foreach = s["device"].startswith("cuda") or s["device"] == "auto"

@@ -800,7 +800,6 @@ def _update_policy(model: Any, optimizer: Any, strategy: Strategy, ro: Rollout, 
     """
     model.train()
     N = ro.response_ids.shape[0]
-    agg = recipe["loss_agg"]
     mb = min(tcfg["mini_batch_size"], N)
     micro = min(tcfg["micro_batch_size"], tcfg["mini_batch_size"], max(N, 1))
     layout = dict(packing=tcfg["packing"], micro_batch_size=micro, micro_batch_tokens=tcfg["micro_batch_tokens"],
@@ -820,51 +819,9 @@ def _update_policy(model: Any, optimizer: Any, strategy: Strategy, ro: Rollout, 
     nonfinite = 0
     for rows, micro_batches, count in zip(minis, plans, n_micro):
         optimizer.zero_grad(set_to_none=True)
-        resp_mask = ro.response_mask[rows]
-        n_tok, n_seq = float(resp_mask.sum()), len(rows)
-        n_has = int((resp_mask.sum(1) > 0).sum())
-        total, pg_total, kl_total, clip_sum, akl_sum, ent_sum = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
-        for u in range(count):
-            real = u < len(micro_batches)
-            mbatch = micro_batches[u] if real else dummy[0]
-            r, T = mbatch.rows, mbatch.T
-            with strategy.sync_context(model, sync=u == count - 1):
-                with strategy.forward_context():
-                    logp, ent = micro_batch_logprobs(model, mbatch, temperature=temperature, with_entropy=True)
-                    dev = logp.device
-                    adv = token_adv[r, :T].to(dev)
-                    old = ro.logprobs[r, :T].to(dev)
-                    m = ro.response_mask[r, :T].to(dev)
-                    pg, stats = policy_loss(logp, old, adv, m, eps_low=recipe["eps_low"], eps_high=recipe["eps_high"],
-                                            clip_ratio_c=recipe["clip_ratio_c"], agg=agg, max_len=agg_max_len)
-                    loss = pg
-                    kl_val = 0.0
-                    if ref_model is not None:
-                        with torch.no_grad():
-                            ref_lp, _ = micro_batch_logprobs(ref_model, mbatch, temperature=temperature)
-                        kl = aggregate(k3_kl(logp, ref_lp), m, agg, max_len=agg_max_len)
-                        loss = loss + recipe["kl_coef"] * kl
-                        kl_val = float(kl.detach())
-                # weight so that the micro-batches add up to the mini-batch aggregate
-                w = _micro_weight(agg, m, n_tok=n_tok, n_seq=n_seq, n_has=n_has) if real else 0.0
-                strategy.backward(loss * w)
-            if not real:
-                continue
-            tokens = float(m.sum())
-            total += float(loss.detach()) * w
-            pg_total += float(pg.detach()) * w
-            kl_total += kl_val * w
-            clip_sum += stats["clipfrac"] * tokens
-            akl_sum += stats["approx_kl"] * tokens
-            ent_sum += float(ent.sum())
-            upd["tokens_real"].append(float(mbatch.real_tokens))
-            upd["tokens_computed"].append(float(mbatch.computed_tokens))
-        if n_seq:
-            upd["pg_loss"].append(pg_total)
-            upd["kl_ref"].append(kl_total)
-            upd["clipfrac"].append(clip_sum / max(n_tok, 1.0))
-            upd["approx_kl"].append(akl_sum / max(n_tok, 1.0))
-            upd["entropy"].append(ent_sum / max(n_tok, 1.0))
+        total, n_seq = _mini_batch_backward(model, strategy, ro, token_adv, ref_model, rows, micro_batches,
+                                            dummy, count, upd, recipe=recipe, temperature=temperature,
+                                            agg_max_len=agg_max_len)
         grad_norm = strategy.clip_grad_norm_(model, tcfg["grad_clip"])
         bad = strategy.max_over_ranks([int(not (math.isfinite(total) and math.isfinite(grad_norm)))])[0]
         if bad:
@@ -876,6 +833,63 @@ def _update_policy(model: Any, optimizer: Any, strategy: Strategy, ro: Rollout, 
             upd["loss"].append(total)
         upd["grad_norm"].append(grad_norm)
     return upd, nonfinite
+
+
+def _mini_batch_backward(model: Any, strategy: Strategy, ro: Rollout, token_adv: torch.Tensor, ref_model: Any,
+                         rows: torch.Tensor, micro_batches: list[MicroBatch], dummy: list[MicroBatch], count: int,
+                         upd: dict[str, list[float]], *, recipe: dict, temperature: float,
+                         agg_max_len: int | None) -> tuple[float, int]:
+    """The forwards and backwards of one mini-batch (``rows`` of ``ro``): ``count`` micro-batches,
+    those past ``micro_batches`` zero-weight runs of ``dummy[0]``, gradients reduced on the last one.
+    Appends the mini-batch's statistics to ``upd`` (all but ``loss`` and ``grad_norm``, which depend
+    on the optimizer step). Returns the mini-batch's weighted loss and its number of sequences."""
+    agg = recipe["loss_agg"]
+    resp_mask = ro.response_mask[rows]
+    n_tok, n_seq = float(resp_mask.sum()), len(rows)
+    n_has = int((resp_mask.sum(1) > 0).sum())
+    total, pg_total, kl_total, clip_sum, akl_sum, ent_sum = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
+    for u in range(count):
+        real = u < len(micro_batches)
+        mbatch = micro_batches[u] if real else dummy[0]
+        r, T = mbatch.rows, mbatch.T
+        with strategy.sync_context(model, sync=u == count - 1):
+            with strategy.forward_context():
+                logp, ent = micro_batch_logprobs(model, mbatch, temperature=temperature, with_entropy=True)
+                dev = logp.device
+                adv = token_adv[r, :T].to(dev)
+                old = ro.logprobs[r, :T].to(dev)
+                m = ro.response_mask[r, :T].to(dev)
+                pg, stats = policy_loss(logp, old, adv, m, eps_low=recipe["eps_low"], eps_high=recipe["eps_high"],
+                                        clip_ratio_c=recipe["clip_ratio_c"], agg=agg, max_len=agg_max_len)
+                loss = pg
+                kl_val = 0.0
+                if ref_model is not None:
+                    with torch.no_grad():
+                        ref_lp, _ = micro_batch_logprobs(ref_model, mbatch, temperature=temperature)
+                    kl = aggregate(k3_kl(logp, ref_lp), m, agg, max_len=agg_max_len)
+                    loss = loss + recipe["kl_coef"] * kl
+                    kl_val = float(kl.detach())
+            # weight so that the micro-batches add up to the mini-batch aggregate
+            w = _micro_weight(agg, m, n_tok=n_tok, n_seq=n_seq, n_has=n_has) if real else 0.0
+            strategy.backward(loss * w)
+        if not real:
+            continue
+        tokens = float(m.sum())
+        total += float(loss.detach()) * w
+        pg_total += float(pg.detach()) * w
+        kl_total += kl_val * w
+        clip_sum += stats["clipfrac"] * tokens
+        akl_sum += stats["approx_kl"] * tokens
+        ent_sum += float(ent.sum())
+        upd["tokens_real"].append(float(mbatch.real_tokens))
+        upd["tokens_computed"].append(float(mbatch.computed_tokens))
+    if n_seq:
+        upd["pg_loss"].append(pg_total)
+        upd["kl_ref"].append(kl_total)
+        upd["clipfrac"].append(clip_sum / max(n_tok, 1.0))
+        upd["approx_kl"].append(akl_sum / max(n_tok, 1.0))
+        upd["entropy"].append(ent_sum / max(n_tok, 1.0))
+    return total, n_seq
 
 
 def _micro_weight(agg: str, mask: torch.Tensor, *, n_tok: float, n_seq: int, n_has: int) -> float:
