@@ -9,9 +9,9 @@ reduce_dtype=float32)``, as ``oar.strategy.FSDPStrategy`` does) x gradient check
 weights).
 
 Each case runs in a fresh process with 1 torch thread and does what the trainer does in the middle
-of a mini-batch (``oar.train._update_policy``): a warm-up optimizer step (so AdamW's states exist),
+of a mini-batch (``oar.update.update_policy``): a warm-up optimizer step (so AdamW's states exist),
 ``zero_grad(set_to_none=True)``, one small micro-batch without gradient sync (the accumulated
-gradients now exist), then the measured micro-batch (``oar.train.policy_forward`` with the entropy,
+gradients now exist), then the measured micro-batch (``oar.update.policy_forward`` with the entropy,
 ``oar.loss.policy_loss``, backward; no sync under fsdp), then a small micro-batch with sync, gradient
 clipping and the measured ``optimizer.step()``. The measured micro-batch has one left-padded prompt,
 so a padding mask is present as in real batches.
@@ -194,7 +194,7 @@ def worker(case: dict, cache: Path, out: Path) -> None:
     quiet()
     from oar.loss import policy_loss
     from oar.models import build_tiny, load_policy
-    from oar.train import policy_forward
+    from oar.update import policy_forward
 
     cfg = _case_config(case, cache)  # (the parent converted SmolLM2's GGUF already)
     shape = SHAPES[case["model"]]

@@ -74,7 +74,8 @@ def main() -> None:
     from oar.data.prompts import render_prompt
     from oar.models import load_policy
     from oar.reward import score_batch
-    from oar.train import _PromptStream, load_training_records, train
+    from oar.batch import PromptStream, load_training_records
+    from oar.train import train
 
     work = Path(args.cache) / f"trl_{args.model}"
     if work.exists():
@@ -99,7 +100,7 @@ def main() -> None:
     records = load_training_records(cfg)
     model, tok = load_policy(init if init else cfg["model"])
     prompts = [render_prompt(cfg["task"]["template"], r["question"], tok) for r in records]
-    order = _PromptStream(len(records), args.seed).take(rounds * P)
+    order = PromptStream(len(records), args.seed).take(rounds * P)
     ds = Dataset.from_list([{"prompt": prompts[i], "answer": records[i]["answer"]} for i in order])
 
     def reward_fn(prompts, completions, answer, **_kw):  # TRL reward function signature

@@ -11,7 +11,7 @@ Imports only torch, transformers (with its tokenizers), accelerate, the standard
 ``oar.loss``, ``oar.credit``, ``oar.plan``, ``oar.models``, ``oar.data``), so it runs on a stock
 CUDA image without ``pip install``. Not used: ``oar.config`` (imports jsonschema at load time) and
 so ``oar.train`` (imports ``oar.config``): the trainer's update is composed here from its pieces
-(:func:`update_policy`; tests/test_gpu_check.py checks it against ``oar.train._update_policy``) and
+(:func:`update_policy`; tests/test_gpu_check.py checks it against ``oar.update.update_policy``) and
 the config the strategy and the plan read is written out in full (:func:`run_config`); and
 ``oar.reward`` (math-verify): rewards are set, see below.
 
@@ -332,11 +332,11 @@ def update_policy(model: Any, optimizer: Any, strategy: Any, ro: Any, token_adv:
                   micro_batch_size: int, mini_batch_size: int, micro_batch_tokens: int | None,
                   pack_length: int | None, grad_clip: float, recipe: dict, generator: Any,
                   marks: Any = None, temperature: float = 1.0) -> dict[str, Any]:
-    """One policy update as ``oar.train._update_policy`` makes it with one process, one PPO epoch
+    """One policy update as ``oar.update.update_policy`` makes it with one process, one PPO epoch
     and no KL reference: shuffled mini-batches of ``mini_batch_size`` rows (``torch.randperm`` from
     ``generator``), each cut by ``oar.packing.plan_micro_batches`` into micro-batches whose
     ``oar.packing.micro_batch_logprobs`` (with the entropy) feed ``oar.loss.policy_loss``, each loss
-    weighted by its share of the mini-batch's sequences (``oar.train._micro_weight`` for
+    weighted by its share of the mini-batch's sequences (``oar.update._micro_weight`` for
     ``seq-mean-token-mean``), gradient sync on the last micro-batch only, clipping, AdamW step
     (skipped on a non-finite loss or gradient). ``oar.train`` itself needs ``oar.config``
     (jsonschema), hence this composition; tests/test_gpu_check.py checks it against the trainer's.

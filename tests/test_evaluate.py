@@ -112,7 +112,7 @@ def test_evaluate_records_in_chunks_with_per_problem_counts():
 
 def test_heldout_records_are_the_test_split_not_training(tmp_path):
     from oar.heldout import heldout_records
-    from oar.train import load_training_records
+    from oar.batch import load_training_records
 
     cfg = load_config(ROOT / "config" / "config.yaml", small_overrides(tmp_path, train={"heldout": {"every": 1, "size": 7}}))
     recs = heldout_records(cfg)

@@ -74,12 +74,12 @@ def test_cpu_run_prints_one_json_line_with_every_check():
 
 def test_composed_update_equals_the_trainers():
     """gpu_check.update_policy (composed because oar.train needs jsonschema) against
-    oar.train._update_policy: same rollout, advantages, seeds, shared_prompt layout with two
+    oar.update.update_policy: same rollout, advantages, seeds, shared_prompt layout with two
     micro-batches -> the same weights after the step."""
     from oar.credit import CreditBatch, get_estimator
     from oar.rollout import make_engine
     from oar.strategy import make_strategy
-    from oar.train import _update_policy
+    from oar.update import update_policy
 
     gc = _gpu_check()
     torch.set_num_threads(1)
@@ -105,7 +105,7 @@ def test_composed_update_equals_the_trainers():
     mine = gc.update_policy(*results[0], strategy, ro, adv, recipe=gc.RECIPE,
                             generator=torch.Generator().manual_seed(5), **layout)
     tcfg = dict(layout, ppo_epochs=1)
-    theirs, nonfinite = _update_policy(*results[1], strategy, ro, adv, None, recipe=dict(gc.RECIPE, kl_coef=0.0),
+    theirs, nonfinite = update_policy(*results[1], strategy, ro, adv, None, recipe=dict(gc.RECIPE, kl_coef=0.0),
                                        tcfg=tcfg, temperature=1.0, agg_max_len=None,
                                        generator=torch.Generator().manual_seed(5))
     assert nonfinite == 0 and mine["nonfinite"] == 0

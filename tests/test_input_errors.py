@@ -323,7 +323,7 @@ def test_data_manifest_accepts_non_empty_sets(tmp_path):
 @pytest.mark.parametrize("content, levels", [(b"", None), (b"\n\n", None), (_math_train_rows([1]), [3, 4, 5])])
 def test_load_training_records_empty_is_a_clear_value_error(tmp_path, content, levels):
     from oar.config import load_config
-    from oar.train import load_training_records
+    from oar.batch import load_training_records
 
     src = tmp_path / "train.jsonl"
     src.write_bytes(content)
@@ -336,7 +336,7 @@ def test_load_training_records_empty_is_a_clear_value_error(tmp_path, content, l
 
 def test_load_training_records_folder_source_names_its_file(tmp_path):
     from oar.config import load_config
-    from oar.train import load_training_records
+    from oar.batch import load_training_records
 
     (tmp_path / "train.jsonl").write_bytes(b"")
     cfg = load_config(CONFIG, small_overrides(tmp_path, task={"kind": "benchmark", "benchmark": {

@@ -197,7 +197,7 @@ def test_copy_aware_methods_train(small_config, tmp_path, monkeypatch, method):
     from oar.train import train
 
     if method["credit"] != "mc_value":  # not registered with needs_continuations: the trainer builds none
-        monkeypatch.setattr(oar.train, "_continuations", lambda *a, **k: pytest.fail("continuations built"))
+        monkeypatch.setattr(oar.train, "continuation_context", lambda *a, **k: pytest.fail("continuations built"))
 
     small_config["methods"]["copy_aware"] = method
     init = tmp_path / "init"

@@ -32,9 +32,9 @@ def _rollout(seed: int = 0, *, prompts: int = 4, n: int = 3, vocab: int = 99) ->
 
 
 def _update(model0, ro, adv, agg: str, *, ref=None, **layout) -> tuple[dict, dict[str, torch.Tensor]]:
-    """One mini-batch of ``_update_policy`` with lr 0: its statistics and the gradient it left."""
+    """One mini-batch of ``oar.update.update_policy`` with lr 0: its statistics and the gradient it left."""
     from oar.strategy import make_strategy
-    from oar.train import _update_policy
+    from oar.update import update_policy
 
     model = copy.deepcopy(model0)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
@@ -43,7 +43,7 @@ def _update(model0, ro, adv, agg: str, *, ref=None, **layout) -> tuple[dict, dic
     tcfg = {**section_defaults("train"), "mini_batch_size": 64, "micro_batch_size": 64, "ppo_epochs": 1,
             "grad_clip": 1e9, **layout}
     recipe = {"loss_agg": agg, "eps_low": 0.2, "eps_high": 0.28, "clip_ratio_c": 3.0, "kl_coef": 0.1 if ref else 0.0}
-    upd, bad = _update_policy(model, opt, make_strategy({"device": "cpu", "train": {"strategy": "ddp"}}), ro, adv, ref,
+    upd, bad = update_policy(model, opt, make_strategy({"device": "cpu", "train": {"strategy": "ddp"}}), ro, adv, ref,
                               recipe=recipe, tcfg=tcfg, temperature=0.9,
                               agg_max_len=16 if agg == "seq-mean-token-sum-norm" else None,
                               generator=torch.Generator().manual_seed(0))

@@ -255,7 +255,7 @@ def _signal_during(monkeypatch, phase: str, sig: signal.Signals, *, times: int =
             for _ in range(times):
                 os.kill(os.getpid(), sig)
 
-    real_collect, real_update, real_after = tr._collect_batch, tr._update_policy, oar.heldout.HeldoutEval.after_step
+    real_collect, real_update, real_after = tr.collect_batch, tr.update_policy, oar.heldout.HeldoutEval.after_step
 
     def collect(*a, **k):
         ran.append(k["step"])
@@ -273,8 +273,8 @@ def _signal_during(monkeypatch, phase: str, sig: signal.Signals, *, times: int =
             fire()
         return real_after(self, step, seconds)
 
-    monkeypatch.setattr(tr, "_collect_batch", collect)
-    monkeypatch.setattr(tr, "_update_policy", update)
+    monkeypatch.setattr(tr, "collect_batch", collect)
+    monkeypatch.setattr(tr, "update_policy", update)
     monkeypatch.setattr(oar.heldout.HeldoutEval, "after_step", after)
     return ran
 
@@ -346,7 +346,7 @@ _DRIVER = textwrap.dedent('''
             send(sig)
 
     steps = []
-    real_collect, real_update, real_after = tr._collect_batch, tr._update_policy, oar.heldout.HeldoutEval.after_step
+    real_collect, real_update, real_after = tr.collect_batch, tr.update_policy, oar.heldout.HeldoutEval.after_step
 
     def collect(*a, **k):
         steps.append(k["step"])
@@ -364,7 +364,7 @@ _DRIVER = textwrap.dedent('''
             fire()
         return real_after(self, step, seconds)
 
-    tr._collect_batch, tr._update_policy, oar.heldout.HeldoutEval.after_step = collect, update, after
+    tr.collect_batch, tr.update_policy, oar.heldout.HeldoutEval.after_step = collect, update, after
     saves = []
     real_save = oar.strategy.FSDPStrategy.save_training_state
 

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from oar.config import load_config
-from oar.train import dynamic_sampling_keep, make_scheduler, policy_forward, train
+from oar.batch import dynamic_sampling_keep
+from oar.train import train
+from oar.update import make_scheduler, policy_forward
 
 from helpers import ROOT, small_overrides
 
@@ -163,19 +165,20 @@ def test_mlflow_run_logged(tmp_path):
 @pytest.mark.slow
 def test_nonfinite_losses_stop_with_checkpoint_intact(tmp_path, monkeypatch):
     import oar.train as tr
+    import oar.update
 
     cfg = load_config(ROOT / "config" / "config.yaml",
                       small_overrides(tmp_path, train={"steps": 6, "save_every": 1, "max_nonfinite": 2}))
     out = tmp_path / "run"
     train(cfg, "grpo", 0, out, progress=False, stop_after=1)
     before = _weights(out / "checkpoint")
-    real = tr.policy_loss
+    real = oar.update.policy_loss
 
     def nan_loss(*a, **k):
         loss, stats = real(*a, **k)
         return loss * float("nan"), stats
 
-    monkeypatch.setattr(tr, "policy_loss", nan_loss)
+    monkeypatch.setattr(oar.update, "policy_loss", nan_loss)
     with pytest.raises(tr.TrainingError, match="non-finite"):
         train(cfg, "grpo", 0, out, progress=False)
     after = _weights(out / "checkpoint")

@@ -53,7 +53,7 @@ def _atol() -> float:
 
 def _mismatch(engine, model):
     """Max |engine log-prob - policy log-prob| over the tokens the engine sampled."""
-    from oar.train import policy_forward
+    from oar.update import policy_forward
 
     ro = engine.generate(PROMPTS, n=4, temperature=1.0, top_p=1.0, max_new_tokens=16, seed=0)
     assert ro.response_ids.shape[0] == 8 and ro.prompt_index.tolist() == [0] * 4 + [1] * 4
@@ -64,7 +64,7 @@ def _mismatch(engine, model):
 
 def _adamw_steps(model, ro, steps: int = 3) -> None:
     """A few real optimizer steps (NLL of the sampled responses): every weight moves by ~lr."""
-    from oar.train import policy_forward
+    from oar.update import policy_forward
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model.train()

@@ -39,7 +39,7 @@ tokens):
   a layer's MLP intermediates (``3cI``) exist while it runs (**one layer's intermediates**) and
   one layer is rebuilt in the backward (**recompute**).
 - **logits**: ``B x T x V x 4`` bytes per float32 copy and :data:`LOGITS_COPIES` copies alive at
-  the end of the trainer's forward (``oar.train.policy_forward`` with the entropy): the float32
+  the end of the trainer's forward (``oar.update.policy_forward`` with the entropy): the float32
   logits, the log-softmax saved for the backward, and the entropy's own log-softmax, ``exp`` and
   product (at the start of the backward one fewer plus the lm_head gradient, when that is more);
   plus the final norm's saved tensors. This term dominates models with large vocabularies.
@@ -113,7 +113,7 @@ PHASES = ("forward", "logits", "backward", "backward end", "step", "rollout")
 _ALL = PHASES
 _UPDATE = ("forward", "logits", "backward", "backward end")
 _SAVED = ("forward", "logits", "backward")
-#: float32 ``B x T x V`` tensors alive at the end of ``oar.train.policy_forward(with_entropy=True)``:
+#: float32 ``B x T x V`` tensors alive at the end of ``oar.update.policy_forward(with_entropy=True)``:
 #: the logits, the log-softmax the backward keeps, and the entropy's log-softmax, exp and product.
 LOGITS_COPIES = 5
 #: ``oar.strategy.FSDPStrategy.sync_context`` turns gradient sync off for all but the last

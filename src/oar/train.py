@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import random
 import sys
 import time
@@ -34,27 +33,24 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from oar.batch import (CONTINUATIONS_SALT, UPDATE_SALT, PromptStream, StepBatch, collect_batch, continuation_context,
+                       load_training_records, resume_cursor, step_seed)
+from oar.checkpoint import disk_full_named, intact_sentence, save_checkpoint
 from oar.config import ResolvedMethod, resolve_method
 from oar.credit import CreditBatch, estimator_needs_continuations, estimator_needs_model, get_estimator
 from oar.credit.metrics import ess_ratio, top_mass
 from oar.identity import run_identity
 from oar.io import atomic_write_json, read_jsonl
-from oar.loss import aggregate, k3_kl, policy_loss
-from oar.packing import MicroBatch, micro_batch_logprobs, plan_micro_batches
 from oar.preemption import CheckpointSchedule, StopSignal
-from oar.rollout import Rollout, generate_per_prompt, make_engine
+from oar.rollout import make_engine
+from oar.runs import RunFolder, load_trainer_state, restore_rng
 from oar.strategy import Strategy
-from oar.runs import (STATE_FILE, RunFolder, disk_full_error, is_disk_full, load_trainer_state, restore_rng,
-                      save_trainer_state, write_manifest)
+from oar.update import make_scheduler, update_policy
 
 __all__ = [
     "TrainingError",
     "train",
     "check_train_inputs",
-    "policy_forward",
-    "load_training_records",
-    "make_scheduler",
-    "dynamic_sampling_keep",
     "step_metrics",
     "marked_timer",
     "PHASES",
@@ -69,148 +65,10 @@ class TrainingError(RuntimeError):
 # pieces of the loop (plain functions, tested on their own)
 
 
-def policy_forward(
-    model: Any,
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    response_ids: torch.Tensor,
-    response_mask: torch.Tensor,
-    *,
-    temperature: float = 1.0,
-    with_entropy: bool = False,
-    packing: str = "length_grouped",
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (and entropy) of the response tokens under ``model``, all rows in one forward.
-
-    Positions are ``cumsum(attention_mask) - 1`` as in ``generate`` with left padding, so the
-    result matches the rollout's log-probs. ``packing`` is the layout of the forward
-    (:mod:`oar.packing`): ``none`` runs the rows as given (``[left-padded prompt | right-padded
-    response]``), ``length_grouped`` (default) each sequence contiguous with right padding only and
-    the lm_head only on positions that predict a response token; the results agree up to rounding.
-
-    Args:
-        prompt_ids, prompt_mask: ``(B, P)`` left-padded prompts.
-        response_ids, response_mask: ``(B, T)`` right-padded responses (the mask a prefix).
-    Returns:
-        logp ``(B, T)`` and entropy ``(B, T)`` (or None), both 0 outside ``response_mask``.
-    """
-    B, T = response_ids.shape
-    (mb,) = plan_micro_batches(prompt_ids, prompt_mask, response_ids, response_mask, torch.arange(B),
-                               packing=packing, micro_batch_size=max(B, 1)) or [None]
-    if mb is None:  # no rows
-        z = torch.zeros(B, T)
-        return z, (z.clone() if with_entropy else None)
-    logp, ent = micro_batch_logprobs(model, mb, temperature=temperature, with_entropy=with_entropy)
-    # back to the caller's row order and width
-    out = logp.new_zeros(B, T)
-    out[mb.rows, : mb.T] = logp
-    ent_out = None
-    if ent is not None:
-        ent_out = ent.new_zeros(B, T)
-        ent_out[mb.rows, : mb.T] = ent
-    return out, ent_out
-
-
-def make_scheduler(optimizer: torch.optim.Optimizer, *, warmup_steps: int, total_steps: int, schedule: str) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warmup over ``warmup_steps``, then ``constant``, ``linear`` decay or ``cosine`` decay to 0."""
-
-    def factor(step: int) -> float:
-        if warmup_steps > 0 and step < warmup_steps:
-            return (step + 1) / warmup_steps
-        if schedule == "constant":
-            return 1.0
-        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-        progress = min(max(progress, 0.0), 1.0)
-        if schedule == "linear":
-            return 1.0 - progress
-        if schedule == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
-        raise ValueError(f"train.schedule: unknown schedule {schedule!r}; valid: constant, linear, cosine")
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-def dynamic_sampling_keep(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-    """Groups worth training on under DAPO's dynamic sampling: those whose rewards are not all equal.
-
-    Args:
-        rewards: ``(N,)``; group_ids: ``(N,)``.
-    Returns:
-        ``(N,)`` bool, True for responses of groups with mixed rewards.
-    """
-    uniq, inv = torch.unique(group_ids, return_inverse=True)
-    gmax = torch.full((len(uniq),), -math.inf, dtype=rewards.dtype).scatter_reduce(0, inv, rewards, "amax")
-    gmin = torch.full((len(uniq),), math.inf, dtype=rewards.dtype).scatter_reduce(0, inv, rewards, "amin")
-    return (gmax > gmin)[inv]
-
-
-def load_training_records(config: dict) -> list[dict]:
-    """The training prompts of the config's task: synthetic ``train`` split or a benchmark file."""
-    task = config["task"]
-    if task["kind"] == "synthetic":
-        from oar.data.synthetic import generate
-
-        return generate("train", task["train_size"], seed=task["seed"], **task["synthetic"])
-    from oar.data.benchmarks import load_benchmark, require_records
-
-    bench = task.get("benchmark") or {}
-    if "name" not in bench or "source" not in bench:
-        raise ValueError("task.benchmark: needs 'name' and 'source' when task.kind is 'benchmark'")
-    filters = {"levels": bench["levels"]} if bench.get("levels") else {}
-    records = load_benchmark(bench["name"], bench["source"], **filters)
-    # an empty training set: a clear error here, not a ZeroDivisionError in _PromptStream
-    return require_records(records, bench["name"], bench["source"], key="task.benchmark (training set)", **filters)
-
-
-class _PromptStream:
-    """Deterministic, resumable stream of training record indices: one seeded permutation per epoch."""
-
-    def __init__(self, n: int, seed: int, cursor: int = 0) -> None:
-        self.n, self.seed, self.cursor = n, seed, cursor
-
-    def take(self, k: int) -> list[int]:
-        out = []
-        for _ in range(k):
-            epoch, pos = divmod(self.cursor, self.n)
-            if pos == 0 or not hasattr(self, "_perm") or self._epoch != epoch:
-                g = torch.Generator().manual_seed(self.seed * SEED_STRIDE + epoch)
-                self._perm, self._epoch = torch.randperm(self.n, generator=g).tolist(), epoch
-            out.append(self._perm[pos])
-            self.cursor += 1
-        return out
-
-
-@dataclass
-class StepBatch:
-    """One step's training data after rollout, scoring and dynamic sampling."""
-
-    rollout: Rollout
-    rewards: torch.Tensor  # (N,) shaped rewards used for the advantage
-    correct: torch.Tensor  # (N,) bool
-    group_ids: torch.Tensor  # (N,)
-    n_gen_batches: int
-    kept_fraction: float
-    record_index: torch.Tensor  # (N,) long: the training record (prompt, gold answer) of each row
-
-
 def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % (2**32))
     torch.manual_seed(seed)
-
-
-#: Seed derivation: a run's seed, a step and a salt give each random draw of the step its own seed
-#: (:func:`_step_seed`); the prompt order of an epoch is seeded ``seed * SEED_STRIDE + epoch``.
-SEED_STRIDE = 1_000_003
-STEP_STRIDE = 101
-#: Salts of the step's draws besides the rollout's rounds (0, 1, ... for DAPO's extra rounds).
-CONTINUATIONS_SALT = 104729  # mc_value's continuations
-UPDATE_SALT = 7919  # the update's mini-batch shuffles
-
-
-def _step_seed(seed: int, step: int, round_: int = 0) -> int:
-    """The seed of a step's draw: ``round_`` is the rollout round or one of the salts above."""
-    return (seed * SEED_STRIDE + step * STEP_STRIDE + round_) % (2**63 - 1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -337,7 +195,7 @@ class _Loop:
     policy: Any  # what the rollout and the credit estimators call, in strategy.local_phase
     records: list[dict]
     prompts_all: list[str]
-    stream: "_PromptStream"
+    stream: "PromptStream"
     engine: Any
     tracker: Any
     heldout: Any
@@ -456,7 +314,7 @@ def _setup(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder, s
 
     records = load_training_records(config)
     prompts_all = [render_prompt(config["task"]["template"], r["question"], tokenizer) for r in records]
-    stream = _PromptStream(len(records), seed, _resume_cursor(state, strategy.rank, strategy.world))
+    stream = PromptStream(len(records), seed, resume_cursor(state, strategy.rank, strategy.world))
     engine = make_engine(rcfg["engine"], policy, tokenizer, batch_size=rcfg["batch_size"], seed=seed, sampler=rcfg["sampler"],
                          model_path=str(start_spec["source"]), vllm_kwargs=rcfg["vllm"], sleep_mode=rcfg["sleep_mode"])
     if saved is not None:  # the engine starts from the start model's weights
@@ -508,12 +366,12 @@ def _tracker(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder,
 
 
 def _rollout(loop: _Loop, step: int, timings: dict[str, float]) -> "StepBatch":
-    """Steps 1-2: sample and score this process's share of the step's prompts (:func:`_collect_batch`),
+    """Steps 1-2: sample and score this process's share of the step's prompts (:func:`collect_batch`),
     in the engine's phase (:func:`oar.rollout.engine_phase`: the gathered policy for the HF engine)."""
     from oar.rollout import engine_phase
 
     with engine_phase(loop.engine, loop.strategy, loop.model):
-        return _collect_batch(loop.engine, loop.stream, loop.prompts_all, loop.records, config=loop.config,
+        return collect_batch(loop.engine, loop.stream, loop.prompts_all, loop.records, config=loop.config,
                               recipe=loop.recipe, seed=loop.seed, step=step, rank=loop.strategy.rank,
                               world=loop.strategy.world, local_prompts=loop.local_prompts,
                               pad_id=loop.tokenizer.pad_token_id, timings=timings)
@@ -524,9 +382,9 @@ def _credit(loop: _Loop, batch: "StepBatch", step: int, timings: dict[str, float
     ro, name = batch.rollout, loop.method.estimator
     extras = {"old_logprobs": ro.logprobs, "step": step, "seed": loop.seed, "task": loop.config["task"]}
     if estimator_needs_continuations(name):  # registered with needs_continuations (mc_value)
-        extras["continuations"] = _continuations(loop.engine, batch, loop.prompts_all, loop.records,
+        extras["continuations"] = continuation_context(loop.engine, batch, loop.prompts_all, loop.records,
                                                  config=loop.config, recipe=loop.recipe,
-                                                 seed=_step_seed(loop.seed, step, CONTINUATIONS_SALT))
+                                                 seed=step_seed(loop.seed, step, CONTINUATIONS_SALT))
     with loop.strategy.local_phase(loop.model) if estimator_needs_model(name) else contextlib.nullcontext():
         with marked_timer("importance", timings):
             return get_estimator(name)(
@@ -539,16 +397,16 @@ def _credit(loop: _Loop, batch: "StepBatch", step: int, timings: dict[str, float
 
 def _update(loop: _Loop, batch: "StepBatch", credit: Any, step: int,
             timings: dict[str, float]) -> tuple[dict[str, list[float]], int]:
-    """Step 4: the policy update (:func:`_update_policy`), the scheduler, and the engine refreshed
+    """Step 4: the policy update (:func:`update_policy`), the scheduler, and the engine refreshed
     with the new weights (:func:`oar.rollout.refresh_engine`; the engine sleeps meanwhile)."""
     from oar.rollout import refresh_engine
 
     with marked_timer("update", timings):
         loop.engine.sleep()  # rollout.sleep_mode: the engine frees its KV cache and weights meanwhile
-        out = _update_policy(loop.model, loop.optimizer, loop.strategy, batch.rollout,
+        out = update_policy(loop.model, loop.optimizer, loop.strategy, batch.rollout,
                              credit.token_advantages.float(), loop.ref_model, recipe=loop.recipe, tcfg=loop.tcfg,
                              temperature=loop.rcfg["temperature"], agg_max_len=loop.agg_max_len,
-                             generator=torch.Generator().manual_seed(_step_seed(loop.seed, step, UPDATE_SALT)))
+                             generator=torch.Generator().manual_seed(step_seed(loop.seed, step, UPDATE_SALT)))
         loop.scheduler.step()
         refresh_engine(loop.engine, loop.strategy, loop.model)
     return out
@@ -596,9 +454,9 @@ def _log(loop: _Loop, step: int, metrics: dict[str, float], *, nonfinite: int, l
     state["nonfinite_streak"] = state["nonfinite_streak"] + 1 if nonfinite and not losses else 0
     if strategy.world > 1:
         metrics = dict(zip(metrics, strategy.mean_over_ranks(list(metrics.values()))))
-    intact = _intact_sentence(folder, loop.intact)
+    intact = intact_sentence(folder, loop.intact)
     if loop.tracker is not None:  # a full disk here: one line, no half row (oar.io.append_jsonl)
-        with _disk_full_named(folder.metrics, f"the metrics of step {step}", len(json.dumps(metrics)), intact):
+        with disk_full_named(folder.metrics, f"the metrics of step {step}", len(json.dumps(metrics)), intact):
             loop.tracker.log_metrics(metrics, step)
     if state["nonfinite_streak"] >= loop.tcfg["max_nonfinite"]:
         if loop.tracker is not None:
@@ -610,7 +468,7 @@ def _log(loop: _Loop, step: int, metrics: dict[str, float], *, nonfinite: int, l
         )
     state["step"] = step + 1
     state["cursor"] = loop.stream.cursor
-    with _disk_full_named(folder.metrics, f"the held-out row of step {state['step']}", len(json.dumps(metrics)), intact):
+    with disk_full_named(folder.metrics, f"the held-out row of step {state['step']}", len(json.dumps(metrics)), intact):
         loop.heldout.after_step(state["step"], metrics["time_step"])  # not counted in any step's time
     return metrics
 
@@ -624,7 +482,7 @@ def _checkpoint(loop: _Loop) -> bool:
         if strategy.world > 1:  # DAPO's extra sampling rounds differ between processes: each resumes at its own place
             state["cursors"] = strategy.max_over_ranks(
                 [loop.stream.cursor if r == strategy.rank else 0 for r in range(strategy.world)])
-        _save_checkpoint(strategy, loop.model, loop.tokenizer, loop.optimizer, loop.scheduler, state, loop.identity,
+        save_checkpoint(strategy, loop.model, loop.tokenizer, loop.optimizer, loop.scheduler, state, loop.identity,
                          loop.folder, intact=loop.intact, keep=int(loop.tcfg["keep_checkpoints"]))
         loop.intact = state["step"]
         loop.schedule.saved()
@@ -644,8 +502,8 @@ def _finish(loop: _Loop, last_metrics: dict[str, float]) -> dict:
 
     strategy, folder = loop.strategy, loop.folder
     summary: dict[str, Any] = {}
-    with _disk_full_named(folder.final, "the final model", strategy.checkpoint_bytes(loop.model),
-                          _intact_sentence(folder, loop.intact)):
+    with disk_full_named(folder.final, "the final model", strategy.checkpoint_bytes(loop.model),
+                          intact_sentence(folder, loop.intact)):
         with strategy.shared_atomic_dir(folder.final) as tmp:
             strategy.save_pretrained(loop.model, loop.tokenizer, tmp)
     if strategy.is_main:
@@ -689,296 +547,9 @@ def _recorded_summary(path: Path) -> dict | None:
     return recorded if isinstance(recorded, dict) else None
 
 
-def _collect_batch(engine: Any, stream: _PromptStream, prompts_all: list[str], records: list[dict], *,
-                   config: dict, recipe: dict, seed: int, step: int, rank: int, world: int, local_prompts: int,
-                   pad_id: int, timings: dict[str, float]) -> StepBatch:
-    """Steps 1-2 of the loop: sample ``n`` responses for this process's share of the next prompts and
-    score them; with DAPO's dynamic sampling, regenerate until ``local_prompts`` groups have mixed
-    rewards (at most ``max_num_gen_batches`` rounds). Adds to ``timings["rollout"]``/``["reward"]``."""
-    from oar.reward import overlong_penalty, score_batch
-
-    tcfg, rcfg, n = config["train"], config["rollout"], config["rollout"]["n"]
-    kept: list[StepBatch] = []
-    n_kept_groups, rounds, gen_total = 0, 0, 0
-    max_rounds = recipe["max_num_gen_batches"] if recipe["dynamic_sampling"] else 1
-    positions = torch.arange(tcfg["prompts_per_step"])[rank::world]  # this process's prompts' places in the step
-    while True:
-        idx = stream.take(tcfg["prompts_per_step"])[rank::world]
-        t0 = time.perf_counter()
-        prompts = [prompts_all[i] for i in idx]
-        gen = dict(n=n, temperature=rcfg["temperature"], top_p=rcfg["top_p"], max_new_tokens=rcfg["max_new_tokens"])
-        if rcfg["batch_invariant"]:  # seeded by the prompt's position in the step, not by the process
-            seeds = [_step_seed(_step_seed(seed, step, rounds), pos) for pos in positions.tolist()]
-            ro = generate_per_prompt(engine, prompts, seeds=seeds, pad_id=pad_id, **gen)
-        else:
-            ro = engine.generate(prompts, seed=_step_seed(seed, step, rounds) + rank, **gen)
-        timings["rollout"] += time.perf_counter() - t0
-        t0 = time.perf_counter()
-        golds = [records[idx[i]]["answer"] for i in ro.prompt_index.tolist()]
-        scores = torch.tensor(score_batch(ro.texts, golds, correct=recipe["correct"], wrong=recipe["wrong"],
-                                          timeout_s=config["reward"]["timeout_s"],
-                                          workers=config["reward"]["workers"]), dtype=torch.float32)
-        correct = scores == recipe["correct"]
-        rewards = scores.clone()
-        if recipe["overlong_buffer"] > 0:
-            rewards = rewards + overlong_penalty(ro.response_mask.sum(1), max_length=rcfg["max_new_tokens"],
-                                                 cache_length=recipe["overlong_buffer"],
-                                                 penalty_factor=recipe["overlong_penalty"])
-        timings["reward"] += time.perf_counter() - t0
-        # the prompt's position in the step (over all processes) and round: unique across rounds and processes,
-        # so what is keyed by group (OAR-G's per-response noise) does not depend on the number of processes
-        group_ids = positions[ro.prompt_index] + (rounds * tcfg["prompts_per_step"])
-        gen_total += len(idx)
-        rounds += 1
-        rec = torch.tensor(idx, dtype=torch.long)[ro.prompt_index]
-        sb = StepBatch(ro, rewards, correct, group_ids, rounds, 1.0, rec)
-        if not recipe["dynamic_sampling"]:
-            kept.append(sb)
-            break
-        keep = dynamic_sampling_keep(rewards, group_ids)
-        if keep.any():
-            rows = torch.nonzero(keep).squeeze(1)
-            kept.append(StepBatch(ro.select(rows), rewards[rows], correct[rows], group_ids[rows], rounds, 1.0, rec[rows]))
-            n_kept_groups += int(torch.unique(group_ids[rows]).numel())
-        if n_kept_groups >= local_prompts or rounds >= max_rounds:
-            if not kept:  # nothing mixed at all: train on the last batch (its advantages are zero)
-                kept.append(sb)
-            break
-    batch = _merge(kept, pad_id)
-    if recipe["dynamic_sampling"]:  # truncate to the batch size (first groups kept)
-        first = torch.unique(batch.group_ids)[:local_prompts]
-        rows = torch.nonzero(torch.isin(batch.group_ids, first)).squeeze(1)
-        batch = StepBatch(batch.rollout.select(rows), batch.rewards[rows], batch.correct[rows],
-                          batch.group_ids[rows], rounds, n_kept_groups / max(1, gen_total), batch.record_index[rows])
-    return batch
-
-
-def _continuations(engine: Any, batch: StepBatch, prompts_all: list[str], records: list[dict], *, config: dict,
-                   recipe: dict, seed: int) -> Any:
-    """What an estimator that samples continuations of the responses needs (``mc_value``): the
-    engine, each row's prompt and gold answer, the rollout's reward and sampling settings. Built
-    by :func:`_credit` only for estimators registered with ``needs_continuations``."""
-    from functools import partial
-
-    from oar.credit.mc_value import ContinuationContext
-    from oar.reward import score_batch
-
-    rcfg, rows = config["rollout"], batch.record_index.tolist()
-    score = partial(score_batch, correct=recipe["correct"], wrong=recipe["wrong"],
-                    timeout_s=config["reward"]["timeout_s"], workers=config["reward"]["workers"])
-    return ContinuationContext(engine=engine, prompts=[prompts_all[i] for i in rows],
-                               golds=[records[i]["answer"] for i in rows], score=score,
-                               temperature=rcfg["temperature"], top_p=rcfg["top_p"],
-                               max_new_tokens=rcfg["max_new_tokens"], seed=seed)
-
-
-def _update_policy(model: Any, optimizer: Any, strategy: Strategy, ro: Rollout, token_adv: torch.Tensor,
-                   ref_model: Any, *, recipe: dict, tcfg: dict, temperature: float, agg_max_len: int | None,
-                   generator: torch.Generator) -> tuple[dict[str, list[float]], int]:
-    """Step 4 of the loop: ``ppo_epochs`` passes over shuffled mini-batches of ``ro``, each split
-    into micro-batches laid out by ``train.packing`` (:mod:`oar.packing`; default ``shared_prompt``:
-    one copy of each prompt followed by its responses, no padding inside a row, rows of similar
-    length, at most ``train.micro_batch_tokens`` positions and ``micro_batch_size`` sequences per
-    forward, the lm_head only where a response token is predicted), PPO clip loss with the recipe's range
-    and aggregation, optional k3 KL to ``ref_model``, gradient clipping, one optimizer step per
-    mini-batch (skipped when the loss or gradient is not finite on any process).
-
-    Each micro-batch's loss is weighted so that the micro-batches add up to the mini-batch's
-    aggregate whatever their sizes (:func:`_micro_weight`): the loss and gradient do not depend on
-    the layout. Gradients are reduced once per mini-batch (``strategy.sync_context``), not per
-    micro-batch. Every process runs the same number of mini-batches and, in each, of micro-batches
-    (the maximum over processes; a process short of them runs zero-weight ones), so their
-    collectives stay in step.
-
-    Args:
-        ro: the step's rollout, ``(N, T)`` responses; token_adv: ``(N, T)`` token advantages.
-    Returns:
-        statistics, one value per mini-batch, each the mini-batch's own aggregate (loss, pg_loss,
-        kl_ref: its loss aggregation; clipfrac, approx_kl, entropy: token means; grad_norm), and
-        ``tokens_real`` / ``tokens_computed`` (token positions of the forwards: real, and computed
-        with padding); and the number of skipped (non-finite) updates.
-    """
-    model.train()
-    N = ro.response_ids.shape[0]
-    mb = min(tcfg["mini_batch_size"], N)
-    micro = min(tcfg["micro_batch_size"], tcfg["mini_batch_size"], max(N, 1))
-    layout = dict(packing=tcfg["packing"], micro_batch_size=micro, micro_batch_tokens=tcfg["micro_batch_tokens"],
-                  pack_length=tcfg["pack_length"])
-
-    def plan(rows: torch.Tensor) -> list[MicroBatch]:
-        return plan_micro_batches(ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask, rows, **layout)
-
-    n_mini = strategy.max_over_ranks([math.ceil(N / max(mb, 1))])[0]
-    perms = [torch.randperm(N, generator=generator) for _ in range(tcfg["ppo_epochs"])]
-    minis = [perm[b * mb : (b + 1) * mb] for perm in perms for b in range(n_mini)]
-    plans = [plan(rows) for rows in minis]
-    n_micro = strategy.max_over_ranks([len(p) for p in plans])  # per mini-batch, over processes
-    dummy = plan(torch.arange(min(N, 1)))  # a zero-weight micro-batch for a process short of them
-    upd: dict[str, list[float]] = {"loss": [], "pg_loss": [], "kl_ref": [], "clipfrac": [], "approx_kl": [],
-                                   "grad_norm": [], "entropy": [], "tokens_real": [], "tokens_computed": []}
-    nonfinite = 0
-    for rows, micro_batches, count in zip(minis, plans, n_micro):
-        optimizer.zero_grad(set_to_none=True)
-        total, n_seq = _mini_batch_backward(model, strategy, ro, token_adv, ref_model, rows, micro_batches,
-                                            dummy, count, upd, recipe=recipe, temperature=temperature,
-                                            agg_max_len=agg_max_len)
-        grad_norm = strategy.clip_grad_norm_(model, tcfg["grad_clip"])
-        bad = strategy.max_over_ranks([int(not (math.isfinite(total) and math.isfinite(grad_norm)))])[0]
-        if bad:
-            optimizer.zero_grad(set_to_none=True)  # skip this update (on every process)
-            nonfinite += 1
-            continue
-        optimizer.step()
-        if n_seq:
-            upd["loss"].append(total)
-        upd["grad_norm"].append(grad_norm)
-    return upd, nonfinite
-
-
-def _mini_batch_backward(model: Any, strategy: Strategy, ro: Rollout, token_adv: torch.Tensor, ref_model: Any,
-                         rows: torch.Tensor, micro_batches: list[MicroBatch], dummy: list[MicroBatch], count: int,
-                         upd: dict[str, list[float]], *, recipe: dict, temperature: float,
-                         agg_max_len: int | None) -> tuple[float, int]:
-    """The forwards and backwards of one mini-batch (``rows`` of ``ro``): ``count`` micro-batches,
-    those past ``micro_batches`` zero-weight runs of ``dummy[0]``, gradients reduced on the last one.
-    Appends the mini-batch's statistics to ``upd`` (all but ``loss`` and ``grad_norm``, which depend
-    on the optimizer step). Returns the mini-batch's weighted loss and its number of sequences."""
-    agg = recipe["loss_agg"]
-    resp_mask = ro.response_mask[rows]
-    n_tok, n_seq = float(resp_mask.sum()), len(rows)
-    n_has = int((resp_mask.sum(1) > 0).sum())
-    total, pg_total, kl_total, clip_sum, akl_sum, ent_sum = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
-    for u in range(count):
-        real = u < len(micro_batches)
-        mbatch = micro_batches[u] if real else dummy[0]
-        r, T = mbatch.rows, mbatch.T
-        with strategy.sync_context(model, sync=u == count - 1):
-            with strategy.forward_context():
-                logp, ent = micro_batch_logprobs(model, mbatch, temperature=temperature, with_entropy=True)
-                dev = logp.device
-                adv = token_adv[r, :T].to(dev)
-                old = ro.logprobs[r, :T].to(dev)
-                m = ro.response_mask[r, :T].to(dev)
-                pg, stats = policy_loss(logp, old, adv, m, eps_low=recipe["eps_low"], eps_high=recipe["eps_high"],
-                                        clip_ratio_c=recipe["clip_ratio_c"], agg=agg, max_len=agg_max_len)
-                loss = pg
-                kl_val = 0.0
-                if ref_model is not None:
-                    with torch.no_grad():
-                        ref_lp, _ = micro_batch_logprobs(ref_model, mbatch, temperature=temperature)
-                    kl = aggregate(k3_kl(logp, ref_lp), m, agg, max_len=agg_max_len)
-                    loss = loss + recipe["kl_coef"] * kl
-                    kl_val = float(kl.detach())
-            # weight so that the micro-batches add up to the mini-batch aggregate
-            w = _micro_weight(agg, m, n_tok=n_tok, n_seq=n_seq, n_has=n_has) if real else 0.0
-            strategy.backward(loss * w)
-        if not real:
-            continue
-        tokens = float(m.sum())
-        total += float(loss.detach()) * w
-        pg_total += float(pg.detach()) * w
-        kl_total += kl_val * w
-        clip_sum += stats["clipfrac"] * tokens
-        akl_sum += stats["approx_kl"] * tokens
-        ent_sum += float(ent.sum())
-        upd["tokens_real"].append(float(mbatch.real_tokens))
-        upd["tokens_computed"].append(float(mbatch.computed_tokens))
-    if n_seq:
-        upd["pg_loss"].append(pg_total)
-        upd["kl_ref"].append(kl_total)
-        upd["clipfrac"].append(clip_sum / max(n_tok, 1.0))
-        upd["approx_kl"].append(akl_sum / max(n_tok, 1.0))
-        upd["entropy"].append(ent_sum / max(n_tok, 1.0))
-    return total, n_seq
-
-
-def _micro_weight(agg: str, mask: torch.Tensor, *, n_tok: float, n_seq: int, n_has: int) -> float:
-    """Weight of a micro-batch's aggregated loss so that the weighted micro-batches of a mini-batch
-    add up to the mini-batch's aggregate (:func:`oar.loss.aggregate`), whatever their sizes.
-
-    Args:
-        agg: the loss aggregation mode.
-        mask: ``(b, T)`` the micro-batch's response mask.
-        n_tok, n_seq, n_has: the mini-batch's response tokens, sequences, and sequences with at
-            least one response token.
-    Returns:
-        ``token-mean``: its share of the tokens; ``seq-mean-token-sum-norm`` (divides by all
-        sequences): its share of the sequences; the other ``seq-mean`` modes (mean over sequences
-        with tokens): its share of those.
-    """
-    if agg == "token-mean":
-        return float(mask.sum()) / max(n_tok, 1.0)
-    if agg == "seq-mean-token-sum-norm":
-        return mask.shape[0] / max(n_seq, 1)
-    return float((mask.sum(1) > 0).sum()) / max(n_has, 1)
-
-
 def _mean(xs: Sequence[float]) -> float:
     xs = [x for x in xs if x is not None]
     return float(sum(xs) / len(xs)) if xs else 0.0
-
-
-def _merge(parts: list[StepBatch], pad_id: int) -> StepBatch:
-    if len(parts) == 1:
-        return parts[0]
-    return StepBatch(
-        rollout=Rollout.concat([p.rollout for p in parts], pad_id),
-        rewards=torch.cat([p.rewards for p in parts]),
-        correct=torch.cat([p.correct for p in parts]),
-        group_ids=torch.cat([p.group_ids for p in parts]),
-        n_gen_batches=parts[-1].n_gen_batches,
-        kept_fraction=1.0,
-        record_index=torch.cat([p.record_index for p in parts]),
-    )
-
-
-def _save_checkpoint(strategy: Strategy, model: Any, tokenizer: Any, optimizer: Any, scheduler: Any, state: dict,
-                     identity: dict[str, str], folder: RunFolder, *, intact: int | None, keep: int) -> None:
-    """Write model and optimizer (whole or sharded, per strategy), tokenizer, scheduler, RNG states,
-    data position and run identity into a temporary folder, then ``checkpoint.json`` (every file's
-    size), then rename it onto the checkpoint. A full disk raises :class:`oar.runs.DiskFullError`
-    naming the checkpoint that is intact (the one of step ``intact``, None: none yet). With ``keep``
-    > 1 (``train.keep_checkpoints``) the checkpoint it replaces is kept as ``checkpoints/step_<N>/``,
-    and the oldest kept ones are pruned once the new one is complete, ``keep`` in all."""
-    step = state["step"]
-    if keep > 1 and strategy.is_main:
-        folder.archive_checkpoint()
-    with _disk_full_named(folder.checkpoint, f"the step-{step} checkpoint", strategy.checkpoint_bytes(model, optimizer),
-                          _intact_sentence(folder, intact)):
-        with strategy.shared_atomic_dir(folder.checkpoint, seal=lambda tmp: write_manifest(tmp, step=step)) as tmp:
-            optimizer_state = strategy.save_training_state(model, optimizer, tmp, tokenizer)
-            if strategy.is_main:
-                save_trainer_state(tmp / STATE_FILE, optimizer_state=optimizer_state, scheduler=scheduler, state=state,
-                                   identity=identity)
-    if strategy.is_main and folder.archive.exists():
-        folder.prune_archive(keep)
-
-
-def _resume_cursor(state: dict, rank: int, world: int) -> int:
-    """Where this process's prompt stream resumes: its own cursor (``state["cursors"]``, one per
-    process, saved since the processes' streams can differ), else the main process's (a checkpoint
-    of one process, of another number of processes, or of an older oar)."""
-    cursors = state.get("cursors")
-    return int(cursors[rank]) if cursors and len(cursors) == world else int(state["cursor"])
-
-
-def _intact_sentence(folder: RunFolder, intact: int | None) -> str:
-    """Which checkpoint a failed write left intact, for :class:`oar.runs.DiskFullError`."""
-    if intact is None:
-        return "No checkpoint was written before: a rerun starts at step 0."
-    return f"The step-{intact} checkpoint {folder.checkpoint} is intact: a rerun resumes from step {intact}."
-
-
-@contextlib.contextmanager
-def _disk_full_named(path: Path, what: str, needed: int, intact: str) -> Any:
-    """Turn an error of the block that means a full disk into one :class:`oar.runs.DiskFullError`
-    line (the block's atomic write has already removed what it wrote); other errors pass."""
-    try:
-        yield
-    except BaseException as e:  # noqa: BLE001 - torch.distributed.checkpoint's errors are BaseExceptions
-        if isinstance(e, (KeyboardInterrupt, SystemExit)) or not is_disk_full(e, path, needed):
-            raise
-        raise disk_full_error(path, what, needed, intact) from e
 
 
 def _interrupted(stop: StopSignal, step: int, folder: RunFolder, tracker: Any, strategy: Strategy, *,
