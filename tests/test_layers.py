@@ -8,7 +8,8 @@ layer fails. Layers, bottom to top (a module may import its own layer and those 
 1. data and task: data, task, models, fetch, packing, reward
 2. credit: credit
 3. configuration: config, preflight, identity (what identifies each result: fingerprints, store keys)
-4. training and measuring: rollout, loss, strategy, runs, evaluate, heldout, sft, train (with its batch, update and checkpoint), attribution,
+4. training and measuring: rollout, loss, strategy, runs, evaluate, heldout, sft, train (with run_setup, batch, update,
+   checkpoint, run_end), attribution,
    plan, launch, layout, stage_runs (the MLflow runs of every stage; the report's is oar.report.logged)
 5. reports: report, learning_curves, regimes
 6. the command line: cli
@@ -28,7 +29,8 @@ LAYERS: dict[str, int] = {
     **dict.fromkeys(["data", "task", "models", "fetch", "packing", "reward"], 1),
     "credit": 2,
     **dict.fromkeys(["config", "preflight", "identity"], 3),
-    **dict.fromkeys(["rollout", "loss", "strategy", "runs", "evaluate", "heldout", "sft", "train", "batch", "update", "checkpoint", "attribution",
+    **dict.fromkeys(["rollout", "loss", "strategy", "runs", "evaluate", "heldout", "sft", "train", "run_setup", "batch", "update", "checkpoint",
+                     "run_end", "attribution",
                      "plan", "launch", "layout", "stage_runs"], 4),
     **dict.fromkeys(["report", "learning_curves", "regimes"], 5),
     "cli": 6,

@@ -23,37 +23,31 @@ from __future__ import annotations
 
 import contextlib
 import json
-import random
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-import numpy as np
 import torch
 
-from oar.batch import (CONTINUATIONS_SALT, UPDATE_SALT, PromptStream, StepBatch, collect_batch, continuation_context,
-                       load_training_records, resume_cursor, step_seed)
+from oar.batch import CONTINUATIONS_SALT, UPDATE_SALT, StepBatch, collect_batch, continuation_context, step_seed
 from oar.checkpoint import disk_full_named, intact_sentence, save_checkpoint
 from oar.config import ResolvedMethod, resolve_method
 from oar.credit import CreditBatch, estimator_needs_continuations, estimator_needs_model, get_estimator
 from oar.credit.metrics import ess_ratio, top_mass
 from oar.identity import run_identity
-from oar.io import atomic_write_json, read_jsonl
-from oar.preemption import CheckpointSchedule, StopSignal
-from oar.rollout import make_engine
-from oar.runs import RunFolder, load_trainer_state, restore_rng
+from oar.preemption import StopSignal
+from oar.run_end import PHASES, finish_run, interrupted_run, mean_of
+from oar.run_setup import TrainingRun, check_train_inputs, setup_run
+from oar.runs import RunFolder
 from oar.strategy import Strategy
-from oar.update import make_scheduler, update_policy
+from oar.update import update_policy
 
 __all__ = [
     "TrainingError",
     "train",
-    "check_train_inputs",
     "step_metrics",
     "marked_timer",
-    "PHASES",
 ]
 
 
@@ -65,35 +59,8 @@ class TrainingError(RuntimeError):
 # pieces of the loop (plain functions, tested on their own)
 
 
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % (2**32))
-    torch.manual_seed(seed)
-
-
 # ----------------------------------------------------------------------------------------------
 # the loop
-
-
-def check_train_inputs(config: dict, start_spec: dict, output: Path) -> None:
-    """The user's files a run needs, checked before it touches anything: ``output`` can be a folder
-    this process writes (:func:`oar.io.check_output_folder`), the MLflow store reads
-    (:func:`oar.tracking.check_store`, when tracking is on) and the start model's files are whole
-    (:func:`oar.models.check_model_files`). A failed check leaves an existing run folder as it was.
-
-    Raises:
-        oar.io.OutputPathError, oar.tracking.TrackingStoreError, oar.models.ModelLoadError: naming
-            the file and what to do.
-        FileNotFoundError: the start model is neither an existing path nor a hub id.
-    """
-    from oar.io import check_output_folder
-    from oar.models import check_model_files
-    from oar.tracking import check_store
-
-    check_output_folder(output, what="the run folder (--output)")
-    if config["tracking"]["enabled"]:
-        check_store(config["tracking"]["uri"])
-    check_model_files(start_spec)
 
 
 def train(
@@ -162,10 +129,6 @@ def train(
                           progress=progress, stop_after=stop_after, stop=stop)
 
 
-#: The timed phases of a step (``time_<phase>`` in the metrics, ``mean_time`` in the summary).
-PHASES: tuple[str, ...] = ("rollout", "reward", "importance", "update")
-
-
 @contextlib.contextmanager
 def marked_timer(name: str, timings: dict[str, float]) -> Any:
     """Add the wall time of the block to ``timings[name]`` (verl's ``marked_timer``)."""
@@ -176,58 +139,6 @@ def marked_timer(name: str, timings: dict[str, float]) -> Any:
         timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0
 
 
-@dataclass
-class _Loop:
-    """What the phases of one training run share (built by :func:`_setup`)."""
-
-    config: dict
-    method: ResolvedMethod
-    seed: int
-    folder: RunFolder
-    identity: dict[str, str]
-    strategy: Strategy
-    stop: StopSignal
-    model: Any
-    tokenizer: Any
-    optimizer: Any
-    scheduler: Any
-    ref_model: Any
-    policy: Any  # what the rollout and the credit estimators call, in strategy.local_phase
-    records: list[dict]
-    prompts_all: list[str]
-    stream: "PromptStream"
-    engine: Any
-    tracker: Any
-    heldout: Any
-    schedule: CheckpointSchedule
-    state: dict[str, Any]
-    resumed: bool  # started from a checkpoint
-    intact: int | None  # the step of the checkpoint on disk
-    provenance: dict[str, Any]  # of this invocation (oar.provenance), without its end time
-
-    @property
-    def tcfg(self) -> dict:
-        return self.config["train"]
-
-    @property
-    def rcfg(self) -> dict:
-        return self.config["rollout"]
-
-    @property
-    def recipe(self) -> dict:
-        return self.method.recipe
-
-    @property
-    def local_prompts(self) -> int:
-        """This process's share of each step's prompts."""
-        return len(range(self.strategy.rank, self.tcfg["prompts_per_step"], self.strategy.world))
-
-    @property
-    def agg_max_len(self) -> int | None:
-        """Dr. GRPO's aggregation divides by the generation budget, not the batch's padded length."""
-        return self.rcfg["max_new_tokens"] if self.recipe["loss_agg"] == "seq-mean-token-sum-norm" else None
-
-
 def _train(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder, start_spec: dict,
            identity: dict[str, str], strategy: Strategy, *, progress: bool, stop_after: int | None,
            stop: StopSignal) -> dict:
@@ -235,10 +146,10 @@ def _train(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder, s
     rollout -> credit -> update -> metrics -> log -> checkpoint, then the final model."""
     from tqdm.auto import tqdm
 
-    loop = _setup(config, method, seed, folder, start_spec, identity, strategy, stop)
+    loop = setup_run(config, method, seed, folder, start_spec, identity, strategy, stop)
     steps = loop.tcfg["steps"]
     if loop.state["step"] < steps and loop.schedule.before_first_step():  # a signal while starting: nothing to save
-        return _interrupted(stop, loop.state["step"], folder, loop.tracker, strategy, checkpointed=loop.resumed)
+        return interrupted_run(stop, loop.state["step"], folder, loop.tracker, strategy, checkpointed=loop.resumed)
     bar = tqdm(total=steps, initial=loop.state["step"], desc=f"{method.name} seed{seed}",
                disable=not (progress and strategy.is_main), dynamic_ncols=True)
     last_metrics: dict[str, float] = {}
@@ -257,115 +168,15 @@ def _train(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder, s
         steps_this_call += 1
         if _checkpoint(loop):                                      # 7. checkpoint; stop on a signal
             bar.close()
-            return _interrupted(stop, loop.state["step"], folder, loop.tracker, strategy, checkpointed=True)
+            return interrupted_run(stop, loop.state["step"], folder, loop.tracker, strategy, checkpointed=True)
         if stop_after is not None and steps_this_call >= stop_after and loop.state["step"] < steps:
             bar.close()
             return {"interrupted_at": loop.state["step"]}
     bar.close()
-    return _finish(loop, last_metrics)
+    return finish_run(loop, last_metrics)
 
 
-def _setup(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder, start_spec: dict,
-           identity: dict[str, str], strategy: Strategy, stop: StopSignal) -> _Loop:
-    """Model, reference and optimizer (restored from the checkpoint when resuming), then data,
-    engine, tracking, the held-out evaluation and the checkpoint schedule."""
-    from datetime import datetime, timezone
-
-    from oar.data.prompts import render_prompt
-    from oar.heldout import HeldoutEval
-    from oar.models import load_policy
-    from oar.provenance import provenance
-    from oar.rollout import refresh_engine
-
-    started = datetime.now(timezone.utc)
-    tcfg, rcfg = config["train"], config["rollout"]
-    _seed_everything(seed)
-    saved = None
-    if folder.state_file.exists():
-        folder.check_checkpoint()  # every file whole (checkpoint.json's sizes, safetensors headers)
-        saved = load_trainer_state(folder.state_file)
-        folder.check_identity(saved.get("identity"), identity)
-    try:
-        model, tokenizer = load_policy(strategy.resume_source(folder.checkpoint, start_spec) if saved else start_spec)
-    except Exception as e:
-        if saved is None:
-            raise
-        raise folder.unreadable_checkpoint(e) from e
-    ref_model = None
-    if method.recipe["kl_coef"] > 0:  # the reference only exists when the KL term is used, placed like the policy
-        ref_model = strategy.prepare_frozen(load_policy(start_spec)[0])
-    # float32 master weights (train.master_dtype), sharded or wrapped per train.strategy
-    model, optimizer = strategy.prepare(model, lr=tcfg["lr"], betas=tuple(tcfg["betas"]), weight_decay=tcfg["weight_decay"])
-    scheduler = make_scheduler(optimizer, warmup_steps=tcfg["warmup_steps"], total_steps=tcfg["steps"], schedule=tcfg["schedule"])
-    state: dict[str, Any] = {"step": 0, "cursor": 0, "run_id": None, "nonfinite_streak": 0}
-    if saved is not None:
-        try:
-            strategy.load_training_state(model, optimizer, folder.checkpoint, saved)
-            scheduler.load_state_dict(saved["scheduler"])
-            restore_rng(saved)
-        except BaseException as e:  # noqa: BLE001 - torch.distributed.checkpoint's errors are BaseExceptions
-            if isinstance(e, (KeyboardInterrupt, SystemExit)):
-                raise
-            raise folder.unreadable_checkpoint(e) from e
-        state.update(saved["state"])
-    if strategy.is_main:  # rows of steps after the checkpoint (or of a run killed before one) go
-        folder.keep_metrics_before(state["step"])
-    policy = strategy.policy(model)
-
-    records = load_training_records(config)
-    prompts_all = [render_prompt(config["task"]["template"], r["question"], tokenizer) for r in records]
-    stream = PromptStream(len(records), seed, resume_cursor(state, strategy.rank, strategy.world))
-    engine = make_engine(rcfg["engine"], policy, tokenizer, batch_size=rcfg["batch_size"], seed=seed, sampler=rcfg["sampler"],
-                         model_path=str(start_spec["source"]), vllm_kwargs=rcfg["vllm"], sleep_mode=rcfg["sleep_mode"])
-    if saved is not None:  # the engine starts from the start model's weights
-        refresh_engine(engine, strategy, model)
-    prov = provenance(device=strategy.device.type, started=started)
-    tracker = _tracker(config, method, seed, folder, strategy, state, prov)
-    # held-out accuracy of the start model (or of the resume point), then every train.heldout.every steps
-    heldout = HeldoutEval(config, engine=engine, tokenizer=tokenizer, strategy=strategy, model=model, tracker=tracker,
-                          seed=seed, metrics_path=folder.metrics, total_steps=tcfg["steps"])
-    heldout.after_step(state["step"], 0.0)
-    schedule = CheckpointSchedule(save_every=tcfg["save_every"], total_steps=tcfg["steps"],
-                                  save_every_minutes=tcfg["save_every_minutes"], stop=stop, strategy=strategy)
-    for name in stop.reinstall():  # a library (the rollout engine) may have put its own handlers in place
-        print(f"oar train: the {name} handler that stops after a step was replaced while starting; put back",
-              file=sys.stderr)
-    return _Loop(config=config, method=method, seed=seed, folder=folder, identity=identity, strategy=strategy,
-                 stop=stop, model=model, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
-                 ref_model=ref_model, policy=policy, records=records, prompts_all=prompts_all, stream=stream,
-                 engine=engine, tracker=tracker, heldout=heldout, schedule=schedule, state=state,
-                 resumed=saved is not None, intact=state["step"] if saved is not None else None, provenance=prov)
-
-
-def _tracker(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder, strategy: Strategy,
-             state: dict[str, Any], prov: dict[str, Any]) -> Any:
-    """The MLflow + metrics.jsonl tracker of the main process (None on the others): the run of the
-    checkpoint when resuming; a start killed before its first checkpoint left an orphan run, ended here.
-    Tagged as every stage's run (:func:`oar.stage_runs.train_run_tags`, the provenance ``prov`` of
-    this invocation: a resumed run carries its latest), plus the plain method, seed, config, output."""
-    from oar.stage_runs import supersede_older_runs, train_run_tags
-    from oar.tracking import Tracker, end_orphan_run
-
-    if not strategy.is_main:
-        return None
-    tr = config["tracking"]
-    uri = tr["uri"] if tr["enabled"] else None
-    tags = {"method": method.name, "seed": str(seed), "config": config["name"], "output": str(folder.path),
-            **train_run_tags(config, method.name, seed, folder.path, prov)}
-    tracker = Tracker(folder.metrics, uri=uri, experiment=tr["experiment"], run_name=f"{method.name}-seed{seed}",
-                      tags=tags, run_id=state["run_id"])
-    orphan = folder.recorded_mlflow_run()
-    if uri and orphan and orphan != tracker.run_id:
-        end_orphan_run(uri, orphan, replaced_by=tracker.run_id)
-    if uri and state["run_id"] is None:  # a new run: the folder's earlier runs are no longer current
-        supersede_older_runs(uri, tr["experiment"], tags, tracker.run_id)
-    folder.record_mlflow_run(tracker.run_id)
-    state["run_id"] = tracker.run_id
-    tracker.log_params({"config": config, **method.as_params(), "seed": seed})
-    return tracker
-
-
-def _rollout(loop: _Loop, step: int, timings: dict[str, float]) -> "StepBatch":
+def _rollout(loop: TrainingRun, step: int, timings: dict[str, float]) -> "StepBatch":
     """Steps 1-2: sample and score this process's share of the step's prompts (:func:`collect_batch`),
     in the engine's phase (:func:`oar.rollout.engine_phase`: the gathered policy for the HF engine)."""
     from oar.rollout import engine_phase
@@ -377,7 +188,7 @@ def _rollout(loop: _Loop, step: int, timings: dict[str, float]) -> "StepBatch":
                               pad_id=loop.tokenizer.pad_token_id, timings=timings)
 
 
-def _credit(loop: _Loop, batch: "StepBatch", step: int, timings: dict[str, float]) -> Any:
+def _credit(loop: TrainingRun, batch: "StepBatch", step: int, timings: dict[str, float]) -> Any:
     """Step 3: the method's estimator (OAR-P / OAR-G / mc_value call the gathered policy)."""
     ro, name = batch.rollout, loop.method.estimator
     extras = {"old_logprobs": ro.logprobs, "step": step, "seed": loop.seed, "task": loop.config["task"]}
@@ -395,7 +206,7 @@ def _credit(loop: _Loop, batch: "StepBatch", step: int, timings: dict[str, float
             )
 
 
-def _update(loop: _Loop, batch: "StepBatch", credit: Any, step: int,
+def _update(loop: TrainingRun, batch: "StepBatch", credit: Any, step: int,
             timings: dict[str, float]) -> tuple[dict[str, list[float]], int]:
     """Step 4: the policy update (:func:`update_policy`), the scheduler, and the engine refreshed
     with the new weights (:func:`oar.rollout.refresh_engine`; the engine sleeps meanwhile)."""
@@ -426,13 +237,13 @@ def step_metrics(batch: "StepBatch", credit: Any, upd: dict[str, list[float]], n
         "accuracy": float(batch.correct.float().mean()),
         "response_length": float(mask_f.sum(1).mean()),
         "truncated": float(ro.truncated.float().mean()),
-        "entropy": _mean(upd["entropy"]),
-        "kl_ref": _mean(upd["kl_ref"]),
-        "approx_kl": _mean(upd["approx_kl"]),
-        "clipfrac": _mean(upd["clipfrac"]),
-        "loss": _mean(upd["loss"]),
-        "pg_loss": _mean(upd["pg_loss"]),
-        "grad_norm": _mean(upd["grad_norm"]),
+        "entropy": mean_of(upd["entropy"]),
+        "kl_ref": mean_of(upd["kl_ref"]),
+        "approx_kl": mean_of(upd["approx_kl"]),
+        "clipfrac": mean_of(upd["clipfrac"]),
+        "loss": mean_of(upd["loss"]),
+        "pg_loss": mean_of(upd["pg_loss"]),
+        "grad_norm": mean_of(upd["grad_norm"]),
         # share of the update's computed token positions that are padding (train.packing)
         "update_padding": 1.0 - sum(upd["tokens_real"]) / max(sum(upd["tokens_computed"]), 1.0),
         "ess_ratio": float(ess_ratio(weights, ro.response_mask).mean()),
@@ -447,7 +258,7 @@ def step_metrics(batch: "StepBatch", credit: Any, upd: dict[str, list[float]], n
     }
 
 
-def _log(loop: _Loop, step: int, metrics: dict[str, float], *, nonfinite: int, losses: list[float]) -> dict[str, float]:
+def _log(loop: TrainingRun, step: int, metrics: dict[str, float], *, nonfinite: int, losses: list[float]) -> dict[str, float]:
     """Step 6: the metrics averaged over processes and logged; the non-finite guard; the step
     counted; the held-out evaluation when due. Returns the logged metrics."""
     strategy, state, folder = loop.strategy, loop.state, loop.folder
@@ -473,7 +284,7 @@ def _log(loop: _Loop, step: int, metrics: dict[str, float], *, nonfinite: int, l
     return metrics
 
 
-def _checkpoint(loop: _Loop) -> bool:
+def _checkpoint(loop: TrainingRun) -> bool:
     """Step 7: a checkpoint when the schedule says so (every ``save_every`` steps or minutes, the last
     step, a signal; the same decision on every process). Returns whether to stop (a signal)."""
     strategy, state = loop.strategy, loop.state
@@ -488,82 +299,4 @@ def _checkpoint(loop: _Loop) -> bool:
         loop.schedule.saved()
     return decision.stop
 
-
-def _finish(loop: _Loop, last_metrics: dict[str, float]) -> dict:
-    """The final model (full, consolidated weights) and the run summary, with the provenance of the
-    invocation that finished the run (:mod:`oar.provenance`); the MLflow run gets its provenance and
-    ``train_summary.json`` as an artifact.
-
-    A finished run started again with nothing left to train (the workflow reruns its job when a
-    resumable setting such as ``train.save_every`` changed) keeps its recorded summary as it is:
-    the evaluation's fingerprint checksums ``train_summary.json``, and a new timestamp (or the
-    ``final`` row read back from ``metrics.jsonl``) alone must not make it evaluate the same model again."""
-    from oar.provenance import provenance_tags, with_end_time
-
-    strategy, folder = loop.strategy, loop.folder
-    summary: dict[str, Any] = {}
-    with disk_full_named(folder.final, "the final model", strategy.checkpoint_bytes(loop.model),
-                          intact_sentence(folder, loop.intact)):
-        with strategy.shared_atomic_dir(folder.final) as tmp:
-            strategy.save_pretrained(loop.model, loop.tokenizer, tmp)
-    if strategy.is_main:
-        rows = read_jsonl(folder.metrics)
-        summary = {
-            "method": loop.method.name,
-            "seed": loop.seed,
-            "steps": loop.tcfg["steps"],
-            "strategy": strategy.name,
-            "world_size": strategy.world,
-            "final": last_metrics or (rows[-1] if rows else {}),
-            "mean_time": {k: _mean([r.get(f"time_{k}") or 0.0 for r in rows if "time_step" in r])  # not held-out rows
-                          for k in [*PHASES, "step"]},
-            "mlflow_run_id": loop.state["run_id"],
-            "provenance": with_end_time(loop.provenance),
-        }
-        recorded = _recorded_summary(folder.summary)
-        if not last_metrics and recorded and all(recorded.get(k) == summary[k] for k in _SAME_RUN_KEYS):
-            summary = recorded  # nothing trained since it was written: the same file, byte for byte
-        atomic_write_json(folder.summary, summary)
-        if loop.tracker is not None:
-            prov = summary.get("provenance") or {}  # the run's tags: the provenance its summary records
-            loop.tracker.set_tags({**provenance_tags(prov), **({"oar.git_commit": prov["git_commit"]}
-                                                               if prov.get("git_commit") else {})})
-            loop.tracker.log_artifact(folder.summary)
-            loop.tracker.finish()
-    strategy.barrier()
-    return summary
-
-
-#: What a recorded ``train_summary.json`` must share with the summary being written to be kept.
-_SAME_RUN_KEYS: tuple[str, ...] = ("method", "seed", "steps", "mlflow_run_id")
-
-
-def _recorded_summary(path: Path) -> dict | None:
-    """The run's recorded ``train_summary.json`` (None: none, unreadable, or not a mapping)."""
-    try:
-        recorded = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return recorded if isinstance(recorded, dict) else None
-
-
-def _mean(xs: Sequence[float]) -> float:
-    xs = [x for x in xs if x is not None]
-    return float(sum(xs) / len(xs)) if xs else 0.0
-
-
-def _interrupted(stop: StopSignal, step: int, folder: RunFolder, tracker: Any, strategy: Strategy, *,
-                 checkpointed: bool) -> dict:
-    """End a run that a signal stopped after ``step`` steps (``checkpointed``: the checkpoint holds
-    them): the MLflow run is marked KILLED with the step, and the summary says where to resume."""
-    reason = stop.received or "a signal to another process"
-    if tracker is not None:
-        tracker.interrupted(step, reason)
-    if strategy.is_main:
-        where = (f"the checkpoint {folder.checkpoint} holds step {step}" if checkpointed
-                 else "nothing was trained yet, so nothing was saved")
-        print(f"oar train: {folder.path}: stopped by {reason} after step {step}; {where}: run the same command "
-              f"again to resume", file=sys.stderr, flush=True)
-    strategy.barrier()
-    return {"interrupted_at": step, "signal": reason, "checkpoint": str(folder.checkpoint) if checkpointed else None}
 
