@@ -39,7 +39,7 @@ from oar.config import deep_merge
 from oar.preemption import EXIT_INTERRUPTED, CheckpointSchedule, StopSignal
 from oar.runs import CheckpointError, check_checkpoint_files, is_disk_full, write_manifest
 
-from helpers import ROOT, filled_slurm_profile, small_overrides
+from helpers import ROOT, filled_slurm_profile, small_overrides, with_stub_data
 
 #: DAPO's overlong shaping gives a random tiny model's responses different rewards, so advantages
 #: are not zero and the weights move: "bit-identical" then means something.
@@ -704,7 +704,7 @@ def test_slurm_training_jobs_ask_for_the_sized_early_sigterm(tmp_path):
 
     profile = ["--workflow-profile", str(filled_slurm_profile(tmp_path))]
     for change, seconds in (({}, sized), ({"signal_seconds": 900}, 900)):
-        raw = _config("paper.yaml")
+        raw = with_stub_data(_config("paper.yaml"), tmp_path)  # no ../shared/data needed beside the clone
         raw["train"]["preemption"] = change
         path = tmp_path / "paper.yaml"
         path.write_text(yaml.safe_dump(raw))
@@ -720,7 +720,7 @@ def test_slurm_training_jobs_ask_for_the_sized_early_sigterm(tmp_path):
         assert f" --signal=TERM@{seconds}" in line, line
         assert all(j["resources"].get("slurm_extra") is None for j in jobs if j["rule"] != "train")
 
-    raw = _config("paper.yaml")
+    raw = with_stub_data(_config("paper.yaml"), tmp_path)
     raw["resources"]["train"]["runtime"] = 5  # minutes, less than the signal's lead
     path.write_text(yaml.safe_dump(raw))
     proc = snakemake("-n", *profile, "--configfile", str(path), "--config", f"results_dir={tmp_path}", check=False)

@@ -13,6 +13,11 @@ Subpackages and modules:
   data manifest (``oar data``).
 - :mod:`oar.schemas` -- the config's JSON schema (YAML).
 - :mod:`oar.train` -- the RL training loop shared by every method (``oar train``).
+- :mod:`oar.run_setup` -- setting up a training run: model, optimizer, data, engine, tracker (:class:`~oar.run_setup.TrainingRun`).
+- :mod:`oar.batch` -- one step's batch: the prompts' resumable order, sampling, scoring, dynamic sampling, step seeds.
+- :mod:`oar.update` -- the policy update: PPO epochs over packed micro-batches, the optimizer step, the schedule.
+- :mod:`oar.checkpoint` -- writing a training checkpoint; a full disk named in one line.
+- :mod:`oar.run_end` -- how a training run ends: the final model, ``train_summary.json``, the interrupted summary.
 - :mod:`oar.loss` -- PPO-clip policy loss, aggregation modes and the k3 KL estimator.
 - :mod:`oar.packing` -- micro-batch layouts of the policy update and their response log-probs.
 - :mod:`oar.strategy` -- how the policy is spread over processes and its training precision.
