@@ -10,8 +10,8 @@ Imports only torch, transformers (with its tokenizers), accelerate, the standard
 ``oar`` modules that need nothing else (``oar.strategy``, ``oar.rollout``, ``oar.packing``,
 ``oar.loss``, ``oar.credit``, ``oar.plan``, ``oar.models``, ``oar.data``), so it runs on a stock
 CUDA image without ``pip install``. Not used: ``oar.config`` (imports jsonschema at load time) and
-so ``oar.train`` (imports ``oar.config``): the trainer's update is composed here from its pieces
-(:func:`update_policy`; tests/test_gpu_check.py checks it against ``oar.update.update_policy``) and
+so ``oar.train`` (imports ``oar.config``): the update is the trainer's own ``oar.update.update_policy``
+(which needs only torch and the modules above; :func:`update_policy` passes it this run's layout), and
 the config the strategy and the plan read is written out in full (:func:`run_config`); and
 ``oar.reward`` (math-verify): rewards are set, see below.
 
@@ -332,75 +332,33 @@ def update_policy(model: Any, optimizer: Any, strategy: Any, ro: Any, token_adv:
                   micro_batch_size: int, mini_batch_size: int, micro_batch_tokens: int | None,
                   pack_length: int | None, grad_clip: float, recipe: dict, generator: Any,
                   marks: Any = None, temperature: float = 1.0) -> dict[str, Any]:
-    """One policy update as ``oar.update.update_policy`` makes it with one process, one PPO epoch
-    and no KL reference: shuffled mini-batches of ``mini_batch_size`` rows (``torch.randperm`` from
-    ``generator``), each cut by ``oar.packing.plan_micro_batches`` into micro-batches whose
-    ``oar.packing.micro_batch_logprobs`` (with the entropy) feed ``oar.loss.policy_loss``, each loss
-    weighted by its share of the mini-batch's sequences (``oar.update._micro_weight`` for
-    ``seq-mean-token-mean``), gradient sync on the last micro-batch only, clipping, AdamW step
-    (skipped on a non-finite loss or gradient). ``oar.train`` itself needs ``oar.config``
-    (jsonschema), hence this composition; tests/test_gpu_check.py checks it against the trainer's.
+    """One policy update by the trainer's own ``oar.update.update_policy``: one PPO epoch, no KL
+    reference, the given layout and clipping.
 
-    ``marks`` (a :class:`PhaseMarks`, optional): reset at each micro-batch's start, marked at its
-    backward's end (``backward end``), reset before and marked after ``optimizer.step`` (``step``).
+    ``marks`` (a :class:`PhaseMarks`, optional) follows the update's events
+    (``oar.update.UPDATE_EVENTS``): reset at each micro-batch's start, marked at its backward's end
+    (``backward end``), reset before and marked after ``optimizer.step`` (``step``).
 
     Returns:
-        ``tokens_real`` / ``tokens_computed`` (positions of the forwards), ``loss`` and
+        ``tokens_real`` / ``tokens_computed`` (positions of the forwards, summed), ``loss`` and
         ``grad_norm`` per mini-batch, ``nonfinite`` (skipped updates).
     """
-    import torch
+    from oar.update import update_policy as trainer_update
 
-    from oar.loss import policy_loss
-    from oar.packing import micro_batch_logprobs, plan_micro_batches
-
-    if recipe["loss_agg"] != "seq-mean-token-mean":
-        raise ValueError("update_policy: only the grpo recipe's seq-mean-token-mean aggregation is composed here")
-    model.train()
-    N = ro.response_ids.shape[0]
-    mb = min(mini_batch_size, N)
-    micro = min(micro_batch_size, mini_batch_size, max(N, 1))
-    perm = torch.randperm(N, generator=generator)
-    out: dict[str, Any] = {"tokens_real": 0, "tokens_computed": 0, "loss": [], "grad_norm": [], "nonfinite": 0}
-    for b in range(math.ceil(N / max(mb, 1))):
-        rows = perm[b * mb : (b + 1) * mb]
-        micro_batches = plan_micro_batches(ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask, rows,
-                                           packing=packing, micro_batch_size=micro,
-                                           micro_batch_tokens=micro_batch_tokens, pack_length=pack_length)
-        optimizer.zero_grad(set_to_none=True)
-        n_has = int((ro.response_mask[rows].sum(1) > 0).sum())
-        total = 0.0
-        for u, mbatch in enumerate(micro_batches):
-            if marks is not None:
-                marks.reset()
-            r, T = mbatch.rows, mbatch.T
-            with strategy.sync_context(model, sync=u == len(micro_batches) - 1):
-                with strategy.forward_context():
-                    logp, _ = micro_batch_logprobs(model, mbatch, temperature=temperature, with_entropy=True)
-                    dev = logp.device
-                    m = ro.response_mask[r, :T].to(dev)
-                    pg, _ = policy_loss(logp, ro.logprobs[r, :T].to(dev), token_adv[r, :T].to(dev), m,
-                                        eps_low=recipe["eps_low"], eps_high=recipe["eps_high"],
-                                        clip_ratio_c=recipe["clip_ratio_c"], agg=recipe["loss_agg"])
-                w = float((m.sum(1) > 0).sum()) / max(n_has, 1)
-                strategy.backward(pg * w)
-            if marks is not None:
-                marks.mark("backward end")
-            total += float(pg.detach()) * w
-            out["tokens_real"] += int(mbatch.real_tokens)
-            out["tokens_computed"] += int(mbatch.computed_tokens)
-        grad_norm = strategy.clip_grad_norm_(model, grad_clip)
-        if not (math.isfinite(total) and math.isfinite(grad_norm)):
-            optimizer.zero_grad(set_to_none=True)
-            out["nonfinite"] += 1
-            continue
-        if marks is not None:
+    def observe(event: str) -> None:
+        if event in ("micro-batch", "step start"):
             marks.reset()
-        optimizer.step()
-        if marks is not None:
-            marks.mark("step")
-        out["loss"].append(total)
-        out["grad_norm"].append(grad_norm)
-    return out
+        else:
+            marks.mark(event)
+
+    tcfg = {"packing": packing, "micro_batch_size": micro_batch_size, "mini_batch_size": mini_batch_size,
+            "micro_batch_tokens": micro_batch_tokens, "pack_length": pack_length, "grad_clip": grad_clip,
+            "ppo_epochs": 1}
+    upd, nonfinite = trainer_update(model, optimizer, strategy, ro, token_adv, None, recipe=dict(recipe, kl_coef=0.0),
+                                    tcfg=tcfg, temperature=temperature, agg_max_len=None, generator=generator,
+                                    observe=observe if marks is not None else None)
+    return {"tokens_real": int(sum(upd["tokens_real"])), "tokens_computed": int(sum(upd["tokens_computed"])),
+            "loss": upd["loss"], "grad_norm": upd["grad_norm"], "nonfinite": nonfinite}
 
 
 # ----------------------------------------------------------------------------------------- memory

@@ -73,9 +73,9 @@ def test_cpu_run_prints_one_json_line_with_every_check():
 
 
 def test_composed_update_equals_the_trainers():
-    """gpu_check.update_policy (composed because oar.train needs jsonschema) against
-    oar.update.update_policy: same rollout, advantages, seeds, shared_prompt layout with two
-    micro-batches -> the same weights after the step."""
+    """gpu_check.update_policy is the trainer's oar.update.update_policy with gpu_check's layout: same
+    rollout, advantages, seeds, shared_prompt layout with two micro-batches -> the same weights after
+    the step, and the memory marks it passes see every micro-batch's backward and the step."""
     from oar.credit import CreditBatch, get_estimator
     from oar.rollout import make_engine
     from oar.strategy import make_strategy
@@ -102,8 +102,18 @@ def test_composed_update_equals_the_trainers():
     for m in (model, twin):
         m, opt = strategy.prepare(m, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0)
         results.append((m, opt))
+    events = []
+
+    class Marks:
+        def reset(self):
+            events.append("reset")
+
+        def mark(self, name):
+            events.append(name)
+
     mine = gc.update_policy(*results[0], strategy, ro, adv, recipe=gc.RECIPE,
-                            generator=torch.Generator().manual_seed(5), **layout)
+                            generator=torch.Generator().manual_seed(5), marks=Marks(), **layout)
+    assert events == ["reset", "backward end", "reset", "backward end", "reset", "step"]
     tcfg = dict(layout, ppo_epochs=1)
     theirs, nonfinite = update_policy(*results[1], strategy, ro, adv, None, recipe=dict(gc.RECIPE, kl_coef=0.0),
                                        tcfg=tcfg, temperature=1.0, agg_max_len=None,

@@ -6,7 +6,7 @@ and the learning-rate schedule; and :func:`policy_forward`, the same forward ove
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -15,7 +15,12 @@ from oar.packing import MicroBatch, micro_batch_logprobs, plan_micro_batches
 from oar.rollout import Rollout
 from oar.strategy import Strategy
 
-__all__ = ["policy_forward", "make_scheduler", "update_policy"]
+__all__ = ["policy_forward", "make_scheduler", "update_policy", "UPDATE_EVENTS"]
+
+#: What :func:`update_policy` tells its ``observe`` callback, in order: ``micro-batch`` (before each
+#: micro-batch's forward), ``backward end`` (after its backward), ``step start`` / ``step`` (around
+#: each optimizer step that is taken).
+UPDATE_EVENTS: tuple[str, ...] = ("micro-batch", "backward end", "step start", "step")
 
 
 def policy_forward(
@@ -81,7 +86,8 @@ def make_scheduler(optimizer: torch.optim.Optimizer, *, warmup_steps: int, total
 
 def update_policy(model: Any, optimizer: Any, strategy: Strategy, ro: Rollout, token_adv: torch.Tensor,
                    ref_model: Any, *, recipe: dict, tcfg: dict, temperature: float, agg_max_len: int | None,
-                   generator: torch.Generator) -> tuple[dict[str, list[float]], int]:
+                   generator: torch.Generator, observe: Callable[[str], None] | None = None,
+                   ) -> tuple[dict[str, list[float]], int]:
     """Step 4 of the loop: ``ppo_epochs`` passes over shuffled mini-batches of ``ro``, each split
     into micro-batches laid out by ``train.packing`` (:mod:`oar.packing`; default ``shared_prompt``:
     one copy of each prompt followed by its responses, no padding inside a row, rows of similar
@@ -99,6 +105,8 @@ def update_policy(model: Any, optimizer: Any, strategy: Strategy, ro: Rollout, t
 
     Args:
         ro: the step's rollout, ``(N, T)`` responses; token_adv: ``(N, T)`` token advantages.
+        observe: called with each event of :data:`UPDATE_EVENTS` as it happens (a memory or time
+            probe, e.g. ``benchmarks/gpu_check.py``'s per-phase peaks); None for the trainer.
     Returns:
         statistics, one value per mini-batch, each the mini-batch's own aggregate (loss, pg_loss,
         kl_ref: its loss aggregation; clipfrac, approx_kl, entropy: token means; grad_norm), and
@@ -128,14 +136,18 @@ def update_policy(model: Any, optimizer: Any, strategy: Strategy, ro: Rollout, t
         optimizer.zero_grad(set_to_none=True)
         total, n_seq = _mini_batch_backward(model, strategy, ro, token_adv, ref_model, rows, micro_batches,
                                             dummy, count, upd, recipe=recipe, temperature=temperature,
-                                            agg_max_len=agg_max_len)
+                                            agg_max_len=agg_max_len, observe=observe)
         grad_norm = strategy.clip_grad_norm_(model, tcfg["grad_clip"])
         bad = strategy.max_over_ranks([int(not (math.isfinite(total) and math.isfinite(grad_norm)))])[0]
         if bad:
             optimizer.zero_grad(set_to_none=True)  # skip this update (on every process)
             nonfinite += 1
             continue
+        if observe is not None:
+            observe("step start")
         optimizer.step()
+        if observe is not None:
+            observe("step")
         if n_seq:
             upd["loss"].append(total)
         upd["grad_norm"].append(grad_norm)
@@ -145,7 +157,8 @@ def update_policy(model: Any, optimizer: Any, strategy: Strategy, ro: Rollout, t
 def _mini_batch_backward(model: Any, strategy: Strategy, ro: Rollout, token_adv: torch.Tensor, ref_model: Any,
                          rows: torch.Tensor, micro_batches: list[MicroBatch], dummy: list[MicroBatch], count: int,
                          upd: dict[str, list[float]], *, recipe: dict, temperature: float,
-                         agg_max_len: int | None) -> tuple[float, int]:
+                         agg_max_len: int | None, observe: Callable[[str], None] | None = None,
+                         ) -> tuple[float, int]:
     """The forwards and backwards of one mini-batch (``rows`` of ``ro``): ``count`` micro-batches,
     those past ``micro_batches`` zero-weight runs of ``dummy[0]``, gradients reduced on the last one.
     Appends the mini-batch's statistics to ``upd`` (all but ``loss`` and ``grad_norm``, which depend
@@ -156,6 +169,8 @@ def _mini_batch_backward(model: Any, strategy: Strategy, ro: Rollout, token_adv:
     n_has = int((resp_mask.sum(1) > 0).sum())
     total, pg_total, kl_total, clip_sum, akl_sum, ent_sum = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
     for u in range(count):
+        if observe is not None:
+            observe("micro-batch")
         real = u < len(micro_batches)
         mbatch = micro_batches[u] if real else dummy[0]
         r, T = mbatch.rows, mbatch.T
@@ -179,6 +194,8 @@ def _mini_batch_backward(model: Any, strategy: Strategy, ro: Rollout, token_adv:
             # weight so that the micro-batches add up to the mini-batch aggregate
             w = _micro_weight(agg, m, n_tok=n_tok, n_seq=n_seq, n_has=n_has) if real else 0.0
             strategy.backward(loss * w)
+        if observe is not None:
+            observe("backward end")
         if not real:
             continue
         tokens = float(m.sum())
