@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from oar.io import atomic_path, atomic_write_text
+from oar.report.base import per_seed_values
 from oar.stats import seed_p_value
 
 __all__ = ["cell_names", "selected_cells", "write_cell_configs", "regime_table", "regime_markdown", "plot_regime_map",
@@ -125,15 +126,10 @@ def regime_table(config: Mapping[str, Any], results: str | Path | None = None, *
         for row, r in by.iterrows():
             eff = (r["diff"] / by.loc[oracle, "diff"]) if sep and row != oracle else math.nan
             recs.append({**base, "method": row, "n_seeds": int(r["n_seeds"]), "diff": r["diff"], "ci_low": r["ci_low"],
-                         "ci_high": r["ci_high"], "p": seed_p_value(_per_seed(r.get("diff_per_seed"))),
+                         "ci_high": r["ci_high"], "p": seed_p_value(per_seed_values(r.get("diff_per_seed"))),
                          "mde": r["mde"], "separates": bool(sep), "efficiency": eff,
                          "headroom": headroom, "done": True})
     return pd.DataFrame.from_records(recs)
-
-
-def _per_seed(joined: Any) -> list[float]:
-    """main.csv's ``diff_per_seed`` (";"-joined) as floats (empty for a missing value)."""
-    return [float(v) for v in joined.split(";")] if isinstance(joined, str) and joined else []
 
 
 def regime_markdown(df: "pd.DataFrame", *, reference_label: str = "GRPO",  # noqa: F821

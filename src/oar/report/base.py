@@ -12,7 +12,7 @@ import numpy as np
 
 from oar.config import section_defaults
 
-__all__ = ["BASE_ROW", "METRICS", "REPORT_DEFAULTS", "ReportError", "RunScores"]
+__all__ = ["BASE_ROW", "METRICS", "REPORT_DEFAULTS", "ReportError", "RunScores", "per_seed_values"]
 
 #: Name of the row of the starting model.
 BASE_ROW = "base"
@@ -72,3 +72,11 @@ def require_files(paths: Sequence[Path]) -> None:
 
 def report_option(config: Mapping[str, Any], key: str, value: Any) -> Any:
     return (config.get("report") or {}).get(key, REPORT_DEFAULTS[key]) if value is None else value
+
+
+def per_seed_values(joined: Any) -> list[float]:
+    """A table's ";"-joined per-seed column (``per_seed``, ``diff_per_seed``, ...) as floats; empty for
+    a missing value (NaN or "")."""
+    if not isinstance(joined, str) or not joined:
+        return []
+    return [float(v) for v in joined.split(";")]

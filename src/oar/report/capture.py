@@ -11,19 +11,12 @@ interval contains 0). Written as ``tables/credit_efficiency.csv`` and a section 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import numpy as np
 
-from oar.report.base import BASE_ROW, ReportError
+from oar.report.base import BASE_ROW, ReportError, per_seed_values
 
 __all__ = ["credit_efficiency_table", "credit_efficiency_markdown"]
-
-
-def _per_seed(joined: Any) -> np.ndarray:
-    if not isinstance(joined, str) or not joined:
-        return np.zeros(0)
-    return np.asarray([float(v) for v in joined.split(";")], dtype=np.float64)
 
 
 def credit_efficiency_table(table: "pd.DataFrame", *, oracle: str, confidence: float = 0.95) -> "pd.DataFrame":  # noqa: F821
@@ -51,7 +44,7 @@ def credit_efficiency_table(table: "pd.DataFrame", *, oracle: str, confidence: f
     if orc.empty:
         raise ReportError(f"report.efficiency_oracle: {oracle!r} is not a method of this config")
     orc = orc.set_index("benchmark")
-    if orc["diff_per_seed"].map(lambda j: _per_seed(j).size).eq(0).all():
+    if orc["diff_per_seed"].map(lambda j: len(per_seed_values(j))).eq(0).all():
         raise ReportError(f"report.efficiency_oracle: {oracle!r} is the reference; name another method")
     recs = []
     for _, r in table.iterrows():
@@ -70,7 +63,7 @@ def credit_efficiency_table(table: "pd.DataFrame", *, oracle: str, confidence: f
 def _fieller(method_joined: str, oracle_joined: str, confidence: float) -> tuple[float, float, float]:
     from oar.stats import fieller_ratio_interval
 
-    n, d = _per_seed(method_joined), _per_seed(oracle_joined)
+    n, d = np.asarray(per_seed_values(method_joined)), np.asarray(per_seed_values(oracle_joined))
     if n.size != d.size:
         raise ReportError(f"credit efficiency: {n.size} per-seed differences against the oracle's {d.size}")
     return fieller_ratio_interval(n, d, confidence=confidence)

@@ -23,6 +23,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from oar.report.base import per_seed_values
+
 __all__ = ["REFERENCE_FORMAT", "Cell", "run_values", "save_reference", "load_reference", "compare_runs",
            "compare_markdown"]
 
@@ -47,12 +49,6 @@ class Cell:
     fresh: tuple[float, ...]
 
 
-def _floats(joined: Any) -> list[float]:
-    if not isinstance(joined, str) or not joined:
-        return []
-    return [float(v) for v in joined.split(";")]
-
-
 def run_values(results: str | Path) -> dict[str, list[float]]:
     """``{"main|row|metric|benchmark": per-seed values, "learning|method|endpoint|": ...}`` of a finished
     run's tables (``R/tables/main.csv``, and ``learning_speed.csv`` when it exists).
@@ -68,13 +64,13 @@ def run_values(results: str | Path) -> dict[str, list[float]]:
         raise FileNotFoundError(f"{main}: no such file; the run's report makes it (snakemake, or oar report)")
     out: dict[str, list[float]] = {}
     for r in pd.read_csv(main).itertuples(index=False):
-        out[f"main|{r.row}|{r.metric}|{r.benchmark}"] = _floats(r.per_seed)
+        out[f"main|{r.row}|{r.metric}|{r.benchmark}"] = per_seed_values(r.per_seed)
     speed = tables / "learning_speed.csv"
     if speed.is_file() and speed.stat().st_size > 1:
         df = pd.read_csv(speed)
         for r in df.itertuples(index=False):
-            out[f"learning|{r.method}|held-out AUC (%)|"] = _floats(r.auc_per_seed)
-            out[f"learning|{r.method}|steps to threshold|"] = _floats(r.steps_per_seed)
+            out[f"learning|{r.method}|held-out AUC (%)|"] = per_seed_values(r.auc_per_seed)
+            out[f"learning|{r.method}|steps to threshold|"] = per_seed_values(r.steps_per_seed)
     return out
 
 
