@@ -6,21 +6,20 @@ Qwen2.5-0.5B's shape. Prints ONE JSON line on stdout (progress goes to stderr)::
     PYTHONPATH=src python benchmarks/gpu_check.py > gpu_check.json            # GPU: --size qwen0.5b
     PYTHONPATH=src python benchmarks/gpu_check.py --device cpu                  # CPU: --size toy, < 1 min
 
-Imports only torch, transformers (with its tokenizers), accelerate, the standard library and the
-``oar`` modules that need nothing else (``oar.strategy``, ``oar.rollout``, ``oar.packing``,
-``oar.loss``, ``oar.credit``, ``oar.plan``, ``oar.models``, ``oar.data``), so it runs on a stock
-CUDA image without ``pip install``. Not used: ``oar.config`` (imports jsonschema at load time) and
-so ``oar.train`` (imports ``oar.config``): the update is the trainer's own ``oar.update.update_policy``
-(which needs only torch and the modules above; :func:`update_policy` passes it this run's layout), and
-the config the strategy and the plan read is written out in full (:func:`run_config`); and
-``oar.reward`` (math-verify): rewards are set, see below.
+Imports only torch, transformers (with its tokenizers), accelerate, PyYAML, the standard library and
+the ``oar`` modules that need nothing else (``oar.strategy``, ``oar.rollout``, ``oar.packing``,
+``oar.loss``, ``oar.credit``, ``oar.update``, ``oar.plan``, ``oar.models``, ``oar.data``,
+``oar.config``), so it runs on a stock CUDA image without ``pip install``. The update is the
+trainer's own ``oar.update.update_policy`` (:func:`update_policy` passes it this run's layout); the
+settings are config/paper.yaml's, read by ``oar.config`` with the schema's defaults and without
+validation, which would need jsonschema (:func:`paper_settings`); ``oar.reward`` (math-verify) is
+not used: rewards are set, see below.
 
 What runs (one process; ``oar.strategy.FSDPStrategy`` = ``fully_shard`` per decoder layer and on
 the root with ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``, its
-one-member process group over NCCL on a GPU and gloo on CPU; settings of config/paper.yaml:
-gradient checkpointing, AdamW at lr 1e-6, weight decay 0, clipping 1.0, ``shared_prompt`` packing
-with 8192 positions per forward, GRPO's clip range and ``seq-mean-token-mean`` loss, OAR-P/OAR-G
-options of paper.yaml's methods):
+one-member process group over NCCL on a GPU and gloo on CPU; the settings of config/paper.yaml:
+its gradient checkpointing, AdamW, clipping, packing and positions per forward, GRPO's clip range and
+loss aggregation, and the OAR-P/OAR-G options of its methods):
 
 0. ``compat`` (:func:`transformers_compat`): how ``oar`` adapts to this transformers version (the
    KV-cache argument's name, a boolean ``logits_to_keep`` or every logit); ``fallbacks`` stays empty
@@ -101,20 +100,33 @@ RUNS: dict[str, dict[str, int]] = {
     "qwen0.5b": dict(prompts=8, n=4, max_new_tokens=256, rounds=3),
     "toy": dict(prompts=2, n=4, max_new_tokens=24, rounds=3),
 }
-#: Train settings of config/paper.yaml used here (the rest of ``train`` does not apply to one process).
-TRAIN = {"strategy": "fsdp", "compute_dtype": "bfloat16", "master_dtype": "float32", "gradient_checkpointing": True,
-         "fsdp": {"cpu_offload": False, "reshard_after_forward": True}, "packing": "shared_prompt",
-         "micro_batch_tokens": 8192, "pack_length": None, "lr": 1e-6, "betas": [0.9, 0.999], "weight_decay": 0.0,
-         "grad_clip": 1.0}
-#: The ``grpo`` recipe's loss settings (config/paper.yaml; all three methods use it).
-RECIPE = {"eps_low": 0.2, "eps_high": 0.2, "clip_ratio_c": None, "loss_agg": "seq-mean-token-mean"}
-#: Estimator and options (``ResolvedMethod.estimator_options()``) of config/paper.yaml's methods;
-#: tests/test_gpu_check.py checks that they still agree.
-METHODS: dict[str, tuple[str, dict[str, Any]]] = {
-    "grpo": ("grpo", {"norm_by_std": True}),
-    "oar_g": ("oar_g", {"norm_by_std": True, "mode": "answer_mean", "noise_std": 1e-3, "chunk_size": 4}),
-    "oar_p": ("oar_p", {"norm_by_std": True, "mode": "last", "chunk_size": 32}),
-}
+#: The config whose settings the check runs (the SLURM paper run's).
+PAPER_CONFIG = ROOT / "config" / "paper.yaml"
+#: The ``train`` keys of :data:`PAPER_CONFIG` used here (the rest of ``train`` does not apply to one process).
+TRAIN_KEYS = ("strategy", "compute_dtype", "master_dtype", "gradient_checkpointing", "fsdp", "packing",
+              "micro_batch_tokens", "pack_length", "lr", "betas", "weight_decay", "grad_clip")
+#: The loss settings of a method's recipe used here (the three methods share GRPO's).
+RECIPE_KEYS = ("eps_low", "eps_high", "clip_ratio_c", "loss_agg")
+#: The methods of :data:`PAPER_CONFIG` that are timed.
+METHOD_NAMES = ("grpo", "oar_g", "oar_p")
+
+
+def paper_settings() -> tuple[dict[str, Any], dict[str, Any], dict[str, tuple[str, dict[str, Any]]]]:
+    """``(train, recipe, methods)`` of :data:`PAPER_CONFIG`: the :data:`TRAIN_KEYS` of its ``train``,
+    the :data:`RECIPE_KEYS` of GRPO's recipe, and ``{method: (estimator, options)}`` of
+    :data:`METHOD_NAMES` (``ResolvedMethod.estimator_options()``). Read with the schema's defaults but
+    without validation (``oar.config.load_config(validate=False)``: the stock image has no jsonschema;
+    the tests validate paper.yaml)."""
+    from oar.config import load_config, resolve_method
+
+    cfg = load_config(PAPER_CONFIG, validate=False)
+    resolved = {name: resolve_method(cfg, name, source=str(PAPER_CONFIG), validate=False) for name in METHOD_NAMES}
+    train = {k: cfg["train"][k] for k in TRAIN_KEYS}
+    recipe = {k: resolved["grpo"].recipe[k] for k in RECIPE_KEYS}
+    return train, recipe, {name: (m.estimator, m.estimator_options()) for name, m in resolved.items()}
+
+
+TRAIN, RECIPE, METHODS = paper_settings()
 MODEL_CREDITS = ("oar_g", "oar_p")  # estimators that call the policy (run inside Strategy.local_phase)
 TEMPLATE = "qwen_boxed"  # prompt template (no chat template: question + boxed instruction + newline)
 WATCHDOG_GRACE_S = 45.0

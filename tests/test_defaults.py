@@ -114,6 +114,18 @@ def test_section_defaults_are_what_validation_fills(section):
     assert section_defaults(section) == minimal_config()[section]
 
 
+@pytest.mark.parametrize("path", sorted((ROOT / "config").glob("*.yaml")), ids=lambda p: p.name)
+def test_unvalidated_loading_fills_what_validation_fills(path):
+    """load_config(validate=False) (benchmarks/gpu_check.py's, without jsonschema) gives every config
+    of config/ exactly as validation leaves it, and its methods resolve the same."""
+    from oar.config import load_config, resolve_method
+
+    checked, unchecked = load_config(path), load_config(path, validate=False)
+    assert unchecked == checked
+    for name in checked.get("only_methods") or checked["methods"]:
+        assert resolve_method(unchecked, name, validate=False) == resolve_method(checked, name), name
+
+
 #: Credit options described by an options type of the credit layer (the one place their defaults are written).
 _OPTION_TYPES = {"oar_p": "OarPOptions", "oar_g": "OarGOptions", "shuffled": "OarGOptions", "inverted": "OarGOptions",
                  "mc_value": "McValueOptions"}

@@ -128,8 +128,9 @@ def test_composed_update_equals_the_trainers():
     assert any(not torch.equal(p, s) for p, s in zip(results[0][0].parameters(), start.parameters()))
 
 
-def test_settings_are_paper_yamls():
-    """METHODS, RECIPE and TRAIN restate config/paper.yaml (gpu_check cannot read it: oar.config)."""
+def test_settings_are_paper_yamls(tmp_path, monkeypatch):
+    """gpu_check's TRAIN, RECIPE and METHODS are config/paper.yaml's as validation resolves it (read
+    without jsonschema), and come from the file: a changed paper.yaml changes them."""
     from oar.config import load_config, resolve_method
 
     gc = _gpu_check()
@@ -138,4 +139,12 @@ def test_settings_are_paper_yamls():
         m = resolve_method(cfg, name)
         assert (m.estimator, m.estimator_options()) == (estimator, options), name
         assert {k: m.recipe[k] for k in gc.RECIPE} == gc.RECIPE, name
-    assert {k: cfg["train"][k] for k in gc.TRAIN} == {k: v for k, v in gc.TRAIN.items()}
+    assert {k: cfg["train"][k] for k in gc.TRAIN} == gc.TRAIN
+    assert set(gc.METHODS) == {"grpo", "oar_g", "oar_p"} and len(gc.TRAIN) == len(gc.TRAIN_KEYS)
+    changed = tmp_path / "paper.yaml"
+    changed.write_text(f"extends: {ROOT / 'config' / 'paper.yaml'}\ntrain: {{lr: 3.0e-5}}\n"
+                       "methods: {oar_p: {chunk_size: 7}}\n")
+    monkeypatch.setattr(gc, "PAPER_CONFIG", changed)
+    train, recipe, methods = gc.paper_settings()
+    assert train["lr"] == 3.0e-5 and train["packing"] == gc.TRAIN["packing"] and recipe == gc.RECIPE
+    assert methods["oar_p"][1]["chunk_size"] == 7 and methods["grpo"] == gc.METHODS["grpo"]

@@ -42,6 +42,7 @@ __all__ = [
     "schema_path",
     "section_defaults",
     "load_config",
+    "fill_defaults",
     "resolve_extends",
     "typed_override",
     "workflow_config",
@@ -327,13 +328,16 @@ def _fill_defaults(obj: dict, sub: dict) -> None:
 
 
 def load_config(path: str | Path, overrides: dict | None = None, *, sets: Sequence[str] = (),
-                overrides_source: str = "overrides") -> dict:
+                overrides_source: str = "overrides", validate: bool = True) -> dict:
     """Read a YAML config file (following its ``extends`` chain), merge ``overrides`` (a nested dict) on
     top, then the dotted assignments ``sets`` (``["train.lr=1e-3", "rollout.n=4"]``, the ``--set`` of
     every ``oar`` command: :func:`parse_assignments`), and validate it.
 
     Args:
         overrides_source: how an error names a value of ``overrides`` (e.g. ``command line: --steps 5``).
+        validate: False fills the schema's defaults without checking anything (:func:`fill_defaults`),
+            for a process without jsonschema, such as the stock GPU image ``benchmarks/gpu_check.py``
+            runs on; the file must be one that validates (its methods are not resolved either).
 
     Raises:
         FileNotFoundError: if the file does not exist.
@@ -353,7 +357,52 @@ def load_config(path: str | Path, overrides: dict | None = None, *, sets: Sequen
         src.add(Layer(overrides, overrides_source))
     assignments = parse_assignments(sets)
     config = apply_assignments(config, assignments, source=src)
+    if not validate:
+        return fill_defaults(config)
     return validate_config(config, source=src)
+
+
+def fill_defaults(config: dict) -> dict:
+    """Fill ``config`` in place with the schema's defaults, as validation does but checking nothing
+    and without jsonschema; return it.
+
+    Walks the schema's ``properties`` (through ``$ref``, ``additionalProperties`` and array ``items``)
+    twice, as :func:`validate_config` does, so that a default inserted on the first pass gets its own
+    properties' defaults on the second; sets ``tracking.experiment`` and each recipe's defaults as
+    validation does. ``tests/test_config.py`` checks that every config of ``config/`` comes out as
+    validation leaves it.
+    """
+    sch = schema()
+    for _ in range(2):
+        _fill_from(config, sch, sch)
+    if config["tracking"].get("experiment") is None:
+        config["tracking"]["experiment"] = config["name"]
+    config.setdefault("recipes", {})
+    for rec in config["recipes"].values():
+        _fill_defaults(rec, sch["$defs"]["recipe"])
+    return config
+
+
+def _fill_from(obj: Any, sub: dict, sch: dict) -> None:
+    """The defaults of the (sub)schema ``sub`` into ``obj``, recursively (:func:`fill_defaults`)."""
+    while isinstance(sub, dict) and "$ref" in sub:
+        sub = sch["$defs"][sub["$ref"].rsplit("/", 1)[-1]]
+    if isinstance(obj, list) and isinstance(sub.get("items"), dict):
+        for item in obj:
+            _fill_from(item, sub["items"], sch)
+    if not isinstance(obj, dict):
+        return
+    props = sub.get("properties") or {}
+    for k, v in props.items():
+        if "default" in v and k not in obj:
+            obj[k] = copy.deepcopy(v["default"])
+        if k in obj:
+            _fill_from(obj[k], v, sch)
+    extra = sub.get("additionalProperties")
+    if isinstance(extra, dict):
+        for k, v in obj.items():
+            if k not in props:
+                _fill_from(v, extra, sch)
 
 
 def _read_yaml(path: Path, context: str = "") -> dict:
@@ -791,8 +840,12 @@ def _flatten_method(config: dict, name: str, src: ConfigSource, seen: tuple[str,
     return entry
 
 
-def resolve_method(config: dict, name: str, *, source: str | ConfigSource = "<config>") -> ResolvedMethod:
+def resolve_method(config: dict, name: str, *, source: str | ConfigSource = "<config>",
+                   validate: bool = True) -> ResolvedMethod:
     """Flatten method ``name`` (following ``base``) into a :class:`ResolvedMethod`.
+
+    ``validate=False`` leaves out the schema check of its options (which needs jsonschema), for a
+    config read by ``load_config(validate=False)``.
 
     A built-in credit is one of the schema's ``$defs.credit_options`` (its options listed there); any
     other is a user estimator, ``module:attr`` or an ``oar.estimators`` entry point, imported,
@@ -829,8 +882,9 @@ def resolve_method(config: dict, name: str, *, source: str | ConfigSource = "<co
     _fill_defaults(recipe, recipe_schema)
     credit_options = _split_method_options(flat, recipe, recipe_schema, credit_schemas, user, name=name,
                                            recipe_name=recipe_name, credit=credit, src=src)
-    _check_method_options(recipe, credit_options, recipe_schema, credit_schemas.get(credit), user, name=name,
-                          credit=credit, src=src)
+    if validate:
+        _check_method_options(recipe, credit_options, recipe_schema, credit_schemas.get(credit), user,
+                              name=name, credit=credit, src=src)
     estimator = credit if credit != "none" else ("grpo" if recipe["norm_by_std"] else "drgrpo")
     if load:
         _check_registered(estimator, where)
