@@ -588,3 +588,50 @@ def test_report_efficiency_oracle_writes_the_credit_efficiency(tmp_path):
     md = out["main_md"].read_text()
     assert "### Credit efficiency against Oracle (avg@k, Average)" in md
     assert "| oar_g | " in md.split("### Credit efficiency")[1]
+
+
+def test_report_credit_signals_join_the_efficiency_with_the_signals_localisation(tmp_path):
+    """report.credit_signals: each mapped method's credit efficiency beside its signal's top-3 hit rate
+    by mistake position (sampled mistakes only), on the start model and on each attribution.trained
+    policy, in tables/efficiency_vs_localisation.csv and a figure; a signal the attribution table lacks,
+    a method the config lacks, or a missing attribution result is named."""
+    cfg = validate_config({
+        "name": "fake", "results_dir": str(tmp_path), "seeds": [0, 1, 2], "model": {"source": "tiny"},
+        "task": {"kind": "synthetic"}, "recipes": {"grpo": {"norm_by_std": True}},
+        "methods": {"grpo": {"recipe": "grpo", "credit": "none", "label": "GRPO"},
+                    "oar_g": {"recipe": "grpo", "credit": "oar_g"},
+                    "orc": {"recipe": "grpo", "credit": "oracle_first_mistake", "label": "Oracle"}},
+        "eval": {"benchmarks": [{"name": "synthetic-test", "n": 10}], "samples": 2, "bootstrap": 200},
+        "attribution": {"trained": [{"method": "grpo", "seed": 0}]},
+        "report": {"efficiency_oracle": "orc", "credit_signals": {"oar_g": "oar_g_joint", "grpo": "uniform"}},
+    })
+    root = tmp_path / "fake"
+    oracle = [[1] * 8 + [0] * 2, [1] * 6 + [0] * 4, [1] * 8 + [0] * 2]
+    _write_eval(root / "base" / "eval", {"synthetic-test": START_3x10})
+    for s in range(3):
+        for m, rows in (("grpo", GRPO_3x10), ("oar_g", METHOD_3x10), ("orc", oracle)):
+            _write_eval(root / m / f"seed{s}" / "eval", {"synthetic-test": rows[s]})
+            _write_metrics(root / m / f"seed{s}", [1.0, 1.0], 0.0, 0)
+    with pytest.raises(ReportError, match=r"attribution/per_response.csv"):
+        build_report(cfg, root)
+    # 4 sampled responses: mistakes in step 0 of 3 (earlier), 1 of 3 (earlier), 2 of 3 (last), none;
+    # OAR-G hits the two earlier ones and misses the last; one counterfactual row that must not count
+    per = pd.DataFrame({"kind": ["sampled"] * 4 + ["counterfactual"], "mistake_step": [0, 1, 2, -1, 0],
+                        "n_steps": [3, 3, 3, 3, 3], "top3_oar_g_joint": [1.0, 1.0, 0.0, math.nan, 0.0],
+                        "top3_uniform": [0.0, 1.0, 0.0, math.nan, 1.0]})
+    for d in (root / "attribution", root / "attribution" / "grpo_seed0"):
+        d.mkdir(parents=True, exist_ok=True)
+        per.to_csv(d / "per_response.csv", index=False)
+    out = build_report(cfg, root)
+    tab = pd.read_csv(out["efficiency_vs_localisation_csv"])
+    assert list(tab["policy"]) == ["start model", "grpo_seed0"]   # grpo is the reference: no efficiency
+    row = tab.iloc[0]
+    assert (row["method"], row["signal"], row["n_earlier"], row["n_last"]) == ("oar_g", "oar_g_joint", 2, 1)
+    assert (row["earlier_top3"], row["last_top3"]) == (1.0, 0.0)
+    assert row["efficiency"] == pytest.approx(10.0 / (70.0 / 3.0), abs=1e-4)
+    assert out["efficiency_vs_localisation"].stat().st_size > 0
+    for bad, match in (({"oar_g": "nope"}, r"credit_signals.oar_g: 'nope' is not a signal"),
+                       ({"oar_x": "uniform"}, r"credit_signals.oar_x: not a method")):
+        cfg["report"]["credit_signals"] = bad
+        with pytest.raises(ReportError, match=match):
+            build_report(cfg, root)

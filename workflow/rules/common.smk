@@ -206,6 +206,16 @@ def eval_summaries():
     return [f"{R}/base/eval/summary.json"] + [f"{run_dir(m, s)}/eval/summary.json" for m in METHODS for s in SEEDS]
 
 
+def report_attribution_inputs():
+    """The attribution results that report.credit_signals reads (with report.efficiency_oracle and the
+    benchmark enabled): the start model's and each attribution.trained policy's (per_response.csv beside)."""
+    rep = config["report"]
+    if not (ATTRIBUTION and rep["credit_signals"] and rep["efficiency_oracle"]):
+        return []
+    return [f"{R}/attribution/localisation.csv"] + [
+        f"{R}/attribution/{t['method']}_seed{t['seed']}/localisation.csv" for t in config["attribution"]["trained"]]
+
+
 # the memory plan (rules/plan.smk): GPU training jobs wait for it, so a config that cannot fit
 # stops before any of them runs, naming the term that breaks it (plan.check: false skips it)
 PLAN_FILE = f"{R}/plan.txt"

@@ -13,6 +13,7 @@ rule report:
     input:
         evals=eval_summaries(),
         runs=train_summaries(),
+        attribution=report_attribution_inputs(),
     output:
         main=report(
             REPORT_OUTPUTS["main"],

@@ -94,7 +94,8 @@ def build_report(
     Returns:
         ``{"main_csv", "main_md", "main_tex", "steps_to_threshold_csv", "learning_speed_csv", "efficiency_csv",
         "learning_curves", "training_curves", "credit_concentration"}`` -> the paths written, and
-        ``"credit_efficiency_csv"`` with ``report.efficiency_oracle``, ``"versus_<method>_csv"`` per
+        ``"credit_efficiency_csv"`` with ``report.efficiency_oracle`` (and ``"efficiency_vs_localisation"``,
+        ``"efficiency_vs_localisation_csv"`` with ``report.credit_signals`` too), ``"versus_<method>_csv"`` per
         ``report.also_against``.
 
     Raises:
@@ -255,5 +256,34 @@ def _write_credit_efficiency(config: Mapping[str, Any], root: Path, out: dict[st
     eff_credit = credit_efficiency_table(table, oracle=oracle, confidence=confidence)
     out["credit_efficiency_csv"] = root / "tables" / "credit_efficiency.csv"
     atomic_write_text(out["credit_efficiency_csv"], eff_credit.to_csv(index=False, float_format="%.6g"))
+    _write_efficiency_vs_localisation(config, root, out, eff_credit, labels, oracle_label=labels.get(oracle, oracle),
+                                      ref_label=ref_label)
     return "\n" + credit_efficiency_markdown(eff_credit, oracle_label=labels.get(oracle, oracle),
                                               reference_label=ref_label, confidence=confidence)
+
+
+def _write_efficiency_vs_localisation(config: Mapping[str, Any], root: Path, out: dict[str, Path],
+                                      eff_credit: "pd.DataFrame", labels: Mapping[str, str], *,  # noqa: F821
+                                      oracle_label: str, ref_label: str) -> None:
+    """``report.credit_signals``: each method's credit efficiency against its signal's earlier-step
+    top-3 (:mod:`oar.report.localisation`), to ``tables/efficiency_vs_localisation.csv`` and
+    ``figures/efficiency_vs_localisation.png`` (added to ``out``)."""
+    signals = report_option(config, "credit_signals", None)
+    if not signals:
+        return
+    import pandas as pd
+
+    from oar.report.localisation import (attribution_per_response_files, efficiency_vs_localisation,
+                                         plot_efficiency_vs_localisation)
+
+    files = attribution_per_response_files(config, root)
+    missing = [str(p) for p in files.values() if not p.is_file()]
+    if missing:
+        raise ReportError(f"report.credit_signals needs the attribution benchmark's results; missing: "
+                          f"{', '.join(missing)} (run the attribution rules, or set report.credit_signals: {{}})")
+    table = efficiency_vs_localisation(eff_credit, {k: pd.read_csv(p) for k, p in files.items()}, signals, labels)
+    out["efficiency_vs_localisation_csv"] = root / "tables" / "efficiency_vs_localisation.csv"
+    out["efficiency_vs_localisation"] = root / "figures" / "efficiency_vs_localisation.png"
+    atomic_write_text(out["efficiency_vs_localisation_csv"], table.to_csv(index=False, float_format="%.6g"))
+    plot_efficiency_vs_localisation(out["efficiency_vs_localisation"], table, oracle_label=oracle_label,
+                                    reference_label=ref_label, policies=list(files))
