@@ -57,6 +57,8 @@ MiB = 1024**2
 #: micro-batch; the accumulation and sync micro-batches are 1 x (4 + 4) tokens).
 SHAPES = {"tiny": {"micro": 16, "prompt": 64, "response": 128},
           "smollm2": {"micro": 2, "prompt": 64, "response": 192}}
+#: The measured phases: the state before the step, then the update's phases of ``oar.plan.MEMORY_PHASES``
+#: (its rollout phase is not measured here).
 PHASES = ("state", "forward", "logits", "backward", "backward end", "step")
 
 
@@ -169,11 +171,11 @@ def _case_config(case: dict, cache: Path) -> dict:
 def planned(case: dict, cache: Path) -> dict[str, int]:
     """``oar.plan``'s bytes per phase for ``case`` (terms alive in the phase, no headroom); ``state``
     = the terms alive in every phase plus the accumulated gradients."""
-    from oar.plan import PHASES as PLAN_PHASES, training_terms
+    from oar.plan import MEMORY_PHASES, training_terms
 
     terms = training_terms(_case_config(case, cache), case["world"], padded=True)
     out = {ph: sum(t.bytes for t in terms if ph in t.phases) for ph in PHASES[1:]}
-    out["state"] = sum(t.bytes for t in terms if set(PLAN_PHASES) <= set(t.phases)
+    out["state"] = sum(t.bytes for t in terms if set(MEMORY_PHASES) <= set(t.phases)
                        or t.name.startswith("accumulated gradients"))
     return out
 

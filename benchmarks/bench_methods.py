@@ -72,8 +72,10 @@ from common import (  # noqa: E402
     start_model,
 )
 
+from oar.runs import TIMED_PHASES  # noqa: E402
+
 METHODS = ["grpo", "dapo", "grpo_ktae", "oar_p", "oar_g"]
-PHASES = ["rollout", "reward", "importance", "update"]
+PHASES = list(TIMED_PHASES)
 
 
 def run_model(model: str, args: argparse.Namespace) -> dict[str, dict]:

@@ -656,7 +656,7 @@ class Check:
 
     def check_plan(self) -> None:
         """One GRPO step in the plan's layout; each phase's peak against ``oar.plan.training_terms``."""
-        from oar.plan import PHASES, training_terms
+        from oar.plan import MEMORY_PHASES, training_terms
 
         handles = phase_hooks(self.model, self.marks)
         try:
@@ -669,7 +669,7 @@ class Check:
                               gpu_gb=self.gpu_gb)
         terms = training_terms(self.cfg, 1, padded=True)
         out = {}
-        for ph in PHASES:
+        for ph in MEMORY_PHASES:
             pred = sum(t.bytes for t in terms if ph in t.phases)
             meas = self.marks.peaks.get(ph)
             out[ph] = {"predicted_gib": pred / GiB, "measured_gib": None if meas is None else meas / GiB,

@@ -57,7 +57,7 @@ tokens):
   GPU for itself (its weights in ``model.dtype``, a profiled activation peak, and the KV cache in
   what is left). With ``rollout.sleep_mode`` it gives that memory back during the policy update.
 
-The total is taken per phase (:data:`PHASES`: inside the decoder layers' forward; the logits at the
+The total is taken per phase (:data:`MEMORY_PHASES`: inside the decoder layers' forward; the logits at the
 end of the forward and start of the backward; the decoder layers' backward; the embedding's
 backward at its end; the optimizer step; the rollout), each phase summing the terms alive in it,
 plus ``plan.headroom`` of the GPU kept free for the CUDA context, NCCL buffers and allocator
@@ -85,7 +85,7 @@ from typing import Any
 
 __all__ = [
     "GiB",
-    "PHASES",
+    "MEMORY_PHASES",
     "LOGITS_COPIES",
     "KNOWN_MODELS",
     "PlanError",
@@ -109,8 +109,8 @@ __all__ = [
 
 GiB = 1024**3
 #: Phases whose live memory is summed separately; the largest is the peak.
-PHASES = ("forward", "logits", "backward", "backward end", "step", "rollout")
-_ALL = PHASES
+MEMORY_PHASES = ("forward", "logits", "backward", "backward end", "step", "rollout")
+_ALL = MEMORY_PHASES
 _UPDATE = ("forward", "logits", "backward", "backward end")
 _SAVED = ("forward", "logits", "backward")
 #: float32 ``B x T x V`` tensors alive at the end of ``oar.update.policy_forward(with_entropy=True)``:
@@ -785,11 +785,11 @@ def plan(config: dict, world: int | None = None, *, padded: bool = True) -> Plan
     headroom = int(s["headroom"] * gpu)
     share = next((t for t in engine if t.name == "vLLM share"), None)
     totals = {}
-    for ph in PHASES:
+    for ph in MEMORY_PHASES:
         totals[ph] = sum(t.bytes for t in terms if ph in t.phases) + headroom
         if share is not None and ph in share.phases:
             totals[ph] += share.bytes
-    peak = max(PHASES, key=lambda ph: totals[ph])
+    peak = max(MEMORY_PHASES, key=lambda ph: totals[ph])
     fits, breaker, message = True, None, ""
     if totals[peak] > gpu:
         fits = False
@@ -801,7 +801,7 @@ def plan(config: dict, world: int | None = None, *, padded: bool = True) -> Plan
         message = (f"does not fit: {_gib(totals[peak])} GiB {_per(s)} at the peak ({peak}) > {s['gpu_gb']:g} GiB "
                    f"(plan.gpu_memory_gb, with {s['headroom']:g} kept free); largest term: {worst.name} "
                    f"{_gib(worst.bytes)} GiB ({worst.note}); to shrink it: {worst.hint}")
-        always = [t for t in terms if set(t.phases) == set(PHASES) and t.bytes]
+        always = [t for t in terms if set(t.phases) == set(MEMORY_PHASES) and t.bytes]
         if sum(t.bytes for t in always) + headroom > gpu:
             message += (f"; the terms alive in every phase alone ({', '.join(t.name for t in always)}) take "
                         f"{_gib(sum(t.bytes for t in always))} GiB: {always[0].hint}")
@@ -873,7 +873,7 @@ def format_plan(result: PlanResult, *, source: str = "") -> str:
     rows = []
     for t in result.terms:
         short = {"forward": "fwd", "backward": "bwd", "backward end": "bwd-end"}
-        ph = "all" if set(t.phases) == set(PHASES) else " ".join(short.get(p, p) for p in t.phases)
+        ph = "all" if set(t.phases) == set(MEMORY_PHASES) else " ".join(short.get(p, p) for p in t.phases)
         cpu = f" [{_gib(t.cpu_bytes)} GiB CPU]" if t.cpu_bytes else ""
         rows.append([t.name, _gib(t.bytes), ph, t.note + cpu])
     out += _table(rows, [f"training, {_per(s)}", "GiB", "phases", "what"], {1})
@@ -884,7 +884,7 @@ def format_plan(result: PlanResult, *, source: str = "") -> str:
     out.append("")
     share = next((t for t in result.engine if t.name == "vLLM share"), None)
     rows = []
-    for ph in PHASES:
+    for ph in MEMORY_PHASES:
         parts = _gib(result.phase_totals[ph] - result.headroom_bytes - (
             share.bytes if share is not None and ph in share.phases else 0))
         extra = f" + vLLM {_gib(share.bytes)}" if share is not None and ph in share.phases else ""

@@ -13,14 +13,10 @@ from oar.checkpoint import disk_full_named, intact_sentence
 from oar.io import atomic_write_json, read_jsonl
 from oar.preemption import StopSignal
 from oar.run_setup import TrainingRun
-from oar.runs import RunFolder
+from oar.runs import TIMED_PHASES, RunFolder
 from oar.strategy import Strategy
 
-__all__ = ["PHASES", "finish_run", "interrupted_run", "mean_of"]
-
-
-#: The timed phases of a step (``time_<phase>`` in the metrics, ``mean_time`` in the summary).
-PHASES: tuple[str, ...] = ("rollout", "reward", "importance", "update")
+__all__ = ["finish_run", "interrupted_run", "mean_of"]
 
 
 def finish_run(loop: TrainingRun, last_metrics: dict[str, float]) -> dict:
@@ -50,7 +46,7 @@ def finish_run(loop: TrainingRun, last_metrics: dict[str, float]) -> dict:
             "world_size": strategy.world,
             "final": last_metrics or (rows[-1] if rows else {}),
             "mean_time": {k: mean_of([r.get(f"time_{k}") or 0.0 for r in rows if "time_step" in r])  # not held-out rows
-                          for k in [*PHASES, "step"]},
+                          for k in [*TIMED_PHASES, "step"]},
             "mlflow_run_id": loop.state["run_id"],
             "provenance": with_end_time(loop.provenance),
         }

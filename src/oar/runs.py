@@ -46,6 +46,7 @@ from oar.io import (DiskFullError, atomic_path, atomic_write_json, atomic_write_
 
 __all__ = [
     "RunFolder",
+    "TIMED_PHASES",
     "RunMismatchError",
     "CheckpointError",
     "DiskFullError",
@@ -64,6 +65,9 @@ FINAL_DIR = "model"
 STATE_FILE = "trainer_state.pt"
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "train_summary.json"
+#: The timed phases of a training step: ``time_<phase>`` in each row of :data:`METRICS_FILE` (beside
+#: ``time_step``, the whole step) and ``mean_time`` in :data:`SUMMARY_FILE`.
+TIMED_PHASES: tuple[str, ...] = ("rollout", "reward", "importance", "update")
 RUN_FILE = "run.json"
 #: The last file of a checkpoint: its step and every file's size (:func:`write_manifest`).
 MANIFEST_FILE = "checkpoint.json"

@@ -37,9 +37,9 @@ from oar.credit import CreditBatch, estimator_needs_continuations, estimator_nee
 from oar.credit.metrics import ess_ratio, top_mass
 from oar.identity import run_identity
 from oar.preemption import StopSignal
-from oar.run_end import PHASES, finish_run, interrupted_run, mean_of
+from oar.run_end import finish_run, interrupted_run, mean_of
 from oar.run_setup import TrainingRun, check_train_inputs, setup_run
-from oar.runs import RunFolder
+from oar.runs import TIMED_PHASES, RunFolder
 from oar.strategy import Strategy
 from oar.update import update_policy
 
@@ -156,7 +156,7 @@ def _train(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder, s
     steps_this_call = 0
     while loop.state["step"] < steps:
         step, t_step = loop.state["step"], time.perf_counter()
-        timings = dict.fromkeys(PHASES, 0.0)
+        timings = dict.fromkeys(TIMED_PHASES, 0.0)
         batch = _rollout(loop, step, timings)                      # 1-2. rollout + reward (+ dynamic sampling)
         credit = _credit(loop, batch, step, timings)               # 3. token advantages
         upd, nonfinite = _update(loop, batch, credit, step, timings)   # 4. policy update

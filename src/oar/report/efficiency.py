@@ -10,11 +10,13 @@ import numpy as np
 
 from oar.io import read_jsonl
 from oar.report.base import BASE_ROW, ReportError, require_files, results_root, rows_of
+from oar.runs import TIMED_PHASES
 
 __all__ = ["PHASES", "load_metrics", "efficiency_table"]
 
-#: Timed phases of a training step (``time_<phase>`` columns of metrics.jsonl).
-PHASES = ("rollout", "reward", "importance", "update", "step")
+#: The columns of a training step's time: each of ``oar.runs.TIMED_PHASES`` and the whole step
+#: (``time_<phase>`` columns of metrics.jsonl).
+PHASES = (*TIMED_PHASES, "step")
 
 
 def load_metrics(path: str | Path) -> "pd.DataFrame":  # noqa: F821
