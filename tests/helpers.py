@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from pathlib import Path
 
 import torch
@@ -233,3 +236,33 @@ def filled_slurm_profile(tmp_path: Path) -> Path:
     folder.mkdir(exist_ok=True)
     (folder / "config.yaml").write_text(text)
     return folder
+
+
+#: Responses containing these strings make :func:`hang_for_test` hang / crash (test hook only).
+TEST_HANG_MARKER = "<<oar-test-hang>>"
+TEST_CRASH_MARKER = "<<oar-test-crash>>"
+#: ``<<oar-test-term:PATH>>``: the worker sends itself SIGTERM the first time (while PATH does not exist).
+TEST_TERM_MARKER = "<<oar-test-term:"
+
+
+def hang_for_test(response: str, gold: str, *, seconds: float = 3600.0) -> bool:
+    """A reward pool's ``work_fn`` for the tests (importable by its workers, which get the parent's
+    ``sys.path``): like ``oar.reward.score_one``, but sleeps ``seconds`` in a loop
+    (ignoring signals, as C code would) when the response contains ``TEST_HANG_MARKER``, and
+    exits the process at once when it contains ``TEST_CRASH_MARKER``."""
+    if TEST_CRASH_MARKER in response:
+        os._exit(3)
+    if TEST_TERM_MARKER in response:  # stopped from outside (preemption) while scoring this item
+        flag = response.split(TEST_TERM_MARKER, 1)[1].split(">>", 1)[0]
+        if not os.path.exists(flag):
+            open(flag, "w").close()
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(60)
+    if TEST_HANG_MARKER in response:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            time.sleep(0.05)
+        return True  # a "correct" verdict that must never be seen: the parent kills us first
+    from oar.reward import score_one
+
+    return score_one(response, gold)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import oar.reward as R
+from helpers import TEST_CRASH_MARKER, TEST_HANG_MARKER, TEST_TERM_MARKER, hang_for_test
 from oar.reward import RewardPool, extracted_answer, overlong_penalty, score_batch, score_one
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -122,8 +123,8 @@ def test_bad_input_errors(pool):
 
 
 def test_hung_item_scores_wrong_and_pool_recovers():
-    with RewardPool(workers=1, timeout_s=0.5, work_fn=R._hang_for_test, chunk_size=8) as p:
-        responses = ["\\boxed{3}", R._TEST_HANG_MARKER + " \\boxed{3}", "\\boxed{3}", "\\boxed{2}"]
+    with RewardPool(workers=1, timeout_s=0.5, work_fn=hang_for_test, chunk_size=8) as p:
+        responses = ["\\boxed{3}", TEST_HANG_MARKER + " \\boxed{3}", "\\boxed{3}", "\\boxed{2}"]
         # the hung item would score "correct" if its verdict were ever read
         assert p.score(responses, ["3"] * 4) == [1.0, 0.0, 1.0, 0.0]
         assert p.stats.timeouts == 1
@@ -133,8 +134,8 @@ def test_hung_item_scores_wrong_and_pool_recovers():
 
 
 def test_crashed_worker_scores_wrong_and_pool_recovers():
-    with RewardPool(workers=2, timeout_s=5.0, work_fn=R._hang_for_test) as p:
-        responses = ["\\boxed{1}", R._TEST_CRASH_MARKER, "\\boxed{1}"]
+    with RewardPool(workers=2, timeout_s=5.0, work_fn=hang_for_test) as p:
+        responses = ["\\boxed{1}", TEST_CRASH_MARKER, "\\boxed{1}"]
         assert p.score(responses, ["1"] * 3) == [1.0, 0.0, 1.0]
         assert p.stats.crashes == 1
         assert p.stats.timeouts == 0
@@ -148,9 +149,9 @@ def test_a_worker_stopped_from_outside_is_replaced_and_its_items_scored_again(tm
     import os
     import signal
 
-    with RewardPool(workers=1, timeout_s=10.0, work_fn=R._hang_for_test, chunk_size=8) as p:
+    with RewardPool(workers=1, timeout_s=10.0, work_fn=hang_for_test, chunk_size=8) as p:
         os.kill(p._workers[0].proc.popen.pid, signal.SIGTERM)  # still importing math-verify
-        marker = f"{R._TEST_TERM_MARKER}{tmp_path / 'stopped'}>> "
+        marker = f"{TEST_TERM_MARKER}{tmp_path / 'stopped'}>> "
         responses = ["\\boxed{1}", marker + "\\boxed{1}", "\\boxed{1}", "\\boxed{2}"]
         assert p.score(responses, ["1"] * 4) == [1.0, 1.0, 1.0, 0.0]
         assert (tmp_path / "stopped").exists()  # the second item's first worker was stopped while scoring it
@@ -185,8 +186,8 @@ def test_score_batch_reuses_one_module_pool():
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["forkserver", "spawn"])
 def test_multiprocessing_start_methods(method):
-    with RewardPool(workers=1, timeout_s=0.5, start_method=method, work_fn=R._hang_for_test) as p:
-        assert p.score(["\\boxed{1}", R._TEST_HANG_MARKER, "\\boxed{2}"], ["1", "1", "1"]) == [1.0, 0.0, 0.0]
+    with RewardPool(workers=1, timeout_s=0.5, start_method=method, work_fn=hang_for_test) as p:
+        assert p.score(["\\boxed{1}", TEST_HANG_MARKER, "\\boxed{2}"], ["1", "1", "1"]) == [1.0, 0.0, 0.0]
         assert p.stats.timeouts == 1
         assert p.score(["\\boxed{2}"], ["2"]) == [1.0]
 

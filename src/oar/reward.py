@@ -151,33 +151,6 @@ def score_one(response: str | None, gold: str, *, parsing_timeout: int = 2, requ
     return bool(verify(gold_parsed, pred, timeout_seconds=parsing_timeout))
 
 
-#: Responses containing these strings make :func:`_hang_for_test` hang / crash (test hook only).
-_TEST_HANG_MARKER = "<<oar-test-hang>>"
-_TEST_CRASH_MARKER = "<<oar-test-crash>>"
-#: ``<<oar-test-term:PATH>>``: the worker sends itself SIGTERM the first time (while PATH does not exist).
-_TEST_TERM_MARKER = "<<oar-test-term:"
-
-
-def _hang_for_test(response: str, gold: str, *, seconds: float = 3600.0) -> bool:
-    """TEST HOOK, not for real use: like :func:`score_one`, but sleeps ``seconds`` in a loop
-    (ignoring signals, as C code would) when the response contains ``_TEST_HANG_MARKER``, and
-    exits the process at once when it contains ``_TEST_CRASH_MARKER``."""
-    if _TEST_CRASH_MARKER in response:
-        os._exit(3)
-    if _TEST_TERM_MARKER in response:  # stopped from outside (preemption) while scoring this item
-        flag = response.split(_TEST_TERM_MARKER, 1)[1].split(">>", 1)[0]
-        if not os.path.exists(flag):
-            open(flag, "w").close()
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(60)
-    if _TEST_HANG_MARKER in response:
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            time.sleep(0.05)
-        return True  # a "correct" verdict that must never be seen: the parent kills us first
-    return score_one(response, gold)
-
-
 def _worker_main(conn: Connection, work_fn: WorkFn) -> None:
     """Worker loop: receive a chunk ``[(key, response, gold), ...]``, answer ``(key, ok)`` per item.
 
@@ -310,7 +283,7 @@ class RewardPool:
         start_method: ``"subprocess"`` (default), ``"forkserver"`` or ``"spawn"`` (see the
             module docstring); ``"fork"`` is refused because the parent may hold threads (torch).
         start_timeout_s: how long a new worker may take to import math-verify and report ready.
-        work_fn: TEST HOOK: a picklable module-level ``(response, gold) -> bool`` run instead of
+        work_fn: a picklable module-level ``(response, gold) -> bool`` run instead of
             :func:`score_one`.
 
     Workers are started on first use (or by :meth:`start` / ``with``) and stay until
