@@ -131,8 +131,8 @@ MODEL_CREDITS = ("oar_g", "oar_p")  # estimators that call the policy (run insid
 TEMPLATE = "qwen_boxed"  # prompt template (no chat template: question + boxed instruction + newline)
 WATCHDOG_GRACE_S = 45.0
 #: Largest mean |log p| gap between the rollout's and the update's log-probs of the sampled tokens
-#: that passes: both sides run in bfloat16 (measured 5e-4 on the toy model on CPU); a rollout that
-#: decodes without its KV cache gave 0.13 there (transformers 5.17 with the lean sampler).
+#: that passes: both sides run in bfloat16; a rollout that decodes without its KV cache is far above
+#: it (the measured gaps: benchmarks/README.md, "Measured numbers").
 MAX_LOGPROB_GAP = 0.05
 
 

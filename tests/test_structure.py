@@ -9,6 +9,7 @@ helpers (its phases), not cut at an arbitrary line.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from helpers import ROOT
@@ -72,3 +73,25 @@ def test_lengths_are_counted_from_def_to_the_end_of_the_body():
 def test_nothing_is_exempt():
     """Every function of src/oar fits; the list is kept only to make an exemption a visible change."""
     assert not EXEMPT
+
+
+#: Phrases that put a number measured on a machine into the code (a timing, a speed-up, a "measured
+#: <value>"): such numbers live in the dated ledgers (benchmarks/README.md "Measured numbers",
+#: docs/results/), where they say when and on what they were measured, and go stale in a docstring.
+MEASURED = re.compile(r"measured (?:at |as |to be )?~?\d|\b\d+(?:\.\d+)? ?(?:ms|s/step|s per step|seconds per step)\b"
+                      r"|\btook ~?\d|\b\d+(?:\.\d+)?x (?:faster|slower)\b")
+
+
+def test_no_measured_numbers_in_the_code():
+    """The package, its schema and gpu_check.py state no measured timings (the rule of issue 32)."""
+    files = [*SRC.rglob("*.py"), *SRC.rglob("*.yaml"), ROOT / "benchmarks" / "gpu_check.py"]
+    hits = [f"{p.relative_to(ROOT)}:{i}: {line.strip()[:100]}" for p in files
+            for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if MEASURED.search(line)]
+    assert not hits, "measured numbers belong in benchmarks/README.md or docs/results/:\n" + "\n".join(hits)
+
+
+def test_the_measured_numbers_pattern_finds_them():
+    for text in ("(measured 5e-4 on the toy model)", "about 0.6 ms per item", "GRPO at 4.5 s/step",
+                 "2 workers took 3.6 s", "1.7x faster"):
+        assert MEASURED.search(text), text
+    assert not MEASURED.search("a 2 x 4 batch; see benchmarks/README.md")

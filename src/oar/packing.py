@@ -23,9 +23,8 @@ Four layouts, chosen by one key and built by one function (:func:`plan_micro_bat
   the prompt's positions are computed once per group, not ``n`` times, and its last position's
   logits once for the ``n`` first response tokens. Rows (a prompt copy per at most
   ``micro_batch_size`` responses and ``micro_batch_tokens`` tokens) are grouped by length as in
-  ``length_grouped``. On a simulated tiny default batch (16 prompts x 8, prompts ~16 and responses
-  ~31 tokens) it computes 4,298 positions where ``none`` computes 9,472; with SmolLM2's ~115-token
-  few-shot prompts and 2 x 4 responses, 560 instead of 1,432.
+  ``length_grouped``. How many positions it saves on the tiny default batch and on SmolLM2's
+  few-shot prompts: benchmarks/README.md, "Measured numbers".
 
 In every layout but ``none`` the lm_head (and the log-softmax) runs only on the positions that
 predict a response token: ``logits_to_keep`` as a boolean ``(rows, length)`` mask, which

@@ -47,13 +47,12 @@ loaded. The default ``"subprocess"`` runs ``python -c "...oar.reward._subprocess
 a socket to the parent (the parent's ``sys.path`` goes along in ``PYTHONPATH``); the worker
 imports only math-verify and this module. ``"forkserver"`` and ``"spawn"`` (multiprocessing)
 also work but, like every multiprocessing child, re-import the parent's main module in each
-worker (Python 3.11's fork server does not preload it): with a main script that imports torch,
-2 workers took 3.6-3.7 s to become ready with forkserver/spawn vs 1.4 s with ``"subprocess"``
-(loaded 2-core machine; benchmarks/bench_reward.py with OAR_BENCH_IMPORT_TORCH=1), and such a
+worker (Python 3.11's fork server does not preload it), so with a main script that imports torch
+they become ready more slowly than ``"subprocess"`` workers (benchmarks/bench_reward.py with
+OAR_BENCH_IMPORT_TORCH=1; the numbers: benchmarks/README.md, "Measured numbers"), and such a
 script needs an ``if __name__ == "__main__":`` guard. A killed worker is replaced the same way.
 
-Speed (benchmarks/bench_reward.py, 2 workers, 2 loaded cores): 1,000 typical responses in
-0.45-1.7 s (median of 5 warm repeats, varies with the load), ~0.6 ms per item in-process.
+Speed: benchmarks/bench_reward.py (its numbers in benchmarks/README.md, "Measured numbers").
 
 Scores that hit a timeout depend on machine load, so under heavy load the same input can score
 differently in two runs; :attr:`RewardPool.stats` counts the timeouts so they can be logged.
@@ -192,7 +191,7 @@ def _subprocess_main(fd: int) -> None:
         os._exit(0)
     _worker_main(conn, work_fn)
     sys.stderr.flush()
-    os._exit(0)  # skip interpreter teardown (about 1.5 s with sympy's caches); nothing to flush
+    os._exit(0)  # skip interpreter teardown (slow with sympy's caches); nothing to flush
 
 
 class _PopenProcess:
