@@ -107,6 +107,10 @@ def plot_efficiency_vs_localisation(path: str | Path, table: "pd.DataFrame", *, 
     finite = table[["eff_low", "eff_high"]].replace([math.inf, -math.inf], math.nan)
     lo = min(-0.5, float(finite.min().min()) if finite.notna().any().any() else -0.5)
     hi = max(1.5, float(finite.max().max()) if finite.notna().any().any() else 1.5)
+    eff = table["efficiency"].replace([math.inf, -math.inf], math.nan).dropna()
+    if len(eff):
+        span = max(float(eff.max() - eff.min()), 1.0)
+        lo, hi = min(lo, float(eff.min()) - 0.1 * span), max(hi, float(eff.max()) + 0.1 * span)
     fig, ax = plt.subplots(figsize=(7.0, 4.8))
     for i, (method, grp) in enumerate(table.groupby("method", sort=False)):
         color = f"C{i % 10}"
@@ -115,6 +119,8 @@ def plot_efficiency_vs_localisation(path: str | Path, table: "pd.DataFrame", *, 
         for j, (policy, r) in enumerate(grp.iterrows()):
             low = lo if math.isinf(r["eff_low"]) or math.isnan(r["eff_low"]) else r["eff_low"]
             high = hi if math.isinf(r["eff_high"]) or math.isnan(r["eff_high"]) else r["eff_high"]
+            if not low <= r["efficiency"] <= high:  # Fieller's set excludes the ratio (unbounded): the whole axis
+                low, high = lo, hi
             ax.errorbar([r[f"earlier_top{k}"]], [r["efficiency"]],
                         yerr=[[r["efficiency"] - low], [high - r["efficiency"]]], fmt="o", color=color,
                         mfc=color if j == 0 else "white", capsize=3, label=r["label"] if j == 0 else None)
