@@ -561,9 +561,9 @@ def test_credit_efficiency_fieller_interval_endpoints_are_where_the_paired_t_tes
         credit_efficiency_table(table, oracle="grpo")
 
 
-def test_report_efficiency_oracle_writes_the_credit_efficiency(tmp_path):
-    """report.efficiency_oracle: main.md's section and tables/credit_efficiency.csv from the same seeds'
-    differences (greedy: GRPO 5, 4, 6 of 10; oar_g 7, 3, 8; oracle 8, 6, 8 -> 10 / 23.3 = 0.43)."""
+def _efficiency_tree(tmp_path, **sections):
+    """A validated 3-seed config (GRPO, oar_g, the oracle ``orc``) with ``sections`` (e.g. ``report``) and its
+    results tree (greedy: GRPO 5, 4, 6 of 10; oar_g 7, 3, 8; oracle 8, 6, 8): ``(config, root)``."""
     cfg = validate_config({
         "name": "fake", "results_dir": str(tmp_path), "seeds": [0, 1, 2], "model": {"source": "tiny"},
         "task": {"kind": "synthetic"}, "recipes": {"grpo": {"norm_by_std": True}},
@@ -571,7 +571,7 @@ def test_report_efficiency_oracle_writes_the_credit_efficiency(tmp_path):
                     "oar_g": {"recipe": "grpo", "credit": "oar_g"},
                     "orc": {"recipe": "grpo", "credit": "oracle_first_mistake", "label": "Oracle"}},
         "eval": {"benchmarks": [{"name": "synthetic-test", "n": 10}], "samples": 2, "bootstrap": 200},
-        "report": {"efficiency_oracle": "orc"},
+        **sections,
     })
     root = tmp_path / "fake"
     oracle = [[1] * 8 + [0] * 2, [1] * 6 + [0] * 4, [1] * 8 + [0] * 2]
@@ -580,6 +580,13 @@ def test_report_efficiency_oracle_writes_the_credit_efficiency(tmp_path):
         for m, rows in (("grpo", GRPO_3x10), ("oar_g", METHOD_3x10), ("orc", oracle)):
             _write_eval(root / m / f"seed{s}" / "eval", {"synthetic-test": rows[s]})
             _write_metrics(root / m / f"seed{s}", [1.0, 1.0], 0.0, 0)
+    return cfg, root
+
+
+def test_report_efficiency_oracle_writes_the_credit_efficiency(tmp_path):
+    """report.efficiency_oracle: main.md's section and tables/credit_efficiency.csv from the same seeds'
+    differences (greedy: GRPO 5, 4, 6 of 10; oar_g 7, 3, 8; oracle 8, 6, 8 -> 10 / 23.3 = 0.43)."""
+    cfg, root = _efficiency_tree(tmp_path, report={"efficiency_oracle": "orc"})
     out = build_report(cfg, root)
     eff = pd.read_csv(out["credit_efficiency_csv"])
     avg = eff[(eff["row"] == "oar_g") & (eff["benchmark"] == "Average")].iloc[0]
@@ -595,23 +602,9 @@ def test_report_credit_signals_join_the_efficiency_with_the_signals_localisation
     by mistake position (sampled mistakes only), on the start model and on each attribution.trained
     policy, in tables/efficiency_vs_localisation.csv and a figure; a signal the attribution table lacks,
     a method the config lacks, or a missing attribution result is named."""
-    cfg = validate_config({
-        "name": "fake", "results_dir": str(tmp_path), "seeds": [0, 1, 2], "model": {"source": "tiny"},
-        "task": {"kind": "synthetic"}, "recipes": {"grpo": {"norm_by_std": True}},
-        "methods": {"grpo": {"recipe": "grpo", "credit": "none", "label": "GRPO"},
-                    "oar_g": {"recipe": "grpo", "credit": "oar_g"},
-                    "orc": {"recipe": "grpo", "credit": "oracle_first_mistake", "label": "Oracle"}},
-        "eval": {"benchmarks": [{"name": "synthetic-test", "n": 10}], "samples": 2, "bootstrap": 200},
-        "attribution": {"trained": [{"method": "grpo", "seed": 0}]},
-        "report": {"efficiency_oracle": "orc", "credit_signals": {"oar_g": "oar_g_joint", "grpo": "uniform"}},
-    })
-    root = tmp_path / "fake"
-    oracle = [[1] * 8 + [0] * 2, [1] * 6 + [0] * 4, [1] * 8 + [0] * 2]
-    _write_eval(root / "base" / "eval", {"synthetic-test": START_3x10})
-    for s in range(3):
-        for m, rows in (("grpo", GRPO_3x10), ("oar_g", METHOD_3x10), ("orc", oracle)):
-            _write_eval(root / m / f"seed{s}" / "eval", {"synthetic-test": rows[s]})
-            _write_metrics(root / m / f"seed{s}", [1.0, 1.0], 0.0, 0)
+    cfg, root = _efficiency_tree(
+        tmp_path, attribution={"trained": [{"method": "grpo", "seed": 0}]},
+        report={"efficiency_oracle": "orc", "credit_signals": {"oar_g": "oar_g_joint", "grpo": "uniform"}})
     with pytest.raises(ReportError, match=r"attribution/per_response.csv"):
         build_report(cfg, root)
     # 4 sampled responses: mistakes in step 0 of 3 (earlier), 1 of 3 (earlier), 2 of 3 (last), none;

@@ -312,13 +312,19 @@ def validate_config(config: dict, *, source: str | ConfigSource = "<config>") ->
         if errors:
             more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
             raise _schema_error(errors[0], src, more)
+    _fill_derived(config, sch)
+    resolve_methods(config, source=src)
+    return config
+
+
+def _fill_derived(config: dict, sch: dict) -> None:
+    """What filling a config sets beyond the schema's ``default`` keywords: ``tracking.experiment``
+    (the config's name) and every recipe's defaults (validated and unvalidated loading alike)."""
     if config["tracking"].get("experiment") is None:
         config["tracking"]["experiment"] = config["name"]
     config.setdefault("recipes", {})
-    for name, rec in config["recipes"].items():
+    for rec in config["recipes"].values():
         _fill_defaults(rec, sch["$defs"]["recipe"])
-    resolve_methods(config, source=src)
-    return config
 
 
 def _fill_defaults(obj: dict, sub: dict) -> None:
@@ -368,18 +374,13 @@ def fill_defaults(config: dict) -> dict:
 
     Walks the schema's ``properties`` (through ``$ref``, ``additionalProperties`` and array ``items``)
     twice, as :func:`validate_config` does, so that a default inserted on the first pass gets its own
-    properties' defaults on the second; sets ``tracking.experiment`` and each recipe's defaults as
-    validation does. ``tests/test_config.py`` checks that every config of ``config/`` comes out as
-    validation leaves it.
+    properties' defaults on the second, then what validation derives (:func:`_fill_derived`).
+    ``tests/test_defaults.py`` checks that every config of ``config/`` comes out as validation leaves it.
     """
     sch = schema()
     for _ in range(2):
         _fill_from(config, sch, sch)
-    if config["tracking"].get("experiment") is None:
-        config["tracking"]["experiment"] = config["name"]
-    config.setdefault("recipes", {})
-    for rec in config["recipes"].values():
-        _fill_defaults(rec, sch["$defs"]["recipe"])
+    _fill_derived(config, sch)
     return config
 
 

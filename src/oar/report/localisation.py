@@ -60,7 +60,8 @@ def efficiency_vs_localisation(eff: "pd.DataFrame", per_response: Mapping[str, "
         ``eff_high``.
 
     Raises:
-        ReportError: a mapped signal is not a signal of an attribution table (naming the key).
+        ReportError: a mapped method is not a row of ``labels``, or its signal is not a signal of an
+            attribution table (naming the key).
     """
     import pandas as pd
 
@@ -69,7 +70,7 @@ def efficiency_vs_localisation(eff: "pd.DataFrame", per_response: Mapping[str, "
     unknown = [m for m in signals if m not in labels]
     if unknown:
         raise ReportError(f"report.credit_signals.{unknown[0]}: not a method of this config "
-                          f"(methods: {', '.join(m for m in labels)})")
+                          f"(rows: {', '.join(labels)})")
     rows = eff[eff["benchmark"] == benchmark].set_index("row")
     recs = []
     for policy, per in per_response.items():
