@@ -25,7 +25,7 @@ from helpers import ROOT
 SRC = ROOT / "src" / "oar"
 
 LAYERS: dict[str, int] = {
-    **dict.fromkeys(["io", "answer", "stats", "preemption", "tracking", "provenance"], 0),
+    **dict.fromkeys(["io", "answer", "stats", "preemption", "tracking", "provenance", "seeds"], 0),
     **dict.fromkeys(["data", "task", "models", "fetch", "packing", "reward"], 1),
     "credit": 2,
     **dict.fromkeys(["config", "preflight", "identity"], 3),

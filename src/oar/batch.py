@@ -13,17 +13,13 @@ from typing import Any
 import torch
 
 from oar.rollout import Rollout, generate_per_prompt
+from oar.seeds import step_seed, stream_seed
 
 __all__ = [
     "load_training_records",
     "PromptStream",
     "StepBatch",
     "dynamic_sampling_keep",
-    "SEED_STRIDE",
-    "STEP_STRIDE",
-    "CONTINUATIONS_SALT",
-    "UPDATE_SALT",
-    "step_seed",
     "collect_batch",
     "continuation_context",
     "resume_cursor",
@@ -59,7 +55,7 @@ class PromptStream:
         for _ in range(k):
             epoch, pos = divmod(self.cursor, self.n)
             if pos == 0 or not hasattr(self, "_perm") or self._epoch != epoch:
-                g = torch.Generator().manual_seed(self.seed * SEED_STRIDE + epoch)
+                g = torch.Generator().manual_seed(stream_seed(self.seed, epoch))
                 self._perm, self._epoch = torch.randperm(self.n, generator=g).tolist(), epoch
             out.append(self._perm[pos])
             self.cursor += 1
@@ -91,26 +87,6 @@ def dynamic_sampling_keep(rewards: torch.Tensor, group_ids: torch.Tensor) -> tor
     gmax = torch.full((len(uniq),), -math.inf, dtype=rewards.dtype).scatter_reduce(0, inv, rewards, "amax")
     gmin = torch.full((len(uniq),), math.inf, dtype=rewards.dtype).scatter_reduce(0, inv, rewards, "amin")
     return (gmax > gmin)[inv]
-
-
-#: Seed derivation: a run's seed, a step and a salt give each random draw of the step its own seed
-#: (:func:`step_seed`); the prompt order of an epoch is seeded ``seed * SEED_STRIDE + epoch``.
-SEED_STRIDE = 1_000_003
-
-
-STEP_STRIDE = 101
-
-
-#: Salts of the step's draws besides the rollout's rounds (0, 1, ... for DAPO's extra rounds).
-CONTINUATIONS_SALT = 104729  # mc_value's continuations
-
-
-UPDATE_SALT = 7919  # the update's mini-batch shuffles
-
-
-def step_seed(seed: int, step: int, round_: int = 0) -> int:
-    """The seed of a step's draw: ``round_`` is the rollout round or one of the salts above."""
-    return (seed * SEED_STRIDE + step * STEP_STRIDE + round_) % (2**63 - 1)
 
 
 def collect_batch(engine: Any, stream: PromptStream, prompts_all: list[str], records: list[dict], *,

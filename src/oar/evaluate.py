@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from oar.io import atomic_write_json, atomic_write_jsonl
+from oar.seeds import stream_seed
 
 __all__ = ["load_benchmark_entry", "load_eval_benchmarks", "evaluate_records", "evaluate_from_config", "records_digest"]
 
@@ -67,7 +68,7 @@ def evaluate_records(
 
     Each pass (greedy, then ``samples`` sampled answers per problem) runs over chunks of
     ``max(1, chunk_size // answers_per_problem)`` problems: one ``engine.generate`` call and one scoring
-    call per chunk, seeded ``seed * 1_000_003 + chunk`` (None: unseeded), so memory holds one chunk's
+    call per chunk, seeded ``oar.seeds.stream_seed(seed, chunk)`` (None: unseeded), so memory holds one chunk's
     rollout at a time (500 problems x 8 samples never sit in one generate call).
 
     Args:
@@ -146,7 +147,7 @@ def _evaluate_pass(
 ) -> tuple[float, list[int], int]:
     """One pass of :func:`evaluate_records` (``kind`` ``greedy`` or ``sampled``), ``step`` problems per
     ``engine.generate`` call (``generate_kw``: its ``n`` and ``greedy``; chunk ``c`` seeded
-    ``seed * 1_000_003 + c``), each chunk scored at once.
+    ``stream_seed(seed, c)``), each chunk scored at once.
 
     Appends a row per answer to ``rows`` and each answer's response length to ``lengths``, and
     advances ``bar`` by the answers of each chunk.
@@ -165,7 +166,7 @@ def _evaluate_pass(
         chunk = list(range(lo, min(lo + step, len(records))))
         ro = engine.generate([prompts[i] for i in chunk], temperature=temperature, top_p=top_p,
                              max_new_tokens=max_new_tokens,
-                             seed=None if seed is None else seed * 1_000_003 + c, **generate_kw)
+                             seed=None if seed is None else stream_seed(seed, c), **generate_kw)
         idx = [chunk[j] for j in ro.prompt_index.tolist()]
         scores = score_batch(ro.texts, [golds[i] for i in idx], correct=1.0, wrong=0.0, timeout_s=timeout_s,
                              workers=workers)

@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-from oar.batch import CONTINUATIONS_SALT, UPDATE_SALT, StepBatch, collect_batch, continuation_context, step_seed
+from oar.batch import StepBatch, collect_batch, continuation_context
+from oar.seeds import CONTINUATIONS_SALT, UPDATE_SALT, step_seed
 from oar.checkpoint import disk_full_named, intact_sentence, save_checkpoint
 from oar.config import ResolvedMethod, resolve_method
 from oar.credit import CreditBatch, estimator_needs_continuations, estimator_needs_model, get_estimator

@@ -1,0 +1,34 @@
+"""The seed derivations: one run seed gives every random draw of a run its own seed.
+
+- :func:`stream_seed` ``(seed, index)``: the ``index``-th draw of a stream seeded once per run (the
+  prompt order of epoch ``index``, the ``index``-th chunk of an evaluation's samples);
+- :func:`step_seed` ``(seed, step, round_)``: a training step's draws; ``round_`` is the rollout
+  round (0, 1, ... for DAPO's extra rounds) or one of the salts below.
+
+Token-level noise (OAR-G's draws per response) is keyed by hashing instead
+(``oar.credit.importance.mix_seed``), so that it does not depend on batch composition.
+"""
+
+from __future__ import annotations
+
+__all__ = ["SEED_STRIDE", "STEP_STRIDE", "CONTINUATIONS_SALT", "UPDATE_SALT", "stream_seed", "step_seed"]
+
+#: The stride between two run seeds' streams (a prime, so neighbouring seeds do not share draws).
+SEED_STRIDE = 1_000_003
+
+#: The stride between two steps' draws within a run.
+STEP_STRIDE = 101
+
+#: Salts of the step's draws besides the rollout's rounds.
+CONTINUATIONS_SALT = 104729  # mc_value's continuations
+UPDATE_SALT = 7919  # the update's mini-batch shuffles
+
+
+def stream_seed(seed: int, index: int) -> int:
+    """The seed of draw ``index`` of a stream seeded by the run seed ``seed``: ``seed * SEED_STRIDE + index``."""
+    return seed * SEED_STRIDE + index
+
+
+def step_seed(seed: int, step: int, round_: int = 0) -> int:
+    """The seed of a step's draw: ``round_`` is the rollout round or one of the salts above."""
+    return (seed * SEED_STRIDE + step * STEP_STRIDE + round_) % (2**63 - 1)
