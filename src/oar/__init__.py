@@ -34,6 +34,7 @@ Subpackages and modules:
 - :mod:`oar.heldout` -- the held-out evaluation during training.
 - :mod:`oar.learning_curves` -- held-out learning curves and steps to a threshold.
 - :mod:`oar.regimes` -- the regime map (``config/regimes.yaml``).
+- :mod:`oar.seeds` -- the seed derivations: one run seed gives each random draw of a run its own seed.
 - :mod:`oar.stats` -- the reports' statistics: seed-level intervals and power, problem-level bootstrap.
 - :mod:`oar.config` -- loading, validating and resolving a YAML config (also the workflow's: defaults,
   ``extends``, typed ``--config`` overrides).
