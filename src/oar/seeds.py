@@ -31,4 +31,4 @@ def stream_seed(seed: int, index: int) -> int:
 
 def step_seed(seed: int, step: int, round_: int = 0) -> int:
     """The seed of a step's draw: ``round_`` is the rollout round or one of the salts above."""
-    return (seed * SEED_STRIDE + step * STEP_STRIDE + round_) % (2**63 - 1)
+    return stream_seed(seed, step * STEP_STRIDE + round_) % (2**63 - 1)
