@@ -74,7 +74,8 @@ def main() -> None:
     from oar.data.prompts import render_prompt
     from oar.models import load_policy
     from oar.reward import score_batch
-    from oar.batch import PromptStream, load_training_records
+    from oar.batch import PromptStream
+    from oar.data.records import training_records
     from oar.train import train
 
     work = Path(args.cache) / f"trl_{args.model}"
@@ -97,7 +98,7 @@ def main() -> None:
           f"beta=0 (oar kl_coef={recipe['kl_coef']}), clip eps 0.2 (oar {recipe['eps_low']}/{recipe['eps_high']})")
 
     # ---- the prompts oar's trainer will use, in its order
-    records = load_training_records(cfg)
+    records = training_records(cfg["task"])
     model, tok = load_policy(init if init else cfg["model"])
     prompts = [render_prompt(cfg["task"]["template"], r["question"], tok) for r in records]
     order = PromptStream(len(records), args.seed).take(rounds * P)

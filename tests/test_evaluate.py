@@ -112,7 +112,7 @@ def test_evaluate_records_in_chunks_with_per_problem_counts():
 
 def test_heldout_records_are_the_test_split_not_training(tmp_path):
     from oar.heldout import heldout_records
-    from oar.batch import load_training_records
+    from oar.data.records import training_records
 
     cfg = load_config(ROOT / "config" / "config.yaml", small_overrides(tmp_path, train={"heldout": {"every": 1, "size": 7}}))
     recs = heldout_records(cfg)
@@ -121,7 +121,7 @@ def test_heldout_records_are_the_test_split_not_training(tmp_path):
     full = load_eval_benchmarks(cfg)["synthetic-test"]
     assert [r["question"] for r in recs] == [full[(i * len(full)) // 7]["question"] for i in range(7)]
     assert len(full) > 7 and recs[-1]["question"] != full[6]["question"]
-    assert not {r["question"] for r in recs} & {r["question"] for r in load_training_records(cfg)}
+    assert not {r["question"] for r in recs} & {r["question"] for r in training_records(cfg["task"])}
     cfg["train"]["heldout"]["benchmark"] = "math500"
     with pytest.raises(ValueError, match="not in eval.benchmarks"):
         heldout_records(cfg)

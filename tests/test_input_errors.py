@@ -321,28 +321,28 @@ def test_data_manifest_accepts_non_empty_sets(tmp_path):
 
 
 @pytest.mark.parametrize("content, levels", [(b"", None), (b"\n\n", None), (_math_train_rows([1]), [3, 4, 5])])
-def test_load_training_records_empty_is_a_clear_value_error(tmp_path, content, levels):
+def test_training_records_empty_is_a_clear_value_error(tmp_path, content, levels):
     from oar.config import load_config
-    from oar.batch import load_training_records
+    from oar.data.records import training_records
 
     src = tmp_path / "train.jsonl"
     src.write_bytes(content)
     bench = {"name": "math_train", "source": str(src), **({"levels": levels} if levels else {})}
     cfg = load_config(CONFIG, small_overrides(tmp_path, task={"kind": "benchmark", "benchmark": bench}))
     with pytest.raises(ValueError, match=r"task\.benchmark \(training set\): benchmark 'math_train' has no records") as info:
-        load_training_records(cfg)
+        training_records(cfg["task"])
     assert str(src) in str(info.value) and "\n" not in str(info.value)
 
 
-def test_load_training_records_folder_source_names_its_file(tmp_path):
+def test_training_records_folder_source_names_its_file(tmp_path):
     from oar.config import load_config
-    from oar.batch import load_training_records
+    from oar.data.records import training_records
 
     (tmp_path / "train.jsonl").write_bytes(b"")
     cfg = load_config(CONFIG, small_overrides(tmp_path, task={"kind": "benchmark", "benchmark": {
         "name": "math_train", "source": str(tmp_path)}}))
     with pytest.raises(ValueError, match=rf"no records in {tmp_path / 'train.jsonl'}"):
-        load_training_records(cfg)
+        training_records(cfg["task"])
 
 
 # ------------------------------------------------------------------ extends: a config as changes to another

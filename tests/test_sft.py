@@ -13,7 +13,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from oar.models import build_tiny, build_tiny_tokenizer, load_policy
 from helpers import SHARED_DATA
 from oar.answer import extract_boxed
-from oar.sft import IGNORE_INDEX, build_sft_batch, greedy_accuracy, lr_lambda, run_sft, sft_data, sft_from_config, sft_step
+from oar.optim import lr_factor
+from oar.sft import IGNORE_INDEX, build_sft_batch, greedy_accuracy, run_sft, sft_data, sft_from_config, sft_step
 
 SMALL = dict(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_position_embeddings=128)
 OPT = dict(weight_decay=0.0, betas=(0.9, 0.98), grad_clip=1.0)
@@ -113,16 +114,16 @@ def test_sft_step_micro_batches_give_the_whole_batch_gradient(tok):
 # ---------------------------------------------------------------------------------------------
 
 
-def test_lr_lambda_values():
-    f = lambda s: lr_lambda(s, warmup_steps=4, total_steps=15)  # noqa: E731
+def test_lr_factor_sft_values():
+    f = lambda s: lr_factor(s, warmup_steps=4, floor_step=14, schedule="cosine")  # noqa: E731  (SFT: floor at the last step)
     assert [f(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
     assert f(4) == 1.0  # decay starts at full lr
     assert math.isclose(f(9), 0.5)  # half-way from step 4 to the last step 14: cos(pi/2)
     assert math.isclose(f(14), 0.0, abs_tol=1e-12)  # the last step reaches min_ratio
     vals = [f(s) for s in range(4, 15)]
     assert all(a > b for a, b in zip(vals, vals[1:]))
-    assert math.isclose(lr_lambda(14, warmup_steps=4, total_steps=15, min_ratio=0.1), 0.1)
-    assert lr_lambda(0, warmup_steps=0, total_steps=1) == 1.0
+    assert math.isclose(lr_factor(14, warmup_steps=4, floor_step=14, schedule="cosine", min_ratio=0.1), 0.1)
+    assert lr_factor(0, warmup_steps=0, floor_step=0, schedule="cosine") == 1.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,7 +217,7 @@ def test_run_sft_logging_schedule_and_determinism():
     assert [s for s, _ in r1["loss_curve"]] == [1, 2, 3, 4, 5, 6]
     assert [s for s, _ in logs] == [1, 2, 3, 4, 5, 6]
     lrs = [met["sft/lr"] for _, met in logs]
-    expected = [1e-3 * lr_lambda(i, warmup_steps=2, total_steps=6) for i in range(6)]
+    expected = [1e-3 * lr_factor(i, warmup_steps=2, floor_step=5, schedule="cosine") for i in range(6)]
     assert lrs == pytest.approx(expected)
     assert all(met["sft/loss"] == loss for (_, met), (_, loss) in zip(logs, r1["loss_curve"]))
     assert r1["final_loss"] == r1["loss_curve"][-1][1]

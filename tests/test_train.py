@@ -10,7 +10,8 @@ import torch
 from oar.config import load_config
 from oar.batch import dynamic_sampling_keep
 from oar.train import train
-from oar.update import make_scheduler, policy_forward
+from oar.optim import make_scheduler
+from oar.update import policy_forward
 
 from helpers import ROOT, small_overrides
 
@@ -38,7 +39,7 @@ def test_dynamic_sampling_keep_filters_all_equal_groups():
 def test_scheduler_warmup_then_cosine():
     p = torch.nn.Parameter(torch.zeros(1))
     opt = torch.optim.SGD([p], lr=1.0)
-    sch = make_scheduler(opt, warmup_steps=2, total_steps=6, schedule="cosine")
+    sch = make_scheduler(opt, warmup_steps=2, floor_step=6, schedule="cosine")
     lrs = []
     for _ in range(6):
         lrs.append(sch.get_last_lr()[0])

@@ -1,4 +1,4 @@
-"""One training step's batch (steps 1-2 of :mod:`oar.train`): the training prompts, their resumable
+"""One training step's batch (steps 1-2 of :mod:`oar.train`): the training prompts' resumable
 order, sampling and scoring ``n`` responses per prompt, DAPO's dynamic sampling, and the seeds of a
 step's random draws; plus what an estimator that samples continuations needs (``mc_value``).
 """
@@ -16,7 +16,6 @@ from oar.rollout import Rollout, generate_per_prompt
 from oar.seeds import step_seed, stream_seed
 
 __all__ = [
-    "load_training_records",
     "PromptStream",
     "StepBatch",
     "dynamic_sampling_keep",
@@ -24,24 +23,6 @@ __all__ = [
     "continuation_context",
     "resume_cursor",
 ]
-
-
-def load_training_records(config: dict) -> list[dict]:
-    """The training prompts of the config's task: synthetic ``train`` split or a benchmark file."""
-    task = config["task"]
-    if task["kind"] == "synthetic":
-        from oar.data.synthetic import generate
-
-        return generate("train", task["train_size"], seed=task["seed"], **task["synthetic"])
-    from oar.data.benchmarks import load_benchmark, require_records
-
-    bench = task.get("benchmark") or {}
-    if "name" not in bench or "source" not in bench:
-        raise ValueError("task.benchmark: needs 'name' and 'source' when task.kind is 'benchmark'")
-    filters = {"levels": bench["levels"]} if bench.get("levels") else {}
-    records = load_benchmark(bench["name"], bench["source"], **filters)
-    # an empty training set: a clear error here, not a ZeroDivisionError in PromptStream
-    return require_records(records, bench["name"], bench["source"], key="task.benchmark (training set)", **filters)
 
 
 class PromptStream:

@@ -15,13 +15,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from oar.batch import PromptStream, load_training_records, resume_cursor
+from oar.batch import PromptStream, resume_cursor
 from oar.config import ResolvedMethod
+from oar.data.records import training_records
+from oar.optim import make_scheduler
 from oar.preemption import CheckpointSchedule, StopSignal
 from oar.rollout import make_engine
 from oar.runs import RunFolder, load_trainer_state, restore_rng
 from oar.strategy import Strategy
-from oar.update import make_scheduler
 
 __all__ = ["check_train_inputs", "TrainingRun", "setup_run"]
 
@@ -136,7 +137,7 @@ def setup_run(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder
         ref_model = strategy.prepare_frozen(load_policy(start_spec)[0])
     # float32 master weights (train.master_dtype), sharded or wrapped per train.strategy
     model, optimizer = strategy.prepare(model, lr=tcfg["lr"], betas=tuple(tcfg["betas"]), weight_decay=tcfg["weight_decay"])
-    scheduler = make_scheduler(optimizer, warmup_steps=tcfg["warmup_steps"], total_steps=tcfg["steps"], schedule=tcfg["schedule"])
+    scheduler = make_scheduler(optimizer, warmup_steps=tcfg["warmup_steps"], floor_step=tcfg["steps"], schedule=tcfg["schedule"])
     state: dict[str, Any] = {"step": 0, "cursor": 0, "run_id": None, "nonfinite_streak": 0}
     if saved is not None:
         try:
@@ -152,7 +153,7 @@ def setup_run(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder
         folder.keep_metrics_before(state["step"])
     policy = strategy.policy(model)
 
-    records = load_training_records(config)
+    records = training_records(config["task"])
     prompts_all = [render_prompt(config["task"]["template"], r["question"], tokenizer) for r in records]
     stream = PromptStream(len(records), seed, resume_cursor(state, strategy.rank, strategy.world))
     engine = make_engine(rcfg["engine"], policy, tokenizer, batch_size=rcfg["batch_size"], seed=seed, sampler=rcfg["sampler"],

@@ -25,7 +25,6 @@ tokens carry label -100), i.e. Hugging Face's ``labels=`` loss. The response is
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -36,11 +35,11 @@ import torch
 
 from oar.data.prompts import render_prompt
 from oar.identity import sft_cache_key
+from oar.optim import decay_groups, make_scheduler
 
 __all__ = [
     "IGNORE_INDEX",
     "build_sft_batch",
-    "lr_lambda",
     "run_sft",
     "greedy_accuracy",
     "save_sft_model",
@@ -123,33 +122,6 @@ def pad_sft_rows(tokenizer, rows: Sequence[tuple[list[int], int]]) -> dict[str, 
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels, "position_ids": position_ids}
 
 
-def lr_lambda(step: int, *, warmup_steps: int, total_steps: int, min_ratio: float = 0.0) -> float:
-    """Learning-rate multiplier: linear warmup ``(step+1)/warmup_steps``, then cosine decay to ``min_ratio``.
-
-    ``step`` counts optimizer steps from 0. At ``step = warmup_steps`` the multiplier is 1; at
-    the last step (``total_steps - 1``) it reaches ``min_ratio`` (when there is a decay phase).
-    """
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    decay_steps = total_steps - 1 - warmup_steps
-    if decay_steps <= 0:
-        return 1.0
-    progress = min(1.0, (step - warmup_steps) / decay_steps)
-    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices (dim >= 2) only; norms and biases are not decayed."""
-    decay, no_decay = [], []
-    seen: set[int] = set()
-    for p in model.parameters():
-        if not p.requires_grad or id(p) in seen:  # tied weights appear once
-            continue
-        seen.add(id(p))
-        (decay if p.dim() >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
 def sft_step(model, tokenizer, prompts: Sequence[str], responses: Sequence[str], *, micro_batch_size: int | None,
              device: torch.device | str) -> tuple[torch.Tensor, int]:
     """Accumulate the gradient of one SFT batch, ``micro_batch_size`` sequences at a time.
@@ -219,8 +191,9 @@ def run_sft(
     by length and run in micro-batches of that size, gradients accumulated (:func:`sft_step`): the
     same loss and gradient as one batch, with less padding and memory (real records differ in length
     by 2x and more; padded as one batch, half the compute can go to padding). AdamW (``lr``,
-    ``betas``, ``weight_decay`` on matrices only), learning rate :func:`lr_lambda` (linear warmup over ``warmup_steps``, cosine
-    decay to ``min_lr_ratio * lr`` at the last step), gradients clipped to norm ``grad_clip``.
+    ``betas``, ``weight_decay`` on matrices only: :func:`oar.optim.decay_groups`), learning rate
+    :func:`oar.optim.lr_factor` (linear warmup over ``warmup_steps``, cosine decay to
+    ``min_lr_ratio * lr`` at the last step), gradients clipped to norm ``grad_clip``.
     The model is trained in place and left in eval mode.
 
     Args:
@@ -242,11 +215,9 @@ def run_sft(
         eval_every = steps
     prompts = [render_prompt(template, r["question"], tokenizer) for r in train_records]
     solutions = [r["solution"] for r in train_records]
-    optimizer = torch.optim.AdamW(_param_groups(model, weight_decay), lr=lr, betas=tuple(betas))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda s: lr_lambda(s, warmup_steps=warmup_steps, total_steps=steps, min_ratio=min_lr_ratio),
-    )
+    optimizer = torch.optim.AdamW(decay_groups(model, weight_decay), lr=lr, betas=tuple(betas))
+    scheduler = make_scheduler(optimizer, warmup_steps=warmup_steps, floor_step=steps - 1, schedule="cosine",
+                               min_ratio=min_lr_ratio)
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -471,7 +442,7 @@ def sft_data(config: Mapping[str, Any]) -> tuple[list[dict], dict[str, list[dict
 
     - ``task.kind: synthetic``: ``task.train_size`` generated training records (seed ``task.seed``,
       options ``task.synthetic``); evaluation sets ``test`` and ``ood`` of ``sft.eval_size`` records.
-    - ``task.kind: benchmark``: the records of ``task.benchmark`` (:func:`oar.data.benchmarks.load_benchmark`),
+    - ``task.kind: benchmark``: the records of ``task.benchmark`` (:func:`oar.data.records.training_records`),
       which must carry a reference ``solution`` (gsm8k's, rewritten to end in ``\\boxed{}``); the
       file's last ``sft.eval_size`` records are held out as the evaluation set ``heldout``, and the
       first ``task.train_size`` of the rest are trained on. A format warm-up on real data, so that the
@@ -484,7 +455,7 @@ def sft_data(config: Mapping[str, Any]) -> tuple[list[dict], dict[str, list[dict
         ValueError: an unknown ``task.kind``; benchmark records without a ``solution`` (names the
             benchmark and its source); fewer records than ``sft.eval_size`` + 1.
     """
-    from oar.data.benchmarks import load_benchmark
+    from oar.data.records import training_records
     from oar.data.synthetic import generate
 
     task = _section(config, "task")
@@ -496,14 +467,13 @@ def sft_data(config: Mapping[str, Any]) -> tuple[list[dict], dict[str, list[dict
         options = dict(_key(task, "task", "synthetic"))
         seed = int(_key(task, "task", "seed"))
         evals = {split: generate(split, eval_size, seed=seed, **options) for split in ("test", "ood")}
-        return generate("train", train_size, seed=seed, **options), evals
+        return training_records({**task, "synthetic": options, "seed": seed, "train_size": train_size}), evals
     if kind != "benchmark":
         raise ValueError(f"config: task.kind={kind!r}: SFT supports 'synthetic' and 'benchmark'")
-    bench = dict(_key(task, "task", "benchmark"))
-    name, source = bench.get("name"), bench.get("source")
-    options = {"levels": bench["levels"]} if bench.get("levels") is not None else {}
-    records = load_benchmark(name, source, **options)
-    if not records or "solution" not in records[0]:
+    _key(task, "task", "benchmark")
+    records = training_records(task)
+    name, source = task["benchmark"]["name"], task["benchmark"].get("source")
+    if "solution" not in records[0]:
         raise ValueError(f"config: task.benchmark: the {name!r} records of {source} carry no reference 'solution' "
                          f"to fine-tune on (gsm8k's do); set sft.enabled: false")
     if len(records) <= eval_size:

@@ -1,6 +1,6 @@
 """The policy update (step 4 of :mod:`oar.train`): PPO epochs over mini-batches laid out in
-micro-batches (:mod:`oar.packing`), the clipped loss and KL (:mod:`oar.loss`), the optimizer step
-and the learning-rate schedule; and :func:`policy_forward`, the same forward over a whole batch.
+micro-batches (:mod:`oar.packing`), the clipped loss and KL (:mod:`oar.loss`) and the optimizer step (its
+learning-rate schedule: :mod:`oar.optim`); and :func:`policy_forward`, the same forward over a whole batch.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from oar.packing import MicroBatch, micro_batch_logprobs, plan_micro_batches
 from oar.rollout import Rollout
 from oar.strategy import Strategy
 
-__all__ = ["policy_forward", "make_scheduler", "update_policy", "UPDATE_EVENTS"]
+__all__ = ["policy_forward", "update_policy", "UPDATE_EVENTS"]
 
 #: What :func:`update_policy` tells its ``observe`` callback, in order: ``micro-batch`` (before each
 #: micro-batch's forward), ``backward end`` (after its backward), ``step start`` / ``step`` (around
@@ -63,25 +63,6 @@ def policy_forward(
         ent_out = ent.new_zeros(B, T)
         ent_out[mb.rows, : mb.T] = ent
     return out, ent_out
-
-
-def make_scheduler(optimizer: torch.optim.Optimizer, *, warmup_steps: int, total_steps: int, schedule: str) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warmup over ``warmup_steps``, then ``constant``, ``linear`` decay or ``cosine`` decay to 0."""
-
-    def factor(step: int) -> float:
-        if warmup_steps > 0 and step < warmup_steps:
-            return (step + 1) / warmup_steps
-        if schedule == "constant":
-            return 1.0
-        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-        progress = min(max(progress, 0.0), 1.0)
-        if schedule == "linear":
-            return 1.0 - progress
-        if schedule == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
-        raise ValueError(f"train.schedule: unknown schedule {schedule!r}; valid: constant, linear, cosine")
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def update_policy(model: Any, optimizer: Any, strategy: Strategy, ro: Rollout, token_adv: torch.Tensor,

@@ -4,6 +4,8 @@
 - :mod:`oar.data.benchmarks` -- ``load_benchmark(name, source, **options)``, one entry point for
   every benchmark (real ones from local files or the hub, and the synthetic splits).
 - :mod:`oar.data.prompts` -- ``render_prompt(template, question, tokenizer=None)``.
+- :mod:`oar.data.records` -- ``training_records(task)``: the training set of a config's task, the
+  one loader RL training, SFT and ``oar data`` share.
 - :mod:`oar.data.manifest` -- ``data_manifest(config)``: every data set a config names, loaded and
   described (``oar data``; also importable from :mod:`oar.report`).
 """

@@ -45,6 +45,7 @@ def data_manifest(config: Mapping[str, Any]) -> dict[str, Any]:
         has no records (:func:`oar.data.benchmarks.require_records`).
     """
     from oar.data.benchmarks import BENCHMARKS, load_benchmark, require_records
+    from oar.data.records import training_records
 
     task = config["task"]
     out: dict[str, Any] = {"name": config["name"]}
@@ -52,12 +53,9 @@ def data_manifest(config: Mapping[str, Any]) -> dict[str, Any]:
     if task["kind"] == "synthetic":
         out["train"] = {"name": "synthetic-train", "generated": True, "n": task.get("train_size"), **synth}
     else:
-        b = task.get("benchmark") or {}
-        if "name" not in b:
-            raise ValueError("config: task.benchmark.name is required when task.kind is 'benchmark'")
+        recs = training_records(task)
+        b = task["benchmark"]
         levels = b.get("levels")
-        recs = load_benchmark(b["name"], b.get("source"), **({"levels": levels} if levels else {}))
-        require_records(recs, b["name"], b.get("source"), key="task.benchmark (training set)", levels=levels or None)
         out["train"] = {"name": b["name"], "levels": levels, "records": len(recs),
                         **_describe_source(b["name"], b.get("source"), BENCHMARKS[b["name"]].default_file)}
     evals = []
