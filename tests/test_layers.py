@@ -4,13 +4,13 @@ Every import of ``src/oar`` (module level and inside functions, read from the so
 is checked against the layer of the importing and the imported module: an import from a higher
 layer fails. Layers, bottom to top (a module may import its own layer and those below):
 
-0. foundations: io, answer, stats, preemption, tracking, provenance
+0. foundations: io, answer, stats, preemption, tracking, provenance, seeds, markdown (the table writer)
 1. data and task: data, task, models, fetch, packing, reward
 2. credit: credit
 3. configuration: config, preflight, identity (what identifies each result: fingerprints, store keys)
 4. training and measuring: rollout, loss, strategy, runs, evaluate, heldout, sft, train (with run_setup, batch, update,
    checkpoint, run_end), attribution,
-   plan, launch, layout, stage_runs (the MLflow runs of every stage; the report's is oar.report.logged)
+   optim (the schedule and weight-decay groups SFT and RL share), plan, launch, layout, stage_runs (the MLflow runs of every stage; the report's is oar.report.logged)
 5. reports: report, learning_curves, regimes
 6. the command line: cli
 """
@@ -25,13 +25,13 @@ from helpers import ROOT
 SRC = ROOT / "src" / "oar"
 
 LAYERS: dict[str, int] = {
-    **dict.fromkeys(["io", "answer", "stats", "preemption", "tracking", "provenance", "seeds"], 0),
+    **dict.fromkeys(["io", "answer", "stats", "preemption", "tracking", "provenance", "seeds", "markdown"], 0),
     **dict.fromkeys(["data", "task", "models", "fetch", "packing", "reward"], 1),
     "credit": 2,
     **dict.fromkeys(["config", "preflight", "identity"], 3),
     **dict.fromkeys(["rollout", "loss", "strategy", "runs", "evaluate", "heldout", "sft", "train", "run_setup", "batch", "update", "checkpoint",
                      "run_end", "attribution",
-                     "plan", "launch", "layout", "stage_runs"], 4),
+                     "plan", "launch", "layout", "stage_runs", "optim"], 4),
     **dict.fromkeys(["report", "learning_curves", "regimes"], 5),
     "cli": 6,
 }

@@ -28,6 +28,7 @@ Subpackages and modules:
 - :mod:`oar.preflight` -- checks before anything runs: every path the config names, the
   profile's placeholders.
 - :mod:`oar.sft` -- warm-start supervised fine-tuning on reference solutions.
+- :mod:`oar.optim` -- the learning-rate schedule and weight-decay groups SFT and RL training share.
 - :mod:`oar.reward` -- answer checking with math-verify in a pool of worker processes.
 - :mod:`oar.answer` -- locating final answers in model outputs and reference solutions.
 - :mod:`oar.evaluate` -- evaluation of a checkpoint on benchmarks (``oar evaluate``).
@@ -36,6 +37,7 @@ Subpackages and modules:
 - :mod:`oar.regimes` -- the regime map (``config/regimes.yaml``).
 - :mod:`oar.seeds` -- the seed derivations: one run seed gives each random draw of a run its own seed.
 - :mod:`oar.stats` -- the reports' statistics: seed-level intervals and power, problem-level bootstrap.
+- :mod:`oar.markdown` -- the one markdown-table writer behind every table the reports print.
 - :mod:`oar.config` -- loading, validating and resolving a YAML config (also the workflow's: defaults,
   ``extends``, typed ``--config`` overrides).
 - :mod:`oar.identity` -- what identifies each result (fingerprints, the results store's keys) and which keys a run may change and continue.

@@ -27,6 +27,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from oar.io import atomic_path, read_jsonl
+from oar.markdown import markdown_table
 from oar.stats import first_crossing, seed_interval, seed_p_value
 
 __all__ = [
@@ -118,15 +119,16 @@ def threshold_markdown(df: "pd.DataFrame", *, threshold: float, how: str) -> str
     threshold comes from)."""
     if not len(df) or math.isnan(threshold):
         return f"### Steps to a held-out accuracy\n\nNo steps-to-threshold table: {how}.\n"
-    lines = [f"### Steps to {threshold:.1%} held-out accuracy ({how})", "",
-             "| Method | steps | seconds | seeds reaching it | per seed (steps) |", "|---|---:|---:|---:|---|"]
+    rows = []
     for r in df.itertuples(index=False):
         if r.reached == r.n_seeds:
             steps, secs = f"{r.steps:.1f}", f"{r.seconds:.0f}"
         else:
             steps = secs = "not reached"
         per = " / ".join("—" if v == "nan" else f"{float(v):.1f}" for v in str(r.steps_per_seed).split(";"))
-        lines.append(f"| {r.label} | {steps} | {secs} | {r.reached}/{r.n_seeds} | {per} |")
+        rows.append([r.label, steps, secs, f"{r.reached}/{r.n_seeds}", per])
+    lines = [f"### Steps to {threshold:.1%} held-out accuracy ({how})", "",
+             *markdown_table(["Method", "steps", "seconds", "seeds reaching it", "per seed (steps)"], rows, "lrrrl")]
     lines += ["", "Mean over seeds of the first step (and training second: summed step time, held-out "
               "evaluations excluded) at which the held-out sampled accuracy reaches the threshold, "
               "interpolated linearly between evaluation points; \"not reached\" when a seed never reaches "
@@ -211,12 +213,11 @@ def learning_speed_markdown(df: "pd.DataFrame", *, threshold: float, reference_l
     auc_sig, steps_sig = sig[:len(df)], sig[len(df):]
     thr = "—" if math.isnan(threshold) else f"{threshold:.1%}"
     lines = [f"### Learning speed: differences from {reference_label}, {confidence:.0%} interval over training seeds", "",
-             f"| Method | held-out AUC (%) | AUC difference (points) | steps to {thr} | steps difference |",
-             "|---|---:|---:|---:|---:|"]
-    for r, a_sig, s_sig in zip(df.itertuples(index=False), auc_sig, steps_sig):
-        steps = "not reached" if math.isnan(r.steps) else f"{r.steps:.1f}"
-        lines.append(f"| {r.label} | {r.auc:.1f} | {format_difference(r.auc_diff, r.auc_low, r.auc_high, significant=a_sig)}"
-                     f" | {steps} | {format_difference(r.steps_diff, r.steps_low, r.steps_high, significant=s_sig)} |")
+             *markdown_table(["Method", "held-out AUC (%)", "AUC difference (points)", f"steps to {thr}", "steps difference"],
+                             [[r.label, f"{r.auc:.1f}", format_difference(r.auc_diff, r.auc_low, r.auc_high, significant=a_sig),
+                               "not reached" if math.isnan(r.steps) else f"{r.steps:.1f}",
+                               format_difference(r.steps_diff, r.steps_low, r.steps_high, significant=s_sig)]
+                              for r, a_sig, s_sig in zip(df.itertuples(index=False), auc_sig, steps_sig)], "lrrrr")]
     lines += ["", "Held-out AUC: the area under a run's held-out curve divided by its length (the mean held-out "
               "sampled accuracy over the run, trapezoid rule over the evaluation steps). Differences are paired by "
               "seed; the interval is the t interval over the per-seed differences (— when a seed of either side "

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from oar.io import atomic_path, atomic_write_text
+from oar.markdown import markdown_table
 from oar.report.base import per_seed_values
 from oar.stats import seed_p_value
 
@@ -141,18 +142,19 @@ def regime_markdown(df: "pd.DataFrame", *, reference_label: str = "GRPO",  # noq
     done = df[df["done"]] if "done" in df else df
     sig, family = family_significance(done["p"] if "p" in done else [], alpha=1.0 - confidence)
     significant = dict(zip(done.index, sig))
-    lines = [f"| cell | length | group | {reference_label} - start | method | seeds | difference from "
-             f"{reference_label} [{confidence:.0%} CI over seeds] | seed-level MDE | credit efficiency |",
-             "|---|---:|---:|---:|---|---:|---:|---:|---:|"]
+    rows = []
     for i, r in zip(df.index, df.itertuples(index=False)):
         label = f"{r.label} ★" if r.highlight else r.label
         if not r.done:
-            lines.append(f"| {label} | {r.length:g} | {r.group_size:g} | | (not run) | | | | |")
+            rows.append([label, f"{r.length:g}", f"{r.group_size:g}", "", "(not run)", "", "", "", ""])
             continue
         eff = "—" if math.isnan(r.efficiency) else f"{r.efficiency:.2f}"
         gain = "" if math.isnan(r.headroom) else f"{r.headroom:+.1f}"
-        lines.append(f"| {label} | {r.length:g} | {r.group_size:g} | {gain} | {r.method} | {int(r.n_seeds)} | "
-                     f"{format_difference(r.diff, r.ci_low, r.ci_high, significant=significant[i])} | {r.mde:.1f} | {eff} |")
+        rows.append([label, f"{r.length:g}", f"{r.group_size:g}", gain, r.method, int(r.n_seeds),
+                     format_difference(r.diff, r.ci_low, r.ci_high, significant=significant[i]), f"{r.mde:.1f}", eff])
+    lines = markdown_table(["cell", "length", "group", f"{reference_label} - start", "method", "seeds",
+                            f"difference from {reference_label} [{confidence:.0%} CI over seeds]", "seed-level MDE",
+                            "credit efficiency"], rows, "lrrrlrrrr")
     lines.append("\n" + HOLM_NOTE.format(m=family, alpha=1.0 - confidence))
     if df["highlight"].any():
         lines.append("\n★ highlighted in the map: the cells given more seeds for a seed-level MDE of about 2 points "

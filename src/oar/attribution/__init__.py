@@ -58,7 +58,7 @@ from oar.task.parsing import (
 )
 from oar.attribution.report import (
     format_tables,
-    markdown_table,
+    frame_markdown,
     plot_cost_curve,
     plot_fidelity,
     plot_localisation,
@@ -103,7 +103,7 @@ __all__ = [
     "label_responses",
     "localisation_columns",
     "localisation_table",
-    "markdown_table",
+    "frame_markdown",
     "mistake_spans",
     "parse_response",
     "plot_fidelity",

@@ -9,7 +9,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["markdown_table", "localisation_wide", "format_tables", "plot_localisation", "plot_fidelity", "write_outputs"]
+from oar.markdown import markdown_table
+
+__all__ = ["frame_markdown", "localisation_wide", "format_tables", "plot_localisation", "plot_fidelity", "write_outputs"]
 
 
 def _fmt(v: Any, digits: int = 3) -> str:
@@ -23,14 +25,12 @@ def _fmt(v: Any, digits: int = 3) -> str:
     return str(v)
 
 
-def markdown_table(df: Any, digits: int = 3) -> str:
-    """A GitHub markdown table of a DataFrame (numbers right-aligned, floats to ``digits``)."""
-    cols = [str(c) for c in df.columns]
-    numeric = [df[c].dtype.kind in "fiu" for c in df.columns]
-    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---:" if x else "---" for x in numeric) + "|"]
-    for _, row in df.iterrows():
-        lines.append("| " + " | ".join(_fmt(row[c], digits) for c in df.columns) + " |")
-    return "\n".join(lines)
+def frame_markdown(df: Any, digits: int = 3) -> str:
+    """A DataFrame as a markdown table (:func:`oar.markdown.markdown_table`; numbers right-aligned,
+    floats to ``digits``)."""
+    align = "".join("r" if df[c].dtype.kind in "fiu" else "l" for c in df.columns)
+    rows = [[_fmt(row[c], digits) for c in df.columns] for _, row in df.iterrows()]
+    return "\n".join(markdown_table([str(c) for c in df.columns], rows, align))
 
 
 def localisation_wide(loc: Any) -> Any:
@@ -100,14 +100,14 @@ def _markdown(result: Any) -> str:
     loc, stab, cost = result.localisation, result.stability, result.cost
     by_pos = _by_position(result)
     out = ["# Attribution benchmark", "", f"## Error localisation ({_n_by_kind(loc)})", "",
-           markdown_table(localisation_wide(loc)), "",
+           frame_markdown(localisation_wide(loc)), "",
            *(["Top-3 hit by where the mistake sits (the last step, or an earlier step whose wrong value the "
-              "next step restates):", "", markdown_table(by_pos), ""] if by_pos is not None else []),
-           "Long form (with n per kind):", "", markdown_table(loc), "",
+              "next step restates):", "", frame_markdown(by_pos), ""] if by_pos is not None else []),
+           "Long form (with n per kind):", "", frame_markdown(loc), "",
            "## Stability (per-response Spearman between two computations)", "",
-           markdown_table(stab) if len(stab) else "not computed", "",
-           "## Cost (seconds per response, one process)", "", markdown_table(cost), "",
-           "## Fidelity (pivotal result digits vs filler words)", "", markdown_table(result.fidelity), ""]
+           frame_markdown(stab) if len(stab) else "not computed", "",
+           "## Cost (seconds per response, one process)", "", frame_markdown(cost), "",
+           "## Fidelity (pivotal result digits vs filler words)", "", frame_markdown(result.fidelity), ""]
     return "\n".join(out)
 
 

@@ -14,6 +14,7 @@ import math
 
 import numpy as np
 
+from oar.markdown import markdown_table
 from oar.report.base import BASE_ROW, ReportError, per_seed_values
 
 __all__ = ["credit_efficiency_table", "credit_efficiency_markdown"]
@@ -96,9 +97,9 @@ def credit_efficiency_markdown(eff: "pd.DataFrame", *, oracle_label: str, refere
     lines = [f"### Credit efficiency against {oracle_label} ({df['metric'].iloc[0]}, {benchmark})", "",
              f"(method - {reference_label}) / ({oracle_label} - {reference_label}), with {oracle_label} - {reference_label} = "
              f"{format_difference(o['oracle_diff'], o['oracle_low'], o['oracle_high'], significant=False)} points. {confidence:.0%} Fieller interval over training seeds, paired by seed.", "",
-             f"| Method | vs {reference_label} (points) | Credit efficiency |", "|---|---:|---:|"]
-    for (_, r), s in zip(df.iterrows(), sig):
-        lines.append(f"| {r['label']} | {format_difference(r['diff'], r['diff_low'], r['diff_high'], significant=bool(s))} | "
-                     f"{_fmt_ratio(r['efficiency'], r['eff_low'], r['eff_high'], significant=bool(s))} |")
+             *markdown_table(["Method", f"vs {reference_label} (points)", "Credit efficiency"],
+                             [[r["label"], format_difference(r["diff"], r["diff_low"], r["diff_high"], significant=bool(s)),
+                               _fmt_ratio(r["efficiency"], r["eff_low"], r["eff_high"], significant=bool(s))]
+                              for (_, r), s in zip(df.iterrows(), sig)], "lrr")]
     lines += ["", HOLM_NOTE.format(m=family, alpha=1.0 - confidence)]
     return "\n".join(lines) + "\n"

@@ -23,6 +23,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from oar.markdown import markdown_table
 from oar.report.base import per_seed_values
 
 __all__ = ["REFERENCE_FORMAT", "Cell", "run_values", "save_reference", "load_reference", "compare_runs",
@@ -207,18 +208,19 @@ def compare_markdown(result: Mapping[str, Any], *, reference_path: str, results:
              f"identical: equal to 4 decimals on every seed (same CPU type and software).", ""]
     rec_p, new_p = result.get("has_provenance", (True, True))
     if result["provenance"]:
-        lines += ["## Provenance that differs", "", "| key | recorded | fresh |", "|---|---|---|"]
-        lines += [f"| {k} | {a} | {b} |" for k, a, b in result["provenance"]]
+        lines += ["## Provenance that differs", "",
+                  *markdown_table(["key", "recorded", "fresh"], result["provenance"], "lll")]
         lines.append("")
     elif rec_p and new_p:
         lines += ["Provenance: the same commit, CPU, torch capability and package versions.", ""]
     if not (rec_p and new_p):
         lines += [f"Provenance not recorded by the {'reference' if not rec_p else 'fresh run'}.", ""]
-    lines += ["| cell | recorded | fresh | fresh - recorded [interval] | verdict |", "|---|---:|---:|---:|---|"]
     order = {v: i for i, v in enumerate(rows)}
+    cells = []
     for r in sorted(result["cells"], key=lambda r: order.get(r["verdict"], 0)):
         name = " / ".join(x for x in (r["row"], r["metric"], r["benchmark"]) if x)
         iv = "" if math.isnan(r["low"]) else f" [{r['low']:+.1f}, {r['high']:+.1f}]"
         diff = "—" if math.isnan(r["diff"]) else f"{r['diff']:+.1f}{iv}"
-        lines.append(f"| {name} | {_fmt(r['recorded'])} | {_fmt(r['fresh'])} | {diff} | {r['verdict']} |")
+        cells.append([name, _fmt(r["recorded"]), _fmt(r["fresh"]), diff, r["verdict"]])
+    lines += markdown_table(["cell", "recorded", "fresh", "fresh - recorded [interval]", "verdict"], cells, "lrrrl")
     return "\n".join(lines) + "\n"

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping, Sequence
 
+from oar.markdown import markdown_table
+
 __all__ = ["main_markdown", "main_latex", "wide", "metric_title", "format_difference", "HOLM_NOTE"]
 
 #: What the bold of every difference table means (one sentence, said once per table note).
@@ -87,10 +89,9 @@ def wide(df, column: str, *, rows: Sequence[str] | None = None, alpha: float = 0
 
 
 def _md_table(w) -> str:
-    head = "| " + " | ".join([w.index.name] + list(w.columns)) + " |"
-    sep = "|" + "|".join(["---"] + ["---:"] * len(w.columns)) + "|"
-    body = ["| " + " | ".join([str(i)] + list(map(str, r))) + " |" for i, r in zip(w.index, w.values)]
-    return "\n".join([head, sep, *body])
+    """A wide table (:func:`wide`) as markdown: its index (the method) left, its columns right."""
+    rows = [[i, *r] for i, r in zip(w.index, w.values)]
+    return "\n".join(markdown_table([w.index.name, *w.columns], rows, "l" + "r" * len(w.columns)))
 
 
 def _interval_note(*, reference_label: str, confidence: float, n_boot: int, seed: int, n_seeds: int,
@@ -146,12 +147,10 @@ def main_markdown(tables: Mapping[str, Any], *, start: Any | None, reference: st
         heads = [("pass@1", "pass@1 greedy")]
         if k:
             heads += [("avg@k", f"pass@1 at T = {temperature:g} (avg@{k})"), ("pass@k", f"pass@{k} at T = {temperature:g}")]
-        lines = ["| | " + " | ".join(start["benchmark"]) + " |", "|---|" + "---:|" * len(start)]
         heads += [("answered", "answers with a final answer the reward reads")]
-        for key, name in heads:
-            if key in start and start[key].notna().any():
-                lines.append(f"| {name} | " + " | ".join("—" if math.isnan(v) else f"{v:.1f}" for v in start[key]) + " |")
-        parts += lines + [""]
+        rows = [[name, *("—" if math.isnan(v) else f"{v:.1f}" for v in start[key])]
+                for key, name in heads if key in start and start[key].notna().any()]
+        parts += markdown_table(["", *start["benchmark"]], rows, "l" + "r" * len(start)) + [""]
         if k and rollout_temperature is not None and temperature is not None and rollout_temperature != temperature:
             parts += [f"(The rollout temperature is {rollout_temperature:g}; these samples use eval.temperature "
                       f"{temperature:g}.)", ""]
@@ -242,12 +241,12 @@ def versus_markdown(table: Any, *, reference_label: str, confidence: float) -> s
     significant = dict(zip(zip(df["row"], df["benchmark"]), sig))
     benches = list(dict.fromkeys(df["benchmark"]))
     metric = df["metric"].iloc[0] if len(df) else ""
-    lines = [f"### Difference from {reference_label} ({metric}, points), {confidence:.0%} interval over training seeds",
-             "", "| Method | " + " | ".join(benches) + " |", "|---|" + "---:|" * len(benches)]
+    rows = []
     for row, sub in df.groupby("row", sort=False):
         by = sub.set_index("benchmark")
-        lines.append(f"| {by['label'].iloc[0]} | " + " | ".join(
-            format_difference(by.loc[b, "diff"], by.loc[b, "ci_low"], by.loc[b, "ci_high"],
-                              significant=significant[(row, b)]) for b in benches) + " |")
+        rows.append([by["label"].iloc[0], *(format_difference(by.loc[b, "diff"], by.loc[b, "ci_low"], by.loc[b, "ci_high"],
+                                                              significant=significant[(row, b)]) for b in benches)])
+    lines = [f"### Difference from {reference_label} ({metric}, points), {confidence:.0%} interval over training seeds",
+             "", *markdown_table(["Method", *benches], rows, "l" + "r" * len(benches))]
     lines += ["", HOLM_NOTE.format(m=family, alpha=1.0 - confidence)]
     return "\n".join(lines) + "\n"
