@@ -3,7 +3,7 @@
 # results/ranking_hard_n8/ (main.md, efficiency table and figure there). Resumable: run it again after an
 # interruption and only unfinished jobs run. Installs what it needs. Extra arguments (targets, options) go
 # to snakemake, before the --configfile (whose list would otherwise swallow a target). Its budget variant
-# (80 RL steps, 4 methods, 3 seeds): OAR_RANKING_CONFIG=config/ranking_budget.yaml bash scripts/ranking.sh
+# (160 RL steps, 4 methods, 3 seeds): OAR_RANKING_CONFIG=config/ranking_budget.yaml bash scripts/ranking.sh
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"

@@ -375,6 +375,29 @@ def test_extends_chain_merges_and_names_the_file_for_a_missing_base_or_a_loop(tm
         resolve_extends({"extends": "x.yaml"}, tmp_path / "z.yaml")
 
 
+def test_extends_replace_drops_the_base_mapping_instead_of_merging(tmp_path):
+    from oar.config import ConfigError, load_config, resolve_extends
+
+    (tmp_path / "a.yaml").write_text("name: a\ntrain: {steps: 5, lr: 0.1}\nrecipes: {x: {a: 1}, y: {b: 2}}\n")
+    (tmp_path / "b.yaml").write_text("extends: a.yaml\nreplace: [recipes, train]\nrecipes: {z: {c: 3}}\n"
+                                     "train: {steps: 7}\n")
+    assert resolve_extends({"extends": "b.yaml"}, tmp_path / "c.yaml") == {
+        "name": "a", "train": {"steps": 7}, "recipes": {"z": {"c": 3}}}  # merged, the keys would be x, y, z
+    # a nested key; without a value of its own the mapping is gone
+    (tmp_path / "n.yaml").write_text("extends: a.yaml\nreplace: [recipes.x]\n")
+    assert resolve_extends({"extends": "n.yaml"}, tmp_path / "c.yaml")["recipes"] == {"y": {"b": 2}}
+    # a shipped config: only the replaced mapping differs from the merge
+    (tmp_path / "abl.yaml").write_text(f"extends: {ROOT / 'config' / 'config.yaml'}\nname: abl\n"
+                                       "replace: [methods]\nmethods: {grpo: {recipe: grpo, credit: none}}\n")
+    assert list(load_config(tmp_path / "abl.yaml")["methods"]) == ["grpo"]
+    for bad, match in [("replace: [train.lr]", r"b2\.yaml:2 .*key replace: train\.lr is not a mapping"),
+                       ("replace: [nope]", r"key replace: nope is not a mapping of the config it extends"),
+                       ("replace: recipes", r"key replace: a list of dotted keys")]:
+        (tmp_path / "b2.yaml").write_text(f"extends: a.yaml\n{bad}\n")
+        with pytest.raises(ConfigError, match=match):
+            resolve_extends({"extends": "b2.yaml"}, tmp_path / "c.yaml")
+
+
 # ------------------------------------------- 8. the user's files: a model, the MLflow store, an output
 # (issue 31, failure 3) A model folder or GGUF that cannot load, a corrupt MLflow store and an output
 # path that cannot be a folder are one line naming the file and what to do, exit 2, found before any

@@ -29,6 +29,7 @@ __all__ = [
     "Layer",
     "Assignment",
     "SET_KEY",
+    "REPLACE_KEY",
     "COMMAND_LINE",
     "SUGGEST_CUTOFF",
     "suggest",
@@ -513,12 +514,49 @@ def _extends_layers(config: dict, path: str | Path, lines: dict[KeyPath, int],
     return layers
 
 
+#: The key of a config that extends another listing the mappings it replaces instead of merging
+#: into (dotted key paths, e.g. ``[attribution.credit_signals]``); like ``extends``, it is in no
+#: resolved config.
+REPLACE_KEY = "replace"
+
+
 def _merge_layers(layers: Sequence[Layer]) -> dict:
-    """The layers' data merged in order (:func:`deep_merge`), the first lowest."""
+    """The layers' data merged in order (:func:`deep_merge`), the first lowest.
+
+    A layer's ``replace`` list (:data:`REPLACE_KEY`) first drops each mapping it names from the
+    layers below, so that the layer's own value for it is the whole value.
+
+    Raises:
+        ConfigError: ``replace`` is not a list of dotted keys, or names a key that is not a mapping
+            of the config below (naming the file and line).
+    """
     out: dict = {}
     for layer in layers:
-        out = deep_merge(out, layer.data) if isinstance(layer.data, dict) else layer.data
+        if not isinstance(layer.data, dict):
+            out = layer.data
+            continue
+        data = dict(layer.data)
+        if REPLACE_KEY in data:
+            _drop_replaced(out, data.pop(REPLACE_KEY), layer)
+        out = deep_merge(out, data)
     return out
+
+
+def _drop_replaced(config: dict, keys: Any, layer: Layer) -> None:
+    """Remove from ``config`` (the merged layers below ``layer``) every mapping ``keys`` names."""
+    where = layer.where((REPLACE_KEY,))
+    if not isinstance(keys, list) or not all(isinstance(k, str) and k for k in keys):
+        raise ConfigError(f"{where}: key {REPLACE_KEY}: a list of dotted keys of the config it extends, "
+                          f"e.g. [attribution.credit_signals]; got {keys!r}")
+    for dotted in keys:
+        *parents, last = dotted.split(".")
+        node: Any = config
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or not isinstance(node.get(last), dict):
+            raise ConfigError(f"{where}: key {REPLACE_KEY}: {dotted} is not a mapping of the config it extends "
+                              f"(only a mapping merges, so only a mapping needs replacing)")
+        del node[last]
 
 
 #: A YAML 1.2 float without a dot (1e-3), which YAML 1.1 (PyYAML) reads as a string.
