@@ -13,7 +13,7 @@ from oar.config import schema, section_defaults, validate_config
 ROOT = Path(__file__).resolve().parents[1]
 
 #: Modules that read validated config sections; none may carry a `.get("<schema key>", <fallback>)`.
-READERS = ["plan.py", "sft.py", "evaluate.py", "regimes.py", "attribution/benchmark.py", "report/base.py", "train.py",
+READERS = ["plan/settings.py", "plan/shape.py", "plan/memory.py", "sft.py", "evaluate.py", "regimes.py", "attribution/benchmark.py", "report/base.py", "train.py",
            "strategy.py", "launch.py", "heldout.py", "report/build.py", "report/tables.py", "report/scores.py",
            "report/efficiency.py", "learning_curves.py", "preflight.py", "fetch.py", "stage_runs.py",
            "provenance.py"]
@@ -67,7 +67,7 @@ def test_the_code_runs_on_the_schema_defaults_alone():
     they use are the schema's."""
     from oar.attribution import AttributionSettings
     from oar.attribution.signals import signal_specs
-    from oar.plan import _settings, model_shape
+    from oar.plan import PlanSettings, model_shape
     from oar.report import REPORT_DEFAULTS
 
     cfg = minimal_config()
@@ -80,9 +80,10 @@ def test_the_code_runs_on_the_schema_defaults_alone():
     shape = model_shape(cfg)
     tiny = cfg["model"]["tiny"]
     assert (shape.hidden_size, shape.num_layers) == (tiny["hidden_size"], tiny["num_layers"])
-    s = _settings(cfg, 1, shape)
-    assert s["gpu_gb"] == cfg["plan"]["gpu_memory_gb"] and s["strategy"] == cfg["train"]["strategy"]
-    assert s["prompt"] == min(cfg["plan"]["prompt_tokens"], tiny["max_position_embeddings"] - cfg["rollout"]["max_new_tokens"])
+    s = PlanSettings.from_config(cfg, 1, shape)
+    assert s.gpu_gb == cfg["plan"]["gpu_memory_gb"] and s.strategy == cfg["train"]["strategy"]
+    assert s.batch.packing == cfg["train"]["packing"]
+    assert s.prompt == min(cfg["plan"]["prompt_tokens"], tiny["max_position_embeddings"] - cfg["rollout"]["max_new_tokens"])
 
 
 def test_the_default_config_leaves_the_signal_list_to_the_schema():

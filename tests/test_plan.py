@@ -1,4 +1,4 @@
-"""`oar plan`: per-GPU memory of training and of the vLLM engine (src/oar/plan.py).
+"""`oar plan`: per-GPU memory of training and of the vLLM engine (src/oar/plan/).
 
 Formulas on hand-computed shapes, parameter counts against instantiated models, what sharding,
 checkpointing, CPU offload, the KL reference and vLLM's sleep mode change, the paper config's
@@ -34,11 +34,12 @@ TOY = {"hidden_size": 8, "num_layers": 1, "num_heads": 2, "num_kv_heads": 2, "in
        "vocab_size": 10, "tie_word_embeddings": True}
 
 
-def toy_config(**train) -> dict:
-    """config/config.yaml planned for the 1-layer toy shape: micro-batch 2 x (3 prompt + 2 response) tokens."""
+def toy_config(rollout: dict | None = None, **train) -> dict:
+    """config/config.yaml planned for the 1-layer toy shape: micro-batch 2 x (3 prompt + 2 response)
+    tokens, padded (``train.packing: none``, unless ``train`` says otherwise)."""
     over = {"plan": {"model": TOY, "prompt_tokens": 3, "gpu_memory_gb": 1},
-            "rollout": {"n": 2, "max_new_tokens": 2, "batch_size": 4},
-            "train": {"prompts_per_step": 8, "micro_batch_size": 2, "mini_batch_size": 2, **train}}
+            "rollout": {"n": 2, "max_new_tokens": 2, "batch_size": 4, **(rollout or {})},
+            "train": {"prompts_per_step": 8, "micro_batch_size": 2, "mini_batch_size": 2, "packing": "none", **train}}
     return load_config(DEFAULT, over)
 
 
@@ -81,6 +82,66 @@ def test_toy_training_terms_by_hand():
     r = plan(cfg, 1)
     logits_phase = sum(t.bytes for t in r.terms if "logits" in t.phases)
     assert r.phase_totals["logits"] == logits_phase + r.headroom_bytes == logits_phase + int(0.05 * GiB)
+
+
+def test_the_micro_batch_follows_the_packing_layout_by_hand():
+    """One prompt of 3 tokens, a group of 4 responses of 2 tokens, one forward: ``none`` pads 4 rows
+    of 5; ``length_grouped`` has the same 4 x 5 positions without a mask (GQA-free SDPA, no float
+    mask) and the lm_head on the 8 response positions only; ``shared_prompt`` writes the prompt once:
+    one row of 3 + 4 x 2 = 11 positions under a 4-D mask, the prompt's end predicting every first token."""
+    group = {"prompts_per_step": 1, "micro_batch_size": 4, "mini_batch_size": 4, "micro_batch_tokens": None}
+    per_layer = 192 + 168 + 256  # float32, no mask (test_layer_activations_by_hand)
+    none = training_memory(toy_config({"n": 4}, **group), 1)
+    assert none["activations"] == 4 * 5 * (per_layer + 4 * 5) + 4 * 5 * 5
+    grouped = training_memory(toy_config({"n": 4}, **group, packing="length_grouped"), 1)
+    assert grouped["activations"] == 4 * 5 * per_layer
+    shared = training_memory(toy_config({"n": 4}, **group, packing="shared_prompt"), 1)
+    assert shared["activations"] == 11 * (per_layer + 4 * 11) + 11 * 11
+    copy, grad = 10 * 4, 10 * 8 * 4  # one float32 logits row of the 10-token vocabulary; the lm_head gradient
+    final_norm = 4 * 8 + 2 * 4 * 8
+    for mem, positions, logit_rows in ((none, 20, 8), (grouped, 20, 8), (shared, 11, 1 + 4 * 1)):
+        assert mem["logits"] == max(LOGITS_COPIES * logit_rows * copy,
+                                    (LOGITS_COPIES - 1) * logit_rows * copy + grad) + positions * final_norm
+        assert mem["embedding gradient"] == 2 * grad + positions * 8 * 4
+    r = plan(toy_config({"n": 4}, **group, packing="shared_prompt"), 1)
+    assert r.settings.batch.describe() == "1 x 11 positions, 4 responses (shared_prompt)"
+    assert "largest forward: 1 x 11 positions" in format_plan(r)
+
+
+@pytest.mark.parametrize("packing", ["none", "length_grouped", "packed", "shared_prompt"])
+def test_the_planned_micro_batch_bounds_what_the_trainer_builds(packing):
+    """:func:`oar.plan.micro_batch_shape` against :func:`oar.packing.plan_micro_batches` on
+    full-length mini-batches (whole rollouts and random subsets, as ``oar.update`` draws them): no
+    forward computes more positions or logits than planned, and the bound is reached."""
+    import itertools
+
+    import torch
+
+    from oar.packing import plan_micro_batches
+    from oar.plan import micro_batch_shape
+
+    gen = torch.Generator().manual_seed(0)
+    reached = 0
+    grid = itertools.product([3, 7], [4, 9], [2, 4], [1, 3], [3, 8], [None, 20, 40], [None, 30] if packing == "packed" else [None])
+    for P, T, n, groups, micro, cap, pack in grid:
+        N = n * groups
+        prompt_ids = torch.repeat_interleave(torch.arange(groups) + 5, n)[:, None].repeat(1, P)
+        ones = torch.ones(N, P, dtype=torch.long)
+        response_ids = torch.randint(5, 50, (N, T), generator=gen)
+        for mini in sorted({N, max(1, N // 2)}):
+            rows = torch.randperm(N, generator=gen)[:mini]
+            m = min(micro, mini)
+            mbs = plan_micro_batches(prompt_ids, ones, response_ids, torch.ones(N, T, dtype=torch.long), rows,
+                                     packing=packing, micro_batch_size=m, micro_batch_tokens=cap, pack_length=pack)
+            bound = micro_batch_shape(packing, micro=m, prompt=P, response=T, n=n, micro_batch_tokens=cap,
+                                      pack_length=pack, whole=mini == N)
+            # none keeps T + 1 logits per row and drops the last; the plan counts the T it keeps
+            logits = [mb.logit_rows - (mb.input_ids.shape[0] if packing == "none" else 0) for mb in mbs]
+            case = (P, T, n, groups, m, cap, pack, mini)
+            assert max(mb.computed_tokens for mb in mbs) <= bound.tokens, case
+            assert max(logits) <= bound.logit_positions and max(len(mb.rows) for mb in mbs) <= bound.sequences, case
+            reached += max(mb.computed_tokens for mb in mbs) == bound.tokens
+    assert reached > 0
 
 
 def test_parameter_count_matches_instantiated_models(tmp_path):

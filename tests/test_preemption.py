@@ -686,7 +686,7 @@ def test_slurm_training_jobs_ask_for_the_sized_early_sigterm(tmp_path):
     from types import SimpleNamespace
 
     from oar.config import load_config
-    from oar.plan import checkpoint_bytes, preemption_signal_seconds
+    from oar.launch import checkpoint_bytes, preemption_signal_seconds
 
     submit_string = pytest.importorskip("snakemake_executor_plugin_slurm.submit_string")
     from snakemake_executor_plugin_slurm.validation import validate_slurm_extra

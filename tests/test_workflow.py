@@ -308,9 +308,9 @@ def _free_port(lo: int, hi: int) -> int:
 
 def _torchrun_signals(name: str) -> str:
     """torchrun's options for signals in a training launch of config/<name>: forward SIGUSR1 too,
-    and give the workers the config's early-signal time to stop (oar.plan.preemption_signal_seconds)."""
+    and give the workers the config's early-signal time to stop (oar.launch.preemption_signal_seconds)."""
     from oar.config import load_config
-    from oar.plan import preemption_signal_seconds
+    from oar.launch import preemption_signal_seconds
 
     seconds = preemption_signal_seconds(load_config(ROOT / "config" / name))
     return f"--signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout {seconds}"

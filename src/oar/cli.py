@@ -229,13 +229,14 @@ def _cmd_fetch_model(args: argparse.Namespace) -> int:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from oar.io import atomic_write_text
+    from oar.launch import preemption_summary
     from oar.plan import format_plan, plan
     from oar.preflight import check_config
 
     config = _load(args)
     check_config(config, source=args.config)  # every path it names exists (oar.preflight)
     result = plan(config, args.gpus)
-    text = format_plan(result, source=args.config)
+    text = format_plan(result, source=args.config, footer=[preemption_summary(config, result.shape)])
     print(text, end="")
     if not result.fits:
         if config["plan"]["check"]:

@@ -15,11 +15,12 @@ trainer and torchrun install their own handlers.
 
 from __future__ import annotations
 
+import math
 import os
 import shlex
 from typing import Any, Mapping
 
-from oar.plan import PlanError, preemption_signal_seconds, train_layout
+from oar.plan import ModelShape, PlanError, dtype_bytes, gib, model_shape, train_layout
 from oar.preemption import STOP_SIGNALS
 
 
@@ -35,17 +36,64 @@ class LaunchError(ValueError):
 TORCHRUN_SIGNALS = ",".join(dict.fromkeys(["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", *(s.name for s in STOP_SIGNALS)]))
 
 
+def checkpoint_bytes(config: Mapping[str, Any], shape: ModelShape | None = None) -> int:
+    """Bytes of one training checkpoint, all processes together: the master weights and AdamW's two
+    states (``3 x P x`` the master dtype's bytes: float32, or ``model.dtype`` with
+    ``train.master_dtype: model``); the tokenizer and the trainer state's scalars are negligible.
+
+    Raises:
+        PlanError: when the model's shape is unknown (see :func:`oar.plan.model_shape`).
+    """
+    shape = shape or model_shape(dict(config))
+    t, m = config["train"], config["model"]
+    if t["master_dtype"] == "float32":
+        master_b = 4
+    else:
+        dtype = m["dtype"]
+        master_b = dtype_bytes(shape.dtype if dtype == "auto" else dtype, "model.dtype")
+    return 3 * shape.num_params * master_b
+
+
+def preemption_signal_seconds(config: Mapping[str, Any], shape: ModelShape | None = None) -> int:
+    """Seconds before a SLURM job's time limit at which a training job should get SIGTERM (``sbatch
+    --signal=TERM@N``), so that it finishes its step and writes a checkpoint before SIGKILL:
+    ``train.preemption.signal_seconds`` when set, else ``step_seconds`` + :func:`checkpoint_bytes` /
+    ``write_gb_per_s`` + ``margin_seconds``, rounded up.
+
+    Raises:
+        PlanError: sized, and the model's shape is unknown.
+    """
+    p = config["train"]["preemption"]
+    if p.get("signal_seconds"):
+        return int(p["signal_seconds"])
+    write_s = checkpoint_bytes(config, shape) / (float(p["write_gb_per_s"]) * 1e9)
+    return math.ceil(float(p["step_seconds"]) + write_s + float(p["margin_seconds"]))
+
+
+def preemption_summary(config: Mapping[str, Any], shape: ModelShape | None = None) -> str:
+    """The line ``oar plan`` ends with: the checkpoint's size and when SLURM sends training SIGTERM
+    (:func:`preemption_signal_seconds`), with how that time is made up."""
+    p = config["train"]["preemption"]
+    ckpt = checkpoint_bytes(config, shape)
+    size = gib(ckpt)
+    how = ("train.preemption.signal_seconds" if p.get("signal_seconds") else
+           f"step_seconds {p['step_seconds']:g} + {size} GiB at write_gb_per_s "
+           f"{p['write_gb_per_s']:g} + margin_seconds {p['margin_seconds']:g}")
+    return (f"checkpoint {size} GiB (master weights + AdamW states, all processes); SLURM sends training "
+            f"SIGTERM {preemption_signal_seconds(config, shape)} s before the time limit ({how})")
+
+
 def train_signal_seconds(config: Mapping[str, Any], *, runtime_minutes: int) -> int:
     """Seconds before the time limit at which SLURM sends a training job SIGTERM (sbatch
     --signal=TERM@N, through the plugin's slurm_extra), and the time torchrun gives its workers to
-    stop: ``train.preemption.signal_seconds``, else sized by :func:`oar.plan.preemption_signal_seconds`
+    stop: ``train.preemption.signal_seconds``, else sized by :func:`preemption_signal_seconds`
     (the longest step + the checkpoint's bytes at the stated write speed + a margin).
 
     Raises:
         LaunchError: the signal cannot be sized, or it would come before the job's ``runtime_minutes``.
     """
     try:
-        seconds = preemption_signal_seconds(dict(config))
+        seconds = preemption_signal_seconds(config)
     except PlanError as e:
         raise LaunchError(f"train.preemption.signal_seconds: cannot size the early SIGTERM of training jobs: {e}; "
                           f"or set train.preemption.signal_seconds (seconds)") from None
@@ -60,6 +108,9 @@ __all__ = [
     "SHELL_PREFIX",
     "LaunchError",
     "TORCHRUN_SIGNALS",
+    "checkpoint_bytes",
+    "preemption_signal_seconds",
+    "preemption_summary",
     "train_signal_seconds",
     "DEFAULT_RESOURCES",
     "RESOURCE_FALLBACK",

@@ -1,4 +1,4 @@
-# Memory plan (`oar plan`, src/oar/plan.py): per-GPU memory of training and of the vLLM engine,
+# Memory plan (`oar plan`, src/oar/plan/): per-GPU memory of training and of the vLLM engine,
 # term by term, written to results/<name>/plan.txt. Only when training uses GPUs
 # (resources.train.gpu > 0, e.g. config/paper.yaml): the train rule takes plan.txt as an input, so a
 # config that cannot fit fails here, before any GPU training job, with a message naming the term
