@@ -203,13 +203,13 @@ def schema_path() -> Path:
 
 
 @lru_cache(maxsize=1)
-def _schema_cached() -> str:
-    return schema_path().read_text(encoding="utf-8")
+def _schema_cached() -> dict:
+    return yaml.safe_load(schema_path().read_text(encoding="utf-8"))
 
 
 def schema() -> dict:
-    """The configuration schema as a dict (a fresh copy)."""
-    return yaml.safe_load(_schema_cached())
+    """The configuration schema as a dict (a fresh copy; the file is parsed once per process)."""
+    return copy.deepcopy(_schema_cached())
 
 
 def _extend_with_default(validator_class: type) -> type:
