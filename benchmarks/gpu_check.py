@@ -247,15 +247,15 @@ def transformers_compat(model: Any) -> dict[str, Any]:
       ``rollout_logprob_gap`` checks that the lean sampler's log-probs equal a fresh forward's.
     - ``logits_to_keep_mask``: whether the packed layouts pass ``logits_to_keep`` as a boolean
       ``(rows, length)`` mask (transformers >= 5.21) or compute every logit and select
-      (``oar.packing._accepts_logits_to_keep``); the loss is the same either way.
+      (``oar.packing.accepts_logits_to_keep``); the loss is the same either way.
     """
     import transformers
 
     from oar.models import cache_argument
-    from oar.packing import _accepts_logits_to_keep
+    from oar.packing import accepts_logits_to_keep
 
     return {"transformers": transformers.__version__, "cache_argument": cache_argument(model),
-            "logits_to_keep_mask": _accepts_logits_to_keep(model), "fallbacks": []}
+            "logits_to_keep_mask": accepts_logits_to_keep(model), "fallbacks": []}
 
 
 def run_config(size: str, run: dict[str, int], *, device: str, prompt_tokens: int, gpu_gb: float) -> dict:

@@ -54,3 +54,20 @@ def test_decay_groups_exempt_norms_and_biases_and_count_tied_weights_once():
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert [tuple(p.shape) for p in decay["params"]] == [(5, 3)]
     assert sorted(tuple(p.shape) for p in no_decay["params"]) == [(3,), (3,), (5,)]
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_the_rl_optimizer_decays_matrices_only_and_keeps_one_group_without_decay(weight_decay):
+    """``train.weight_decay`` > 0: the RL optimizer (``Strategy.prepare``) spares norms and biases, as
+    SFT does; 0 (the default): one group of every parameter, as its checkpoints have always held."""
+    from oar.strategy import make_strategy
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
+    strategy = make_strategy({"device": "cpu", "train": {"strategy": "ddp"}})
+    _, optimizer = strategy.prepare(model, lr=1e-3, betas=(0.9, 0.999), weight_decay=weight_decay)
+    groups = [(g["weight_decay"], sorted(tuple(p.shape) for p in g["params"])) for g in optimizer.param_groups]
+    if weight_decay:
+        assert groups == [(0.1, [(4, 3)]), (0.0, [(4,), (4,), (4,)])]
+    else:
+        assert groups == [(0.0, [(4,), (4,), (4,), (4, 3)])]

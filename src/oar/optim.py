@@ -15,7 +15,7 @@ import math
 
 import torch
 
-__all__ = ["SCHEDULES", "lr_factor", "make_scheduler", "decay_groups"]
+__all__ = ["SCHEDULES", "lr_factor", "make_scheduler", "decay_groups", "rl_param_groups"]
 
 #: The learning-rate schedules :func:`lr_factor` knows (``train.schedule``).
 SCHEDULES: tuple[str, ...] = ("constant", "linear", "cosine")
@@ -54,8 +54,8 @@ def make_scheduler(optimizer: torch.optim.Optimizer, *, warmup_steps: int, floor
 
 def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """AdamW parameter groups with weight decay on matrices (dim >= 2) only: norms and biases are not
-    decayed. Tied weights appear once. SFT's optimizer uses them; RL's decays no parameter by default
-    (``train.weight_decay`` 0) and keeps one group, the layout its checkpoints' optimizer state holds."""
+    decayed. Tied weights appear once. SFT's optimizer uses them, and RL's when it decays
+    (:func:`rl_param_groups`)."""
     decay, no_decay = [], []
     seen: set[int] = set()
     for p in model.parameters():
@@ -64,3 +64,12 @@ def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
         seen.add(id(p))
         (decay if p.dim() >= 2 else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def rl_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """The RL optimizer's parameter groups: :func:`decay_groups` when ``train.weight_decay`` > 0
+    (norms and biases undecayed, as in SFT); with no decay (the default) every parameter in one
+    group, the layout the RL checkpoints' optimizer state has always held."""
+    if weight_decay > 0:
+        return decay_groups(model, weight_decay)
+    return [{"params": list(model.parameters()), "weight_decay": 0.0}]

@@ -54,6 +54,7 @@ __all__ = [
     "pack_first_fit",
     "micro_batch_logprobs",
     "padding_report",
+    "accepts_logits_to_keep",
 ]
 
 #: Values of ``train.packing``.
@@ -373,7 +374,7 @@ def padding_report(micro_batches: Sequence[MicroBatch]) -> dict[str, float]:
             "padding_share": 1.0 - real / computed if computed else 0.0}
 
 
-def _accepts_logits_to_keep(model: Any) -> bool:
+def accepts_logits_to_keep(model: Any) -> bool:
     """Whether the model's forward takes a boolean ``(rows, length)`` ``logits_to_keep``: it names the
     argument and transformers slices by a 2-D mask (``slice_logits_to_keep``, transformers >= 5.21;
     earlier versions index with the mask as it is and fail, so they compute every logit instead)."""
@@ -441,7 +442,7 @@ def micro_batch_logprobs(model: Any, mb: MicroBatch, *, temperature: float = 1.0
                              "set train.pack_length: null (one row per micro-batch)")
         if mb.attention_mask is not None:  # shared_prompt: a 4-D mask, passed to the attention as it is
             kw["attention_mask"] = _attention_mask_4d(model, mb.attention_mask.to(device))
-        if _accepts_logits_to_keep(model):
+        if accepts_logits_to_keep(model):
             logits = model(**kw, logits_to_keep=keep).logits
         else:
             logits = model(**kw).logits

@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from oar.io import SharedWriteError, commit_path
+from oar.optim import rl_param_groups
 
 __all__ = ["Strategy", "DDPStrategy", "FSDPStrategy", "make_strategy", "shutdown", "COMPUTE_DTYPES", "SharedWriteError"]
 
@@ -239,7 +240,7 @@ class DDPStrategy(Strategy):
 
     def prepare(self, model, *, lr, betas, weight_decay):
         model = self._master(model).to(self.device)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
+        optimizer = torch.optim.AdamW(rl_param_groups(model, weight_decay), lr=lr, betas=betas)
         return self.accelerator.prepare(model, optimizer)
 
     def prepare_frozen(self, model):
@@ -299,7 +300,7 @@ class FSDPStrategy(Strategy):
         if not self.cpu_offload:  # offloaded shards stay in CPU memory
             model.to(self.device)
         model = self._shard(model)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
+        optimizer = torch.optim.AdamW(rl_param_groups(model, weight_decay), lr=lr, betas=betas)
         return model, optimizer
 
     def prepare_frozen(self, model):
