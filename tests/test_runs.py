@@ -324,14 +324,14 @@ def _open_tracker(uri: str, barrier, out) -> None:
 
 @pytest.mark.slow
 def test_two_trackers_on_a_new_store_at_the_same_moment(tmp_path):
+    """Both processes import first and then meet at a barrier, so they create the store together."""
     ctx = mp.get_context("spawn")
-    for attempt in range(2):
-        uri = f"sqlite:///{tmp_path}/new{attempt}/mlflow.db"
-        barrier, out = ctx.Barrier(2), ctx.Queue()
-        procs = [ctx.Process(target=_open_tracker, args=(uri, barrier, out)) for _ in range(2)]
-        for p in procs:
-            p.start()
-        results = [out.get(timeout=300) for _ in procs]
-        for p in procs:
-            p.join(timeout=60)
-        assert results == ["ok", "ok"], results
+    uri = f"sqlite:///{tmp_path}/new/mlflow.db"
+    barrier, out = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_open_tracker, args=(uri, barrier, out)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    assert results == ["ok", "ok"], results

@@ -213,9 +213,9 @@ def test_fsdp_final_model_is_consolidated_and_evaluates(start):
     from oar.models import load_policy
 
     tmp, raw = start
-    run = tmp / "fsdp2-grpo"
+    run = tmp / "fsdp-full"  # test_fsdp_sharded_checkpoint_resume_is_bit_identical's uninterrupted run
     if not (run / "model").exists():
-        run = _launch(tmp, raw, "fsdp2-grpo", "grpo", strategy="fsdp")
+        run = _launch(tmp, raw, "fsdp-full", "grpo", strategy="fsdp")
     model, _ = load_policy(str(run / "model"))
     saved = _weights(run / "model")
     assert sum(v.numel() for v in saved.values()) == sum(p.numel() for p in model.parameters())  # all of it

@@ -68,7 +68,8 @@ def test_policy_forward_matches_left_padding_invariance():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["grpo", "drgrpo", "dapo", "grpo_ktae", "dapo_ktae", "oar_p", "oar_g", "oar_g_q50", "oar_g_nomass", "dapo_oar_g"])
+@pytest.mark.parametrize("method", ["grpo", "drgrpo", "dapo", "grpo_ktae", "dapo_ktae", "oar_p", "oar_p_tied", "oar_g",
+                                    "oar_g_q50", "oar_g_nomass", "oar_g_ig", "dapo_oar_g"])
 def test_every_method_runs_a_few_steps(tmp_path, method):
     # config/ablations.yaml: the default's six systems plus the ablations and combinations
     cfg = load_config(ROOT / "config" / "ablations.yaml", small_overrides(tmp_path, train={"steps": 2}))
