@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oar.credit.metrics import ess_ratio, top_mass
+from oar.credit.metrics import credited_concentration, credited_rows, ess_ratio, top_mass, uniform_top_mass
 
 
 def test_ess_hand_values():
@@ -44,11 +44,37 @@ def test_top_mass_empty_and_zero_rows():
     assert torch.equal(top_mass(a, mask), torch.zeros(2))
 
 
+def test_uniform_top_mass_hand_values():
+    mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]])
+    # L = 4: k = 1 -> 0.25; L = 5: k = ceil(0.5) = 1 -> 0.2; empty row -> 0
+    torch.testing.assert_close(uniform_top_mass(mask), torch.tensor([0.25, 0.2, 0.0], dtype=torch.float64))
+    # the uniform row's top_mass is exactly its uniform_top_mass
+    a = torch.full((1, 5), 0.3)
+    assert top_mass(a, torch.ones(1, 5)).item() == pytest.approx(uniform_top_mass(torch.ones(1, 5)).item())
+
+
+def test_credited_rows_and_concentration_hand_values():
+    # row 0: GRPO-like uniform credit; row 1: concentrated on one token; row 2: a zero-advantage group member;
+    # row 3: non-zero only on a padded position, which does not count
+    a = torch.tensor([[0.5, 0.5, 0.5, 0.5], [0.0, 0.0, 2.0, 0.0], [0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 9.0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 0]])
+    assert credited_rows(a, mask).tolist() == [True, True, False, False]
+    share, top, uniform = credited_concentration(a, mask)
+    # credited rows 0 and 1 (L = 4, k = 1): top mass 0.25 and 1.0 -> 0.625; uniform 0.25 each
+    assert (share, top, uniform) == pytest.approx((0.5, 0.625, 0.25))
+    # sequence-level credit only: top == uniform; no credit at all: zeros
+    share, top, uniform = credited_concentration(a[:1], mask[:1])
+    assert share == 1.0 and top == pytest.approx(uniform)
+    assert credited_concentration(torch.zeros(2, 3), torch.ones(2, 3)) == (0.0, 0.0, 0.0)
+
+
 def test_bad_inputs():
     with pytest.raises(ValueError, match="frac"):
         top_mass(torch.ones(1, 3), torch.ones(1, 3), frac=0.0)
     with pytest.raises(ValueError, match="\\(B, T\\)"):
         ess_ratio(torch.ones(2, 3), torch.ones(2, 4))
+    with pytest.raises(ValueError, match="\\(B, T\\)"):
+        credited_rows(torch.ones(2, 3), torch.ones(3, 3))
 
 
 @settings(max_examples=40, deadline=None)

@@ -35,7 +35,7 @@ from oar.seeds import CONTINUATIONS_SALT, UPDATE_SALT, step_seed
 from oar.checkpoint import disk_full_named, intact_sentence, save_checkpoint
 from oar.config import ResolvedMethod, resolve_method
 from oar.credit import CreditBatch, estimator_needs_continuations, estimator_needs_model, get_estimator
-from oar.credit.metrics import ess_ratio, top_mass
+from oar.credit.metrics import credited_concentration, ess_ratio, top_mass
 from oar.identity import run_identity
 from oar.preemption import StopSignal
 from oar.run_end import finish_run, interrupted_run, mean_of
@@ -227,12 +227,14 @@ def _update(loop: TrainingRun, batch: "StepBatch", credit: Any, step: int,
 def step_metrics(batch: "StepBatch", credit: Any, upd: dict[str, list[float]], nonfinite: int, *, lr: float,
                  timings: dict[str, float], step_seconds: float) -> dict[str, float]:
     """Step 5: the metrics of a step (this process's): rewards and lengths of the batch, the update's
-    losses and statistics, the credit's concentration and its own stats (``credit_*``), the phases'
-    seconds (``time_*``) and the whole step's (``time_step``)."""
+    losses and statistics, the credit's concentration, the share of responses with credit and its
+    concentration against uniform credit, the estimator's own stats (``credit_*``), the phases' seconds
+    (``time_*``) and the whole step's (``time_step``)."""
     ro = batch.rollout
     mask_f = ro.response_mask.float()
     token_adv = credit.token_advantages.float()
     weights = credit.weights if credit.weights is not None else torch.ones_like(mask_f)
+    credited, top_credited, top_uniform = credited_concentration(token_adv, ro.response_mask, frac=0.1)
     return {
         "reward": float(batch.rewards.mean()),
         "accuracy": float(batch.correct.float().mean()),
@@ -249,6 +251,10 @@ def step_metrics(batch: "StepBatch", credit: Any, upd: dict[str, list[float]], n
         "update_padding": 1.0 - sum(upd["tokens_real"]) / max(sum(upd["tokens_computed"]), 1.0),
         "ess_ratio": float(ess_ratio(weights, ro.response_mask).mean()),
         "top10_mass": float(top_mass(token_adv, ro.response_mask, frac=0.1).mean()),
+        # responses with a non-zero advantage, and the concentration of their credit against uniform
+        "credited_share": credited,
+        "top10_mass_credited": top_credited,
+        "top10_mass_uniform": top_uniform,
         "nonfinite_updates": float(nonfinite),
         "gen_batches": float(batch.n_gen_batches),
         "kept_groups": float(batch.kept_fraction),
