@@ -63,6 +63,30 @@ def test_step_boundaries_split_results_from_their_copies():
     assert bounds_all[1] == [4, 7]
 
 
+class _PieceTokenizer:
+    """A stand-in for a byte-level BPE tokenizer: token ``i`` decodes to ``pieces[i]``."""
+
+    def __init__(self, pieces):
+        self.pieces = pieces
+
+    def decode(self, ids, **_):
+        return "".join(self.pieces[i] for i in ids)
+
+
+def test_step_boundaries_on_bpe_tokens_that_begin_inside_a_match():
+    from oar.credit.mc_value import step_boundaries
+
+    # SmolLM2's tokens of "9-8=1, so 1-7=-6. \boxed{-6}": " so" begins at the space of ", " and "=-"
+    # at the "=": each opens the next segment, as its first character after the match does
+    pieces = ["9", "-", "8", "=", "1", ",", " so", " ", "1", "-", "7", "=-", "6", ".", " \\", "box", "ed", "{",
+              "-", "6", "}"]
+    ids = torch.arange(len(pieces))[None]
+    bounds, texts, chars = step_boundaries(_PieceTokenizer(pieces), ids, torch.ones_like(ids))
+    assert texts[0] == "9-8=1, so 1-7=-6. \\boxed{-6}"
+    assert bounds[0] == [4, 6, 11, 14]
+    assert [texts[0][c:] for c in chars[0]][1:3] == [" so 1-7=-6. \\boxed{-6}", "=-6. \\boxed{-6}"]
+
+
 def test_mc_value_blames_the_first_mistake_not_its_copy():
     engine = PrefixEngine()
     batch = _batch(RESPONSES, REWARDS)

@@ -31,8 +31,9 @@ step changes the value.
 
 Step boundaries come from a rule on the decoded response (:data:`STEP_SPLITS`): ``synthetic`` (the
 task's ``=`` and ``", "`` / ``". "``, so a result is a segment of its own), ``newline``,
-``sentence``, or any regular expression; a boundary is the first token that starts at or after the
-end of a match. Shapes as :mod:`oar.credit`: ``B`` responses, ``T`` response tokens, ``S`` the most
+``sentence``, or any regular expression; a boundary is the token that holds the first character after
+a match (on a character-level tokenizer the token that starts there; on a byte-level BPE one a token
+such as ``" so"`` or ``"=-"`` that begins inside the match). Shapes as :mod:`oar.credit`: ``B`` responses, ``T`` response tokens, ``S`` the most
 segments of a row.
 """
 
@@ -175,13 +176,14 @@ def step_boundaries(tokenizer: Any, response_ids: torch.Tensor, response_mask: t
     out, texts, chars = [], [], []
     for b in range(response_ids.shape[0]):
         ids = response_ids[b][response_mask[b].bool()].tolist()
-        text, starts, _ = token_char_spans(tokenizer, ids)
+        text, starts, ends = token_char_spans(tokenizer, ids)
         box = text.rfind("\\boxed{")
         limit = box if (reasoning_only and box >= 0) else len(text)
         bounds: list[int] = []
         for m in rx.finditer(text, 0, limit):
-            # the first token starting at or after the match's end
-            after = starts >= m.end()
+            # the token holding the first character after the match (a BPE token such as " so" or "=-"
+            # starts inside the match: it opens the next segment, as that character does)
+            after = ends > m.end()
             k = int(after.argmax()) if after.any() else len(ids)
             if 0 < k < len(ids) and (not bounds or k > bounds[-1]) and int(starts[k]) <= limit:
                 bounds.append(k)
