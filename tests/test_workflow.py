@@ -548,6 +548,45 @@ def test_an_option_added_at_its_default_keeps_the_fingerprints_of_finished_jobs(
     assert method_fingerprint(cfg, grpo, sft=True) != same[0][1]
 
 
+def test_the_transfer_evaluation_changes_no_fingerprint_but_its_own():
+    """eval.transfer came after results existed: at its default, and set too, every fingerprint and store
+    key is what it was before the key (the values of a minimal config are pinned as oar computed them
+    then); only the transfer evaluation's own fingerprint follows its benchmarks (not its methods)."""
+    import copy
+
+    from oar.config import load_config, resolve_methods, validate_config
+    from oar.identity import (attribution_fingerprint, base_key, data_key, eval_fingerprint, plan_fingerprint,
+                              report_fingerprint, run_key, sft_key, transfer_fingerprint)
+
+    minimal = validate_config({"name": "minimal", "model": {"source": "tiny"}, "task": {"kind": "synthetic"},
+                               "recipes": {"grpo": {}}, "methods": {"grpo": {"recipe": "grpo", "credit": "none"}},
+                               "eval": {"benchmarks": [{"name": "synthetic-test", "n": 8}]}})
+    assert minimal["eval"]["transfer"] == {"benchmarks": [], "methods": []}
+    pinned = ("911c79768ded1880", "f1b50c5789e7dcca", "1947c86b03c3fcb2")
+    assert (eval_fingerprint(minimal), base_key(minimal, sft=True), base_key(minimal, sft=False)) == pinned
+
+    def every_key(c: dict) -> dict:
+        methods = resolve_methods(c)
+        keys = {"data": data_key(c), "sft": sft_key(c), "eval": eval_fingerprint(c), "base": base_key(c, sft=True),
+                "plan": plan_fingerprint(c), "attribution": attribution_fingerprint(c),
+                "report": report_fingerprint(c, methods)}
+        return keys | {m: run_key(c, v, sft=True) for m, v in methods.items()}
+
+    cfg = load_config(ROOT / "config" / "config.yaml")
+    old = copy.deepcopy(cfg)
+    del old["eval"]["transfer"]  # a config from before the key
+    gsm8k = {"name": "gsm8k", "source": "data/gsm8k.jsonl", "n": None, "filters": {}}
+    with_transfer = copy.deepcopy(cfg)
+    with_transfer["eval"]["transfer"] = {"benchmarks": [gsm8k], "methods": ["grpo"]}
+    assert every_key(old) == every_key(cfg) == every_key(with_transfer)
+    assert transfer_fingerprint(with_transfer) != transfer_fingerprint(cfg)
+    more_methods = copy.deepcopy(with_transfer)
+    more_methods["eval"]["transfer"]["methods"] = ["grpo", "oar_g"]
+    assert transfer_fingerprint(more_methods) == transfer_fingerprint(with_transfer)
+    with_transfer["eval"]["max_new_tokens"] += 1  # the settings it shares with the main evaluation
+    assert transfer_fingerprint(with_transfer) != transfer_fingerprint(more_methods)
+
+
 # a results_dir (or model path) that breaks an unquoted shell command twice: a space and a command
 WEIRD = "my results/$(touch PWNED)"
 
