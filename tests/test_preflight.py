@@ -217,7 +217,8 @@ def test_slurm_profile_placeholders_stop_a_dry_run_and_filled_values_pass(tmp_pa
         assert f"{profile}/config.yaml: {key}" in text and f"'{value}' is a placeholder" in text, text[-3000:]
     # filled on the command line
     filled = ["--default-resources", "slurm_account=acct", "slurm_partition=cpu", "--set-resources",
-              *(f"{r}:slurm_partition=gpu" for r in ("train", "evaluate", "evaluate_base", "attribution"))]
+              *(f"{r}:slurm_partition=gpu" for r in ("train", "evaluate", "evaluate_base", "evaluate_transfer",
+                                                     "evaluate_transfer_base", "attribution"))]
     proc = _snakemake("-n", "--workflow-profile", profile, *filled, *results)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Job stats" in proc.stdout + proc.stderr

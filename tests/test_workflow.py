@@ -113,6 +113,42 @@ def test_dry_run_smoke_config_runs_every_method_once(tmp_path):
                               "attribution": 1, "report": 1, "all": 1})
 
 
+@pytest.mark.slow  # four snakemake dry runs: a few seconds each
+def test_dry_run_transfer_evaluates_the_start_model_and_the_listed_methods_only(tmp_path):
+    """eval.transfer: one transfer job for the start model and one per seed of the listed method, inputs
+    of the report with tables/transfer.csv; the main evaluations' commands (their fingerprints) are
+    those of the config without it; an unlisted method has no transfer job."""
+    cfg = _config("smoke.yaml")
+    cfg["seeds"] = [0, 1]
+    plain = _write_config(tmp_path, cfg)
+    cfg["eval"]["transfer"] = {"benchmarks": [{"name": "synthetic-ood", "n": 8}], "methods": ["grpo"]}
+    path = tmp_path / "transfer.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    counts, jobs = dry_run("--configfile", str(path), results=tmp_path)
+    n = len(cfg["methods"]) * 2
+    assert counts == Counter({"data": 1, "sft": 1, "train": n, "evaluate": n, "evaluate_base": 1, "attribution": 1,
+                              "evaluate_transfer_base": 1, "evaluate_transfer": 2, "report": 1, "all": 1})
+    R = f"{tmp_path}/smoke"
+    transfer = {f"{R}/base/transfer/summary.json", f"{R}/grpo/seed0/transfer/summary.json",
+                f"{R}/grpo/seed1/transfer/summary.json"}
+    assert {o for j in jobs for o in j["output"] if "/transfer/" in o} == transfer
+    (report,) = [j for j in jobs if j["rule"] == "report"]
+    assert transfer <= set(report["input"]) and f"{R}/tables/transfer.csv" in report["output"]
+    main_jobs = ("evaluate", "evaluate_base")
+
+    def commands(config: Path) -> dict[str, list[str]]:
+        proc = snakemake("-n", "-p", "--configfile", str(config), "--config", f"results_dir={tmp_path}")
+        return shell_commands(proc.stdout + proc.stderr)
+
+    with_transfer = commands(path)
+    assert all("evaluate --transfer" in c for r in ("evaluate_transfer", "evaluate_transfer_base")
+               for c in with_transfer[r])
+    assert {r: sorted(with_transfer[r]) for r in main_jobs} == {r: sorted(commands(plain)[r]) for r in main_jobs}
+    proc = snakemake("-n", f"{R}/oar_g/seed0/transfer/summary.json", "--configfile", str(path), "--config",
+                     f"results_dir={tmp_path}", check=False)
+    assert proc.returncode != 0 and "MissingRuleException" in proc.stdout + proc.stderr
+
+
 @pytest.mark.slow  # one snakemake process: a few seconds
 @needs_paper_data
 def test_dry_run_paper_config(tmp_path):
