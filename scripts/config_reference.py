@@ -197,9 +197,29 @@ def with_option_defaults(schema: dict) -> dict:
     return out
 
 
+def with_item_refs_inlined(schema: dict) -> dict:
+    """A copy of ``schema`` in which a list whose items are a ``$ref`` (``eval.benchmarks``,
+    ``eval.transfer.benchmarks``: ``$defs.benchmark``) holds that definition itself, so that each such
+    list gets its ``[]`` section like a list written out in place."""
+    out = copy.deepcopy(schema)
+    defs = out.get("$defs", {})
+
+    def walk(node: Any) -> None:
+        if not isinstance(node, dict):
+            return
+        items = node.get("items")
+        if isinstance(items, dict) and "$ref" in items:
+            node["items"] = copy.deepcopy(defs[_ref_name(items["$ref"])])
+        for child in (node.get("properties") or {}).values():
+            walk(child)
+
+    walk(out)
+    return out
+
+
 def render(schema: dict) -> str:
     """The page, as text."""
-    schema = with_option_defaults(schema)
+    schema = with_item_refs_inlined(with_option_defaults(schema))
     page = _Page()
     page.heading(1, "Configuration reference")
     page.add(

@@ -48,6 +48,34 @@ def test_evaluate_writes_rows_and_summary_and_resumes(tmp_path):
     assert (out / "synthetic-ood.json").stat().st_mtime_ns == stamp
 
 
+def test_cli_evaluate_transfer_scores_the_transfer_benchmarks_only(tmp_path, capsys):
+    """`oar evaluate --transfer`: eval.transfer.benchmarks with eval's settings, in their own folder; a
+    config without them: one line and exit 2, nothing written."""
+    import yaml
+
+    from oar.cli import main
+
+    transfer = {"benchmarks": [{"name": "synthetic-ood", "n": 3}], "methods": ["grpo"]}
+    over = small_overrides(tmp_path, eval={"benchmarks": [{"name": "synthetic-test", "n": 2}], "samples": 0,
+                                           "max_new_tokens": 8, "transfer": transfer})
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(load_config(ROOT / "config" / "config.yaml", over)))
+    out = tmp_path / "transfer"
+    assert main(["evaluate", "--config", str(path), "--output", str(out), "--transfer"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert list(summary["benchmarks"]) == ["synthetic-ood"] and summary["benchmarks"]["synthetic-ood"]["n"] == 3
+    assert sorted(p.name for p in out.iterdir()) == ["summary.json", "synthetic-ood.json", "synthetic-ood.jsonl"]
+    rows = [json.loads(l) for l in (out / "synthetic-ood.jsonl").read_text().splitlines()]
+    assert [r["sample"] for r in rows] == [-1] * 3  # greedy only: eval.samples is 0
+    capsys.readouterr()
+    del over["eval"]["transfer"]
+    path.write_text(yaml.safe_dump(load_config(ROOT / "config" / "config.yaml", over)))
+    assert main(["evaluate", "--config", str(path), "--output", str(tmp_path / "none"), "--transfer"]) == 2
+    assert capsys.readouterr().err == ("oar evaluate: error: eval.transfer.benchmarks: empty; name the transfer "
+                                       "benchmarks to evaluate\n")
+    assert not (tmp_path / "none").exists()
+
+
 class _FakeEngine:
     """Answers problem i's sample j correctly when (i + j) % 3 == 0 (greedy: when i is even); records
     every call, so the chunking can be checked."""

@@ -270,6 +270,22 @@ def test_a_method_base_typo_names_methods_x_base_and_the_nearest_method(tmp_path
                                           "unknown method(s) ['oar_gg']; did you mean oar_g?")
 
 
+def test_transfer_methods_are_methods_of_the_config(tmp_path, monkeypatch, capsys):
+    """eval.transfer defaults to no benchmark and no method; a name it lists that the config does not run
+    (not in methods, or not in only_methods) is one line naming the file, line and key."""
+    from oar.config import load_config
+
+    monkeypatch.chdir(ROOT)
+    assert load_config(CONFIG)["eval"]["transfer"] == {"benchmarks": [], "methods": []}
+    top = tmp_path / "top.yaml"
+    top.write_text(f"extends: {CONFIG}\neval:\n  transfer: {{methods: [grpo, oar_gg]}}\n")
+    where = f"{top}:3 (extends config/config.yaml)"
+    assert _fails(capsys, top) == f"{where}: key eval.transfer.methods.1: unknown method 'oar_gg'; did you mean oar_g?"
+    top.write_text(f"extends: {CONFIG}\nonly_methods: [grpo]\neval:\n  transfer: {{methods: [oar_g]}}\n")
+    assert _fails(capsys, top) == (f"{top}:4 (extends config/config.yaml): key eval.transfer.methods.0: method "
+                                   "'oar_g' is not in only_methods ['grpo'] (a transfer row is a method the config runs)")
+
+
 def test_a_file_without_extends_names_file_and_line(tmp_path, capsys):
     text = CONFIG.read_text().replace("  lr: 1.0e-4", "  lr: abc", 1)
     path = tmp_path / "c.yaml"

@@ -1,6 +1,6 @@
 """Pre-flight (src/oar/preflight.py): every path a config names is resolved before anything runs, each
-problem one line naming the config file, the key and what to do -- in `oar plan`, `oar data` and
-`oar train` (exit 2) and while the workflow loads (so `snakemake -n` stops too); and a profile's
+problem one line naming the config file, the key and what to do -- in `oar plan`, `oar data`,
+`oar train` and `oar evaluate` (exit 2) and while the workflow loads (so `snakemake -n` stops too); and a profile's
 placeholders (`<your-account>`) stop the workflow, naming the profile file and keys."""
 
 from __future__ import annotations
@@ -67,6 +67,10 @@ def test_a_misspelt_benchmark_path_is_one_line_naming_file_key_and_the_fix(repo)
     ({"eval": {"benchmarks": [{"name": "gsm8", "source": "../shared/data/gsm8k/test.jsonl"}]}},
      "eval.benchmarks[0].name", "unknown benchmark 'gsm8' (did you mean gsm8k?)"),
     ({"eval": {"benchmarks": [{"name": "gsm8k"}]}}, "eval.benchmarks[0].source", "needs a source"),
+    ({"eval": {"transfer": {"benchmarks": [{"name": "gsm8k", "source": "../shared/data/gsm8k/tset.jsonl"}]}}},
+     "eval.transfer.benchmarks[0].source", "no file ../shared/data/gsm8k/tset.jsonl (did you mean test.jsonl?)"),
+    ({"eval": {"transfer": {"benchmarks": [{"name": "gsm8"}]}}}, "eval.transfer.benchmarks[0].name",
+     "unknown benchmark 'gsm8' (did you mean gsm8k?)"),
     ({"task": {"kind": "benchmark", "benchmark": {"name": "gsm8k", "source": "../shared/data/gsm8k/trian.jsonl"}}},
      "task.benchmark.source", "no file ../shared/data/gsm8k/trian.jsonl (did you mean train.jsonl?)"),
     ({"model": {"source": "../models/qwen"}}, "model.source", "no model folder ../models/qwen"),
@@ -106,18 +110,21 @@ def test_the_real_data_configs_pass(monkeypatch):
         assert path_problems(load_config(ROOT / "config" / name), source=name) == [], name
 
 
-@pytest.mark.parametrize("command", ["data", "plan", "train"])
-def test_cli_stops_with_one_line_and_exit_2(repo, capsys, command):
+@pytest.mark.parametrize("command, key", [("data", "eval.benchmarks"), ("plan", "eval.benchmarks"),
+                                          ("train", "eval.benchmarks"), ("evaluate", "eval.benchmarks"),
+                                          ("evaluate", "eval.transfer.benchmarks")])
+def test_cli_stops_with_one_line_and_exit_2(repo, capsys, command, key):
     from oar.cli import main
 
-    cfg = _config(repo, eval={"benchmarks": [{"name": "gsm8k", "source": "../shared/data/gsm8k/tset.jsonl"}]})
+    bad = [{"name": "gsm8k", "source": "../shared/data/gsm8k/tset.jsonl"}]
+    cfg = _config(repo, eval={"benchmarks": bad} if key == "eval.benchmarks" else {"transfer": {"benchmarks": bad}})
     path = _write(repo / "bad.yaml", cfg)
     out = repo / "out"
     args = {"data": ["--output", str(out / "manifest.json")], "plan": ["--output", str(out / "plan.txt")],
-            "train": ["--method", "grpo", "--output", str(out)]}[command]
-    assert main([command, "--config", str(path), *args]) == 2
+            "train": ["--method", "grpo", "--output", str(out)], "evaluate": ["--output", str(out)]}[command]
+    assert main([command, "--config", str(path), *args, *(["--transfer"] if "transfer" in key else [])]) == 2
     err = capsys.readouterr().err
-    assert err == (f"oar {command}: error: {path}: key eval.benchmarks[0].source: no file "
+    assert err == (f"oar {command}: error: {path}: key {key}[0].source: no file "
                    f"../shared/data/gsm8k/tset.jsonl (did you mean test.jsonl?); paths are relative to the working "
                    f"directory {repo}\n")
     assert not out.exists()
@@ -210,7 +217,8 @@ def test_slurm_profile_placeholders_stop_a_dry_run_and_filled_values_pass(tmp_pa
         assert f"{profile}/config.yaml: {key}" in text and f"'{value}' is a placeholder" in text, text[-3000:]
     # filled on the command line
     filled = ["--default-resources", "slurm_account=acct", "slurm_partition=cpu", "--set-resources",
-              *(f"{r}:slurm_partition=gpu" for r in ("train", "evaluate", "evaluate_base", "attribution"))]
+              *(f"{r}:slurm_partition=gpu" for r in ("train", "evaluate", "evaluate_base", "evaluate_transfer",
+                                                     "evaluate_transfer_base", "attribution"))]
     proc = _snakemake("-n", "--workflow-profile", profile, *filled, *results)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Job stats" in proc.stdout + proc.stderr

@@ -197,6 +197,46 @@ def test_main_md_footer_names_the_provenance_and_nothing_else_changes(tree):
                       "torch 2.13.0; 1 of them without a recorded provenance.")
 
 
+# the transfer benchmark (eval.transfer): greedy correctness of the start model and of grpo's seeds only
+TRANSFER = {"base": {None: [0, 1, 0, 0, 1]}, "grpo": {0: [1, 1, 0, 0, 1], 1: [1, 1, 1, 0, 1]}}
+
+
+def test_transfer_rows_are_reported_apart_with_no_claim(tree):
+    """eval.transfer: tables/transfer.csv and a "Transfer (no claim)" section after everything main.md had
+    (which stays as it was): the start model and the listed method only, the mean over seeds with its t
+    interval over seeds, the number of problems, no difference, nothing bold."""
+    cfg, root = tree
+    before = build_report(cfg, root, seed=3)["main_md"].read_text()
+    cfg["eval"]["transfer"] = {"benchmarks": [{"name": "gsm8k", "source": "gsm8k.jsonl"}], "methods": ["grpo"]}
+    cfg = validate_config(cfg)
+    for row, seeds in TRANSFER.items():
+        for seed, correct in seeds.items():
+            _write_eval(root / "base" / "transfer" if seed is None else root / row / f"seed{seed}" / "transfer",
+                        {"gsm8k": correct})
+    out = build_report(cfg, root, seed=3)
+    df = pd.read_csv(out["transfer_csv"])
+    assert list(dict.fromkeys(df["metric"])) == ["avg@k", "pass@1"] and set(df["row"]) == {"base", "grpo"}
+    grpo = df[(df["row"] == "grpo") & (df["metric"] == "pass@1")].iloc[0]
+    half = 12.706204736 * 10.0  # t_(1, 0.975) x sd(60, 80) / sqrt(2)
+    assert (grpo["benchmark"], grpo["n_problems"], grpo["n_seeds"]) == ("gsm8k", 5, 2)
+    six_digits = dict(rel=1e-5)  # the csv's %.6g
+    assert grpo["mean"] == pytest.approx(70.0) and grpo["std"] == pytest.approx(math.sqrt(200), **six_digits)
+    assert grpo["ci_low"] == pytest.approx(70.0 - half, **six_digits)
+    assert grpo["ci_high"] == pytest.approx(70.0 + half, **six_digits)
+    base = df[(df["row"] == "base") & (df["metric"] == "pass@1")].iloc[0]
+    assert base["mean"] == pytest.approx(40.0) and math.isnan(base["ci_low"]) and base["n_seeds"] == 1
+    md = out["main_md"].read_text()
+    assert md.startswith(before)
+    section = md[len(before):]
+    assert "## Transfer (no claim)" in section and "**" not in section and "oar_g" not in section
+    assert "| Method | gsm8k (n = 5) |" in section and "| Base | 40.0 |" in section
+    assert f"| GRPO | 70.0 [{70 - half:.1f}, {70 + half:.1f}] |" in section
+    assert "Difference" not in section
+    (root / "grpo" / "seed1" / "transfer" / "gsm8k.jsonl").unlink()
+    with pytest.raises(ReportError, match="grpo/seed1/transfer/gsm8k.jsonl"):
+        build_report(cfg, root)
+
+
 def test_efficiency_table(tree):
     cfg, root = tree
     eff = efficiency_table(cfg, root, skip_steps=0).set_index("method")

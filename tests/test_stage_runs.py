@@ -13,7 +13,9 @@ from helpers import stage_runs
 from oar.config import validate_config
 from oar.layout import store_location
 from oar.stage_runs import (
+    CURRENT_TAG,
     EVAL_SCORES,
+    EVAL_SET_TAG,
     eval_metrics,
     log_attribution_run,
     log_evaluation_run,
@@ -159,6 +161,31 @@ def test_start_model_evaluation_is_the_base_row(tmp_path):
     assert PARENT_RUN_TAG not in tags
     found = search_runs(cfg["tracking"]["uri"], cfg["name"], {"oar.stage": "evaluate", "oar.method": "base"})
     assert [r.info.run_id for r in found] == [eval_id]
+
+
+def test_transfer_evaluation_is_a_run_of_its_own_told_apart_by_its_tag(tmp_path):
+    """`oar evaluate --transfer`: another evaluate run under the same training run, tagged oar.eval_set
+    transfer (the main one: main), its scores named transfer/... there and on the training run."""
+    cfg = _config(tmp_path)
+    store = tmp_path / "results" / "store" / "runs" / "grpo-abc123" / "seed0"
+    train_id = _train_run(cfg, store, "grpo", 0)
+    main, transfer = _eval_summary(1.0), _eval_summary(0.5)
+    _write_eval(store / "eval", main)
+    _write_eval(store / "transfer", transfer)
+    eval_id = log_evaluation_run(cfg, store / "model", store / "eval", main, seed=0)
+    transfer_id = log_evaluation_run(cfg, store / "model", store / "transfer", transfer, seed=0, transfer=True)
+    client = _client(cfg)
+    ev, run, train = client.get_run(eval_id), client.get_run(transfer_id), client.get_run(train_id)
+    assert (ev.data.tags[EVAL_SET_TAG], run.data.tags[EVAL_SET_TAG]) == ("main", "transfer")
+    assert (run.data.tags["oar.stage"], run.data.tags["oar.method"], run.info.run_name) == (
+        "evaluate", "grpo", "grpo-seed0/transfer")
+    assert run.data.tags[PARENT_RUN_TAG] == train_id and ev.data.tags[CURRENT_TAG] == "true"  # not superseded
+    assert (train.data.tags["oar.eval_run_id"], train.data.tags["oar.transfer_run_id"]) == (eval_id, transfer_id)
+    for bench, r in transfer["benchmarks"].items():
+        key = metric_key("transfer", bench, "pass@1")
+        assert run.data.metrics[key] == pytest.approx(r["pass@1"]) == train.data.metrics[key]
+        assert train.data.metrics[metric_key("eval", bench, "pass@1")] == pytest.approx(main["benchmarks"][bench]["pass@1"])
+    assert not [k for k in run.data.metrics if k.startswith("eval/")]
 
 
 def test_sft_run_has_its_accuracy_loss_curve_and_summary(tmp_path):

@@ -113,6 +113,42 @@ def test_dry_run_smoke_config_runs_every_method_once(tmp_path):
                               "attribution": 1, "report": 1, "all": 1})
 
 
+@pytest.mark.slow  # four snakemake dry runs: a few seconds each
+def test_dry_run_transfer_evaluates_the_start_model_and_the_listed_methods_only(tmp_path):
+    """eval.transfer: one transfer job for the start model and one per seed of the listed method, inputs
+    of the report with tables/transfer.csv; the main evaluations' commands (their fingerprints) are
+    those of the config without it; an unlisted method has no transfer job."""
+    cfg = _config("smoke.yaml")
+    cfg["seeds"] = [0, 1]
+    plain = _write_config(tmp_path, cfg)
+    cfg["eval"]["transfer"] = {"benchmarks": [{"name": "synthetic-ood", "n": 8}], "methods": ["grpo"]}
+    path = tmp_path / "transfer.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    counts, jobs = dry_run("--configfile", str(path), results=tmp_path)
+    n = len(cfg["methods"]) * 2
+    assert counts == Counter({"data": 1, "sft": 1, "train": n, "evaluate": n, "evaluate_base": 1, "attribution": 1,
+                              "evaluate_transfer_base": 1, "evaluate_transfer": 2, "report": 1, "all": 1})
+    R = f"{tmp_path}/smoke"
+    transfer = {f"{R}/base/transfer/summary.json", f"{R}/grpo/seed0/transfer/summary.json",
+                f"{R}/grpo/seed1/transfer/summary.json"}
+    assert {o for j in jobs for o in j["output"] if "/transfer/" in o} == transfer
+    (report,) = [j for j in jobs if j["rule"] == "report"]
+    assert transfer <= set(report["input"]) and f"{R}/tables/transfer.csv" in report["output"]
+    main_jobs = ("evaluate", "evaluate_base")
+
+    def commands(config: Path) -> dict[str, list[str]]:
+        proc = snakemake("-n", "-p", "--configfile", str(config), "--config", f"results_dir={tmp_path}")
+        return shell_commands(proc.stdout + proc.stderr)
+
+    with_transfer = commands(path)
+    assert all("evaluate --transfer" in c for r in ("evaluate_transfer", "evaluate_transfer_base")
+               for c in with_transfer[r])
+    assert {r: sorted(with_transfer[r]) for r in main_jobs} == {r: sorted(commands(plain)[r]) for r in main_jobs}
+    proc = snakemake("-n", f"{R}/oar_g/seed0/transfer/summary.json", "--configfile", str(path), "--config",
+                     f"results_dir={tmp_path}", check=False)
+    assert proc.returncode != 0 and "MissingRuleException" in proc.stdout + proc.stderr
+
+
 @pytest.mark.slow  # one snakemake process: a few seconds
 @needs_paper_data
 def test_dry_run_paper_config(tmp_path):
@@ -546,6 +582,45 @@ def test_an_option_added_at_its_default_keeps_the_fingerprints_of_finished_jobs(
     cfg["sft"]["micro_batch_size"] = 2
     assert fingerprint(config_sections(cfg, "model", "task", "sft")) != same[0][0]
     assert method_fingerprint(cfg, grpo, sft=True) != same[0][1]
+
+
+def test_the_transfer_evaluation_changes_no_fingerprint_but_its_own():
+    """eval.transfer came after results existed: at its default, and set too, every fingerprint and store
+    key is what it was before the key (the values of a minimal config are pinned as oar computed them
+    then); only the transfer evaluation's own fingerprint follows its benchmarks (not its methods)."""
+    import copy
+
+    from oar.config import load_config, resolve_methods, validate_config
+    from oar.identity import (attribution_fingerprint, base_key, data_key, eval_fingerprint, plan_fingerprint,
+                              report_fingerprint, run_key, sft_key, transfer_fingerprint)
+
+    minimal = validate_config({"name": "minimal", "model": {"source": "tiny"}, "task": {"kind": "synthetic"},
+                               "recipes": {"grpo": {}}, "methods": {"grpo": {"recipe": "grpo", "credit": "none"}},
+                               "eval": {"benchmarks": [{"name": "synthetic-test", "n": 8}]}})
+    assert minimal["eval"]["transfer"] == {"benchmarks": [], "methods": []}
+    pinned = ("911c79768ded1880", "f1b50c5789e7dcca", "1947c86b03c3fcb2")
+    assert (eval_fingerprint(minimal), base_key(minimal, sft=True), base_key(minimal, sft=False)) == pinned
+
+    def every_key(c: dict) -> dict:
+        methods = resolve_methods(c)
+        keys = {"data": data_key(c), "sft": sft_key(c), "eval": eval_fingerprint(c), "base": base_key(c, sft=True),
+                "plan": plan_fingerprint(c), "attribution": attribution_fingerprint(c),
+                "report": report_fingerprint(c, methods)}
+        return keys | {m: run_key(c, v, sft=True) for m, v in methods.items()}
+
+    cfg = load_config(ROOT / "config" / "config.yaml")
+    old = copy.deepcopy(cfg)
+    del old["eval"]["transfer"]  # a config from before the key
+    gsm8k = {"name": "gsm8k", "source": "data/gsm8k.jsonl", "n": None, "filters": {}}
+    with_transfer = copy.deepcopy(cfg)
+    with_transfer["eval"]["transfer"] = {"benchmarks": [gsm8k], "methods": ["grpo"]}
+    assert every_key(old) == every_key(cfg) == every_key(with_transfer)
+    assert transfer_fingerprint(with_transfer) != transfer_fingerprint(cfg)
+    more_methods = copy.deepcopy(with_transfer)
+    more_methods["eval"]["transfer"]["methods"] = ["grpo", "oar_g"]
+    assert transfer_fingerprint(more_methods) == transfer_fingerprint(with_transfer)
+    with_transfer["eval"]["max_new_tokens"] += 1  # the settings it shares with the main evaluation
+    assert transfer_fingerprint(with_transfer) != transfer_fingerprint(more_methods)
 
 
 # a results_dir (or model path) that breaks an unquoted shell command twice: a space and a command

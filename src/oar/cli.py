@@ -108,11 +108,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     from oar.evaluate import evaluate_from_config
+    from oar.preflight import check_config
     from oar.stage_runs import log_evaluation_run
 
     config = _load(args)
-    out = evaluate_from_config(config, args.model, args.output, seed=args.seed)
-    log_evaluation_run(config, args.model, args.output, out, seed=args.seed)
+    check_config(config, source=args.config)  # every path it names exists (oar.preflight)
+    out = evaluate_from_config(config, args.model, args.output, seed=args.seed, transfer=args.transfer)
+    log_evaluation_run(config, args.model, args.output, out, seed=args.seed, transfer=args.transfer)
     for name, r in out["benchmarks"].items():
         print(f"{name:20s} n={r['n']:5d} pass@1={r['pass@1']} avg@k={r['avg@k']}")
     print(f"{'average':20s} {out['average']}")
@@ -284,6 +286,8 @@ def _add_stage_commands(sub: "argparse._SubParsersAction[argparse.ArgumentParser
     s.add_argument("--model", default=None, help="checkpoint folder (default: the config's model)")
     s.add_argument("--output", required=True, help="folder for <bench>.jsonl, <bench>.json and summary.json")
     s.add_argument("--seed", type=_seed, default=0, help="sampling seed for avg@k")
+    s.add_argument("--transfer", action="store_true",
+                   help="evaluate on eval.transfer.benchmarks instead of eval.benchmarks (same settings)")
     s.set_defaults(fn=_cmd_evaluate)
 
     s = sub.add_parser("data", help="load every data set the config names; write a manifest (paths, sha256, counts)")

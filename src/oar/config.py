@@ -1076,8 +1076,9 @@ def resolve_methods(config: dict, *, source: str | ConfigSource = "<config>") ->
     ``methods`` (fails on the first bad one).
 
     Raises:
-        ConfigError: a name of ``only_methods`` is not a key of ``methods`` (with the nearest), or an
-            ``attribution.trained`` entry is not a run of the config.
+        ConfigError: a name of ``only_methods`` is not a key of ``methods`` (with the nearest), an
+            ``attribution.trained`` entry is not a run of the config, or a name of
+            ``eval.transfer.methods`` is not a method the config runs (with the nearest).
     """
     src = _as_source(source)
     methods = config.get("methods") or {}
@@ -1094,6 +1095,12 @@ def resolve_methods(config: dict, *, source: str | ConfigSource = "<config>") ->
             raise ConfigError(f"{src.locate(('attribution', 'trained', i))}: key attribution.trained[{i}]: "
                               f"{t['method']} seed {t['seed']} is not a run of this config (methods {names}, "
                               f"seeds {config.get('seeds')})")
+    transfer = ((config.get("eval") or {}).get("transfer") or {}).get("methods") or []
+    for i, name in enumerate(transfer):
+        if name not in names:
+            why = (f"method {name!r} is not in only_methods {names} (a transfer row is a method the config runs)"
+                   if name in methods else _unknown_name("method", name, names))
+            raise src.error(("eval", "transfer", "methods", i), why)
     return {name: resolve_method(config, name, source=src) for name in names}
 
 

@@ -8,6 +8,10 @@ Writes, per benchmark, ``<bench>.jsonl`` (one row per answer: id, question, resp
 answer, gold, correct, sample; ``sample = -1`` is the greedy answer) and ``<bench>.json`` (its
 summary), and ``summary.json`` over all benchmarks. A benchmark whose summary already exists with
 the same settings is not evaluated again (resumable).
+
+The transfer evaluation (``transfer=True``, ``oar evaluate --transfer``) is the same evaluation of
+``eval.transfer.benchmarks`` instead of ``eval.benchmarks``, with the same settings; the workflow
+runs it on the start model and on the methods of ``eval.transfer.methods`` only.
 """
 
 from __future__ import annotations
@@ -39,10 +43,18 @@ def load_benchmark_entry(config: dict, entry: dict, *, key: str = "eval.benchmar
     return recs[: entry["n"]] if entry.get("n") else recs
 
 
-def load_eval_benchmarks(config: dict) -> dict[str, list[dict]]:
-    """The config's ``eval.benchmarks`` as ``{name: records}`` (see :func:`load_benchmark_entry`)."""
-    return {b["name"]: load_benchmark_entry(config, b, key=f"eval.benchmarks.{i}")
-            for i, b in enumerate(config["eval"]["benchmarks"])}
+def load_eval_benchmarks(config: dict, *, transfer: bool = False) -> dict[str, list[dict]]:
+    """The config's ``eval.benchmarks`` (``transfer``: ``eval.transfer.benchmarks``) as ``{name: records}``
+    (see :func:`load_benchmark_entry`).
+
+    Raises:
+        ValueError: ``transfer`` and the config has no transfer benchmark.
+    """
+    entries = config["eval"]["transfer"]["benchmarks"] if transfer else config["eval"]["benchmarks"]
+    key = "eval.transfer.benchmarks" if transfer else "eval.benchmarks"
+    if transfer and not entries:
+        raise ValueError(f"{key}: empty; name the transfer benchmarks to evaluate")
+    return {b["name"]: load_benchmark_entry(config, b, key=f"{key}.{i}") for i, b in enumerate(entries)}
 
 
 def evaluate_records(
@@ -210,8 +222,9 @@ def _read_cached(path: Path) -> dict | None:
 
 
 def evaluate_from_config(config: dict, model_dir: str | Path | None, output_dir: str | Path, *, seed: int = 0,
-                         progress: bool = True) -> dict:
-    """Evaluate the checkpoint ``model_dir`` (None: the config's ``model``) on ``eval.benchmarks``.
+                         progress: bool = True, transfer: bool = False) -> dict:
+    """Evaluate the checkpoint ``model_dir`` (None: the config's ``model``) on ``eval.benchmarks``
+    (``transfer``: on ``eval.transfer.benchmarks``, with the same settings).
 
     Writes ``<output_dir>/<bench>.jsonl``, ``<output_dir>/<bench>.json`` and ``<output_dir>/summary.json``
     (``model``, ``model_identity``, ``benchmarks``, ``average`` and ``provenance``: this call's,
@@ -219,7 +232,9 @@ def evaluate_from_config(config: dict, model_dir: str | Path | None, output_dir:
 
     Raises:
         oar.io.OutputPathError: ``output_dir`` cannot be a folder this process writes.
-        oar.models.ModelLoadError: a file of the model cannot be loaded (both before anything is written).
+        oar.models.ModelLoadError: a file of the model cannot be loaded.
+        ValueError: ``transfer`` and ``eval.transfer.benchmarks`` is empty (all three before anything is
+            written).
     """
     from datetime import datetime, timezone
 
@@ -235,6 +250,7 @@ def evaluate_from_config(config: dict, model_dir: str | Path | None, output_dir:
     # the user's files first, before anything is written: a named error, and an existing folder as it was
     check_output_folder(output_dir, what="the evaluation folder (--output)")
     check_model_files(spec)
+    benches = load_eval_benchmarks(config, transfer=transfer)
     output_dir.mkdir(parents=True, exist_ok=True)
     # cached results are reused only for the same model content, generation and scoring settings
     settings = {k: ev[k] for k in ("greedy", "samples", "temperature", "top_p", "max_new_tokens", "chunk_size")}
@@ -248,7 +264,6 @@ def evaluate_from_config(config: dict, model_dir: str | Path | None, output_dir:
         model.to("cuda" if config["device"] == "auto" and torch.cuda.is_available() else config["device"])
     engine = make_engine(ev["engine"], model, tokenizer, batch_size=ev["batch_size"], seed=seed,
                          model_path=model_path, vllm_kwargs=config["rollout"]["vllm"])
-    benches = load_eval_benchmarks(config)
     results: dict[str, dict] = {}
     for name, records in benches.items():
         done = output_dir / f"{name}.json"

@@ -9,7 +9,10 @@ promise to every results tree already on disk: changing what one hashes, even by
 renaming, reruns (or retrains) finished jobs. A new option therefore either joins a fingerprint
 only when set away from a default that reproduces the old behaviour (:data:`NEW_KEYS_AT_DEFAULT`),
 or stays out of every fingerprint because it only says where a result comes from
-(:data:`NOT_FINGERPRINTED`).
+(:data:`NOT_FINGERPRINTED`), or, when it asks for a result of its own, stays out of the other
+results' fingerprints and makes its own: ``eval.transfer`` (:data:`EVAL_KEYS_NOT_EVALUATED`) is in
+no fingerprint but :func:`transfer_fingerprint`, so adding or changing a transfer evaluation reruns
+the transfer jobs alone, and a config without one keeps every fingerprint it had.
 
 What identifies what:
 
@@ -23,6 +26,7 @@ the model RL starts from  the SFT's key, else ``train.init`` or ``model.source``
 a training run            its settings but the resumable keys, and its start model      :func:`run_key`
 the start model's eval    the evaluation settings and the start model                   :func:`base_key`
 an eval folder's cache    the evaluation settings (the rule adds the model's checksum)  :func:`eval_fingerprint`
+a transfer folder's cache the transfer benchmarks and the evaluation settings           :func:`transfer_fingerprint`
 the memory plan           what ``oar plan`` reads                                       :func:`plan_fingerprint`
 an attribution            the attribution, model, task, sft, rollout, reward sections   :func:`attribution_fingerprint`
 the report                the bootstrap, the report section, the methods' labels        :func:`report_fingerprint`
@@ -87,7 +91,9 @@ __all__ = [
     "method_fingerprint",
     "run_key",
     "run_identity",
+    "EVAL_KEYS_NOT_EVALUATED",
     "eval_fingerprint",
+    "transfer_fingerprint",
     "base_key",
     "plan_fingerprint",
     "attribution_fingerprint",
@@ -240,15 +246,37 @@ def run_identity(config: Mapping[str, Any], method: ResolvedMethod, seed: int, s
 
 # ------------------------------------------------------------------------------------- evaluation
 
-def eval_fingerprint(config: Mapping[str, Any]) -> str:
-    """The fingerprint of the evaluation settings (``eval`` but its bootstrap, the reward, the task's
-    template, seed and synthetic options). The evaluate rules add the model's checksum (and
-    evaluate_base its start model's path), so an eval folder's cached per-benchmark results are
-    reused only for this model and these settings."""
-    ev = {k: v for k, v in config["eval"].items() if k != "bootstrap"}
+#: ``eval`` keys that are not settings of an evaluation: the report's ``bootstrap``, and ``transfer``
+#: (a result of its own, :func:`transfer_fingerprint`; added after results existed, so leaving it out
+#: keeps every :func:`eval_fingerprint` and :func:`base_key` as it was, whatever its value).
+EVAL_KEYS_NOT_EVALUATED: tuple[str, ...] = ("bootstrap", "transfer")
+
+
+def _evaluation_fingerprint(config: Mapping[str, Any], benchmarks: Any) -> str:
+    """The fingerprint of an evaluation of ``benchmarks`` with the config's settings: ``eval`` but
+    :data:`EVAL_KEYS_NOT_EVALUATED`, its ``benchmarks`` being ``benchmarks``; the reward; the task's
+    template, seed and synthetic options."""
+    ev = {k: v for k, v in config["eval"].items() if k not in EVAL_KEYS_NOT_EVALUATED}
+    ev["benchmarks"] = benchmarks
     task = config["task"]
     return fingerprint(ev, config_sections(config, "reward"), task.get("template"), task.get("seed"),
                        task.get("synthetic"))
+
+
+def eval_fingerprint(config: Mapping[str, Any]) -> str:
+    """The fingerprint of the evaluation settings (``eval`` but its bootstrap and transfer, the
+    reward, the task's template, seed and synthetic options). The evaluate rules add the model's
+    checksum (and evaluate_base its start model's path), so an eval folder's cached per-benchmark
+    results are reused only for this model and these settings."""
+    return _evaluation_fingerprint(config, config["eval"]["benchmarks"])
+
+
+def transfer_fingerprint(config: Mapping[str, Any]) -> str:
+    """The fingerprint of the transfer evaluation: :func:`eval_fingerprint`'s settings with
+    ``eval.transfer.benchmarks`` in place of ``eval.benchmarks`` (not ``eval.transfer.methods``: which
+    methods are evaluated does not change what each evaluation is). The transfer rules add the
+    model's checksum, as the evaluate rules do."""
+    return _evaluation_fingerprint(config, config["eval"]["transfer"]["benchmarks"])
 
 
 def base_key(config: Mapping[str, Any], *, sft: bool) -> str:

@@ -136,8 +136,10 @@ DEFAULT_RESOURCES: dict[str, dict[str, int]] = {
     "report": {"gpu": 0, "mem_mb": 2000, "runtime": 15, "threads": 1},
 }
 
-#: A rule without its own entry in ``config["resources"]`` uses its parent rule's entry.
-RESOURCE_FALLBACK: dict[str, str] = {"evaluate_base": "evaluate"}
+#: A rule without its own entry in ``config["resources"]`` uses its parent rule's entry (and so on up:
+#: the transfer evaluation of the start model takes evaluate_base's, else evaluate's).
+RESOURCE_FALLBACK: dict[str, str] = {"evaluate_base": "evaluate", "evaluate_transfer": "evaluate",
+                                     "evaluate_transfer_base": "evaluate_base"}
 
 #: The rules' conda env files by ``software.conda_env`` name, relative to ``workflow/rules/`` (as
 #: Snakemake reads a rule's ``conda:``).
@@ -145,13 +147,16 @@ CONDA_ENVS: dict[str, str] = {"cpu": "../envs/cpu.yaml", "gpu": "../envs/gpu.yam
 
 
 def resource(config: Mapping[str, Any], rule: str, key: str) -> Any:
-    """Resource ``key`` of ``rule``: ``config["resources"][rule][key]`` (or its fallback rule's),
-    else :data:`DEFAULT_RESOURCES`."""
+    """Resource ``key`` of ``rule``: ``config["resources"][rule][key]`` (or the first of its fallback
+    rules', :data:`RESOURCE_FALLBACK`, that sets it), else :data:`DEFAULT_RESOURCES` of the last of them."""
     table = config.get("resources") or {}
-    for name in (rule, RESOURCE_FALLBACK.get(rule)):
-        if name is not None and key in table.get(name, {}):
+    chain = [rule]
+    while chain[-1] in RESOURCE_FALLBACK:
+        chain.append(RESOURCE_FALLBACK[chain[-1]])
+    for name in chain:
+        if key in table.get(name, {}):
             return table[name][key]
-    return DEFAULT_RESOURCES[RESOURCE_FALLBACK.get(rule, rule)][key]
+    return DEFAULT_RESOURCES[chain[-1]][key]
 
 
 def uses_gpu(config: Mapping[str, Any]) -> bool:

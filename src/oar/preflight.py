@@ -11,9 +11,9 @@ path the config names, as the code that reads it will (relative to the working d
   file; or a hub id, which the workflow fetches: :mod:`oar.fetch`) and ``model.gguf_file``;
 - ``train.init`` (the same kinds; a hub id is loaded as it is);
 - ``task.benchmark`` (``task.kind: benchmark``: the training set, also the SFT data) and every
-  ``eval.benchmarks`` entry: a known benchmark name and a source that is a ``.jsonl``/``.json``/
-  ``.parquet`` file, a folder holding the benchmark's default file, or a hub dataset id (as
-  :func:`oar.data.benchmarks.load_benchmark` reads it);
+  ``eval.benchmarks`` and ``eval.transfer.benchmarks`` entry: a known benchmark name and a source
+  that is a ``.jsonl``/``.json``/``.parquet`` file, a folder holding the benchmark's default file, or
+  a hub dataset id (as :func:`oar.data.benchmarks.load_benchmark` reads it);
 - ``train.heldout.benchmark`` (with ``train.heldout.every > 0``): an ``eval.benchmarks`` name or a
   synthetic split.
 
@@ -24,8 +24,8 @@ workflow runs with and names the profile file and key they come from.
 
 Each problem is one line, ``<config file>: key <key>: <what is wrong>; <what to do>``
 (:class:`Problem`); :func:`require` raises :class:`PreflightError` with all of them. The workflow
-runs both checks while it loads (so ``snakemake -n`` stops too); ``oar plan``, ``oar data`` and
-``oar train`` run :func:`check_config`.
+runs both checks while it loads (so ``snakemake -n`` stops too); ``oar plan``, ``oar data``,
+``oar train`` and ``oar evaluate`` run :func:`check_config`.
 """
 
 from __future__ import annotations
@@ -196,6 +196,8 @@ def path_problems(config: Mapping[str, Any], *, source: str) -> list[Problem]:
     entries = config["eval"]["benchmarks"]
     for i, b in enumerate(entries):
         found.append(_data_problem(b["name"], b["source"], f"eval.benchmarks[{i}]"))
+    for i, b in enumerate(config["eval"]["transfer"]["benchmarks"]):
+        found.append(_data_problem(b["name"], b["source"], f"eval.transfer.benchmarks[{i}]"))
     held = t["heldout"]
     names = [b["name"] for b in entries]
     if held["every"] and held["benchmark"] not in names and not (

@@ -22,6 +22,12 @@ How the runs relate: the evaluation of a trained policy finds its training run (
 The evaluation of the start model (``oar.method = base``) is a top-level run with the same
 ``eval/...`` metric names, so it lines up with the training runs in the table.
 
+The transfer evaluation (``eval.transfer``, ``oar evaluate --transfer``) logs the same way, into
+runs of its own (stage ``evaluate``), told apart by the tag ``oar.eval_set`` (:data:`EVAL_SET_TAG`):
+``transfer`` on them, ``main`` on the evaluations of ``eval.benchmarks``; its scores are named
+``transfer/<benchmark>/<score>`` (on its run and on the training run, which it tags
+``oar.transfer_run_id``), so they never mix with the ``eval/...`` ones.
+
 Metric names are the summaries' keys with ``@`` (not allowed by MLflow) written ``_at_``
 (:func:`metric_key`): ``pass@1`` -> ``pass_at_1``, ``avg@k`` -> ``avg_at_k``, ``pass@k`` ->
 ``pass_at_k`` (k is ``eval.samples``, among the run's params).
@@ -51,6 +57,7 @@ __all__ = [
     "supersede_older_runs",
     "EVAL_SCORES",
     "EVAL_EXTRAS",
+    "EVAL_SET_TAG",
     "ATTRIBUTION_TABLES",
     "metric_key",
     "tracking_uri",
@@ -81,6 +88,9 @@ IDENTITY_TAGS: tuple[str, ...] = ("oar.stage", "oar.config", "oar.output")
 EVAL_SCORES: tuple[str, ...] = ("pass@1", "avg@k", "pass@k")
 #: Further numbers of a benchmark's summary, logged on the evaluation's own run only.
 EVAL_EXTRAS: tuple[str, ...] = ("answered", "mean_response_tokens", "n", "seconds")
+#: The tag that tells an evaluation of ``eval.benchmarks`` (``main``) from the transfer evaluation
+#: (``transfer``, ``eval.transfer.benchmarks``); the value is also the prefix of the transfer's metrics.
+EVAL_SET_TAG = "oar.eval_set"
 #: The attribution benchmark's tables: file stem -> the columns that name a row (the others,
 #: where numeric, are metrics ``attribution/<stem>/<key columns>/<column>``).
 ATTRIBUTION_TABLES: dict[str, tuple[str, ...]] = {
@@ -212,7 +222,8 @@ def _number(v: Any) -> float | None:
 
 def eval_metrics(summary: Mapping[str, Any], keys: Sequence[str] = EVAL_SCORES, prefix: str = "eval") -> dict[str, float]:
     """``{"eval/<benchmark>/<key>": value}`` for each benchmark of an evaluation ``summary``
-    (``summary.json``) and ``eval/average/<key>`` for its average (values as in the file, in [0, 1])."""
+    (``summary.json``) and ``eval/average/<key>`` for its average (values as in the file, in [0, 1]);
+    ``prefix`` in place of ``eval`` (``transfer`` for the transfer evaluation)."""
     out: dict[str, float] = {}
     for bench, r in (summary.get("benchmarks") or {}).items():
         for k in keys:
@@ -398,14 +409,16 @@ def log_sft_run(config: Mapping[str, Any], output_dir: str | os.PathLike, summar
 
 
 def log_evaluation_run(config: Mapping[str, Any], model_dir: str | os.PathLike | None, output_dir: str | os.PathLike,
-                       summary: Mapping[str, Any], *, seed: int) -> str | None:
+                       summary: Mapping[str, Any], *, seed: int, transfer: bool = False) -> str | None:
     """The evaluation's run, and its scores on the training run it evaluates (module docstring).
 
     ``oar.method``/``oar.seed``: the training run's (its ``train_summary.json`` beside ``model_dir``),
-    else ``base`` and the sampling ``seed``; ``oar.eval_seed``: the sampling seed. Params: the
-    ``eval`` section, the model, the seed. Metrics: :func:`eval_metrics` with :data:`EVAL_SCORES`
-    and :data:`EVAL_EXTRAS`. Artifacts: ``summary.json``, each ``<bench>.json`` and each
-    ``<bench>.jsonl`` no larger than ``tracking.max_artifact_mb``.
+    else ``base`` and the sampling ``seed``; ``oar.eval_seed``: the sampling seed; :data:`EVAL_SET_TAG`:
+    ``transfer`` for the transfer evaluation (``transfer``), else ``main``. Params: the ``eval``
+    section, the model, the seed. Metrics: :func:`eval_metrics` with :data:`EVAL_SCORES` and
+    :data:`EVAL_EXTRAS`, prefixed ``eval`` (``transfer`` for the transfer evaluation). Artifacts:
+    ``summary.json``, each ``<bench>.json`` and each ``<bench>.jsonl`` no larger than
+    ``tracking.max_artifact_mb``.
 
     Returns:
         The evaluation run's id (None: tracking off).
@@ -414,16 +427,18 @@ def log_evaluation_run(config: Mapping[str, Any], model_dir: str | os.PathLike |
     if uri is None:
         return None
     out = Path(output_dir)
+    prefix, eval_set = ("transfer", "transfer") if transfer else ("eval", "main")
     trained, method, run_seed, parent = evaluated_model(config, model_dir, default_seed=int(seed))
     tags = stage_tags(config, "evaluate", method=method, seed=run_seed, fingerprint=_store_key(out),
                       provenance=summary.get("provenance"))
-    tags.update({"oar.eval_seed": str(int(seed)), "oar.model": str(summary.get("model")), "oar.output": str(out)})
-    name = f"{method}-seed{run_seed}/eval" if trained else f"{BASE_METHOD}/eval"
+    tags.update({"oar.eval_seed": str(int(seed)), "oar.model": str(summary.get("model")), "oar.output": str(out),
+                 EVAL_SET_TAG: eval_set})
+    name = f"{method}-seed{run_seed}/{prefix}" if trained else f"{BASE_METHOD}/{prefix}"
     tracker = start_run(config, uri, run_name=name, tags=tags, parent=parent)
     try:
         tracker.log_params({"eval": config["eval"], "model": summary.get("model"), "seed": seed,
                             "model_identity": summary.get("model_identity")})
-        log_all_metrics(tracker, eval_metrics(summary, EVAL_SCORES + EVAL_EXTRAS))
+        log_all_metrics(tracker, eval_metrics(summary, EVAL_SCORES + EVAL_EXTRAS, prefix=prefix))
         log_stage_files(tracker, _files(out, _EVAL_FILES), config)
     except BaseException:
         tracker.finish("FAILED")
@@ -431,8 +446,8 @@ def log_evaluation_run(config: Mapping[str, Any], model_dir: str | os.PathLike |
     tracker.finish()
     if parent:
         train_run = Tracker(None, uri=uri, experiment=config["tracking"]["experiment"], run_id=parent, reopen=False)
-        log_all_metrics(train_run, eval_metrics(summary, EVAL_SCORES))
-        train_run.set_tags({"oar.eval_run_id": tracker.run_id})
+        log_all_metrics(train_run, eval_metrics(summary, EVAL_SCORES, prefix=prefix))
+        train_run.set_tags({f"oar.{prefix}_run_id": tracker.run_id})
     return tracker.run_id
 
 

@@ -20,7 +20,7 @@ from oar.preflight import PreflightError, path_problems, profile_files, profile_
 from oar.launch import SHELL_PREFIX, LaunchError, conda_env_choice, oar_env, resource, train_signal_seconds
 from oar.launch import train_launcher as _train_launcher, train_resources as _train_resources
 from oar.identity import (attribution_fingerprint, data_key, eval_fingerprint, fingerprint, plan_fingerprint,
-                          report_fingerprint, resumable_train_values, run_key, sft_key)
+                          report_fingerprint, resumable_train_values, run_key, sft_key, transfer_fingerprint)
 from oar.layout import STORE_DIR, LayoutError, link_views, store_entries
 
 
@@ -44,6 +44,10 @@ SEEDS = [int(s) for s in config["seeds"]]
 BENCHMARKS = [b["name"] for b in config["eval"]["benchmarks"]]
 SFT = bool(config["sft"]["enabled"])
 ATTRIBUTION = bool(config["attribution"]["enabled"])
+# the transfer evaluation (eval.transfer): its benchmarks on the start model and on every seed of the
+# methods it lists, only when it names benchmarks
+TRANSFER = bool(config["eval"]["transfer"]["benchmarks"])
+TRANSFER_METHODS = list(config["eval"]["transfer"]["methods"]) if TRANSFER else []
 
 # R: every output of this config lives below it
 R = f"{config['results_dir']}/{config['name']}"
@@ -72,9 +76,18 @@ if not (getattr(workflow, "remote_exec", False) or getattr(workflow, "subprocess
         raise WorkflowError(str(PreflightError(_problems)))
 
 
+#: a regular expression that matches nothing: the constraint of a wildcard that no name may take
+NO_NAME = "(?!)"
+
+
+def names_pattern(names):
+    """A wildcard constraint that matches exactly ``names`` (:data:`NO_NAME` for none)."""
+    return "|".join(re.escape(str(n)) for n in names) or NO_NAME
+
+
 wildcard_constraints:
-    method="|".join(re.escape(m) for m in METHODS),
-    seed="|".join(str(s) for s in SEEDS),
+    method=names_pattern(METHODS),
+    seed=names_pattern(SEEDS),
 
 
 # -------------------------------------------------------------------------------------- software
@@ -204,6 +217,15 @@ def train_summaries():
 
 def eval_summaries():
     return [f"{R}/base/eval/summary.json"] + [f"{run_dir(m, s)}/eval/summary.json" for m in METHODS for s in SEEDS]
+
+
+def transfer_summaries():
+    """The transfer evaluations (rules evaluate_transfer_base, evaluate_transfer): the start model's and
+    those of every seed of eval.transfer.methods; none without eval.transfer.benchmarks."""
+    if not TRANSFER:
+        return []
+    return [f"{R}/base/transfer/summary.json"] + [
+        f"{run_dir(m, s)}/transfer/summary.json" for m in TRANSFER_METHODS for s in SEEDS]
 
 
 def report_attribution_inputs():

@@ -62,3 +62,72 @@ rule evaluate:
         " '*.json' '*.jsonl'"
         " && {params.oar} evaluate --config {params.config:q} --model {params.model:q} --output {params.out_dir:q}"
         " --seed {wildcards.seed:q}) > {log:q} 2>&1"
+
+
+# The transfer evaluation (eval.transfer): the benchmarks of eval.transfer.benchmarks, with the same
+# settings, on the start model and on every seed of the methods of eval.transfer.methods only, reported
+# apart with no claim (the report's "Transfer (no claim)" section). Its fingerprint is its own
+# (oar.identity.transfer_fingerprint), as the main evaluation's leaves eval.transfer out: changing the
+# transfer benchmarks reruns these jobs alone, and adding them reruns no main evaluation.
+
+
+rule evaluate_transfer_base:
+    input:
+        **start_inputs(),
+    output:
+        summary=f"{R}/base/transfer/summary.json",
+    params:
+        oar=oar_command,
+        config=CONFIG_FILE,
+        model=start_model_param,
+        out_dir=lambda wc, output: os.path.dirname(output.summary),
+        fingerprint=fingerprint(transfer_fingerprint(config), start_model()),
+        reset=RESET_SCRIPT,
+    log:
+        f"{R}/logs/evaluate_transfer/base.log",
+    benchmark:
+        f"{R}/benchmarks/evaluate_transfer/base.tsv"
+    threads: res("evaluate_transfer_base", "threads")
+    resources:
+        gpu=res("evaluate_transfer_base", "gpu"),
+        mem_mb=res("evaluate_transfer_base", "mem_mb"),
+        runtime=res("evaluate_transfer_base", "runtime"),
+    conda:
+        CONDA_ENV
+    shell:
+        "(bash {params.reset:q} {params.out_dir:q} {params.fingerprint:q}-$(cat {input:q} | cksum | cut -d' ' -f1)"
+        " '*.json' '*.jsonl'"
+        " && {params.oar} evaluate --transfer --config {params.config:q} --model {params.model:q}"
+        " --output {params.out_dir:q}) > {log:q} 2>&1"
+
+
+rule evaluate_transfer:
+    wildcard_constraints:
+        method=names_pattern(TRANSFER_METHODS),
+    input:
+        train=f"{R}/{{method}}/seed{{seed}}/train_summary.json",
+    output:
+        summary=f"{R}/{{method}}/seed{{seed}}/transfer/summary.json",
+    params:
+        oar=oar_command,
+        config=CONFIG_FILE,
+        model=lambda wc, input: os.path.join(os.path.dirname(input.train), "model"),
+        out_dir=lambda wc, output: os.path.dirname(output.summary),
+        fingerprint=transfer_fingerprint(config),
+        reset=RESET_SCRIPT,
+    log:
+        f"{R}/logs/evaluate_transfer/{{method}}/seed{{seed}}.log",
+    benchmark:
+        f"{R}/benchmarks/evaluate_transfer/{{method}}/seed{{seed}}.tsv"
+    threads: res("evaluate_transfer", "threads")
+    resources:
+        gpu=res("evaluate_transfer", "gpu"),
+        mem_mb=res("evaluate_transfer", "mem_mb"),
+        runtime=res("evaluate_transfer", "runtime"),
+    conda:
+        CONDA_ENV
+    shell:
+        "(bash {params.reset:q} {params.out_dir:q} {params.fingerprint:q}-$(cksum < {input.train:q} | cut -d' ' -f1)"
+        " '*.json' '*.jsonl'"
+        " && {params.oar} evaluate --transfer --config {params.config:q} --model {params.model:q}"
+        " --output {params.out_dir:q} --seed {wildcards.seed:q}) > {log:q} 2>&1"

@@ -1,17 +1,22 @@
 # Tables (main comparison with paired intervals and the minimum detectable difference, steps to a
-# held-out accuracy, efficiency) and figures (learning curves, training curves, credit concentration)
-# from every evaluation and training run of the config (src/oar/report/).
+# held-out accuracy, efficiency; with eval.transfer, the transfer table, no claim) and figures (learning
+# curves, training curves, credit concentration) from every evaluation and training run of the config
+# (src/oar/report/).
 
 REPORT_OUTPUTS.update(
     learning=f"{R}/figures/learning_curves.png",
     steps=f"{R}/tables/steps_to_threshold.csv",
     speed=f"{R}/tables/learning_speed.csv",
 )
+# the transfer table: only with eval.transfer.benchmarks (then `all` builds the transfer evaluations)
+TRANSFER_OUTPUTS = {"transfer": f"{R}/tables/transfer.csv"} if TRANSFER else {}
+REPORT_OUTPUTS.update(TRANSFER_OUTPUTS)
 
 
 rule report:
     input:
         evals=eval_summaries(),
+        transfer=transfer_summaries(),
         runs=train_summaries(),
         attribution=report_attribution_inputs(),
     output:
@@ -59,6 +64,7 @@ rule report:
             category="Figures",
             labels={"figure": "credit concentration"},
         ),
+        **TRANSFER_OUTPUTS,
     params:
         oar=oar_command,
         config=CONFIG_FILE,

@@ -7,6 +7,8 @@ Layout read (``R`` = ``<results_dir>/<name>``, written by the workflow)::
     R/<method>/seed<seed>/eval/summary.json      {"benchmarks": {bench: {"pass@1": ...}}, ...}
     R/<method>/seed<seed>/metrics.jsonl          one row per training step (reward, accuracy, time_*, ...)
                                                  and the held-out rows (heldout_acc, train_seconds)
+    R/base/transfer/, R/<method>/seed<seed>/transfer/   the transfer evaluation (eval.transfer), as eval/:
+                                                 the start model and the methods of eval.transfer.methods
 
 Layout written::
 
@@ -24,6 +26,10 @@ Layout written::
     R/tables/learning_speed.csv       held-out AUC and steps to the threshold, differences from the
                              reference with seed-level intervals
     R/tables/efficiency.csv  seconds per step by phase, overhead ratio of step time vs the reference
+    R/tables/transfer.csv    with eval.transfer.benchmarks: per (metric, row, transfer benchmark) the mean
+                             over seeds, its seed-level sd and t interval, the per-seed values; main.md's
+                             "Transfer (no claim)" section shows them, before the footer, with no
+                             difference and nothing bold
     R/figures/learning_curves.png        held-out accuracy vs step and vs training seconds
     R/figures/training_curves.png        reward and accuracy per method over steps (mean over seeds)
     R/figures/credit_concentration.png   ESS ratio and top-10% advantage mass over steps
@@ -50,7 +56,8 @@ Modules (every name is importable from ``oar.report``):
 
 - :mod:`oar.report.base` -- row and metric names, ``REPORT_DEFAULTS``, :class:`ReportError`, :class:`RunScores`.
 - :mod:`oar.report.scores` -- per-problem scores of the evaluation files; paired differences.
-- :mod:`oar.report.tables` -- :func:`main_table`, :func:`column_mde`, :func:`start_model_table`.
+- :mod:`oar.report.tables` -- :func:`main_table`, :func:`column_mde`, :func:`start_model_table`,
+  :func:`transfer_table`.
 - :mod:`oar.report.efficiency` -- :func:`load_metrics`, :func:`efficiency_table` (``PHASES``).
 - :mod:`oar.report.figures` -- training curves and credit concentration.
 - :mod:`oar.report.render` -- ``main.md`` / ``main.tex`` from the long tables.
@@ -68,7 +75,7 @@ from oar.report.build import build_report, report_metrics
 from oar.report.efficiency import PHASES, efficiency_table, load_metrics
 from oar.report.figures import plot_credit_concentration, plot_training_curves
 from oar.report.scores import load_scores
-from oar.report.tables import column_mde, main_table, start_model_table
+from oar.report.tables import column_mde, main_table, start_model_table, transfer_table
 from oar.stats import paired_bootstrap
 
 __all__ = [
@@ -83,6 +90,7 @@ __all__ = [
     "main_table",
     "column_mde",
     "start_model_table",
+    "transfer_table",
     "efficiency_table",
     "load_metrics",
     "plot_training_curves",

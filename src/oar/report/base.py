@@ -12,10 +12,15 @@ import numpy as np
 
 from oar.config import section_defaults
 
-__all__ = ["BASE_ROW", "METRICS", "REPORT_DEFAULTS", "ReportError", "RunScores", "per_seed_values"]
+__all__ = ["BASE_ROW", "EVAL_FOLDER", "TRANSFER_FOLDER", "METRICS", "REPORT_DEFAULTS", "ReportError", "RunScores",
+           "per_seed_values", "transfer_rows"]
 
 #: Name of the row of the starting model.
 BASE_ROW = "base"
+#: The folder of a row's evaluation of ``eval.benchmarks`` (``base/eval``, ``<method>/seed<s>/eval``).
+EVAL_FOLDER = "eval"
+#: The folder of its transfer evaluation (``eval.transfer.benchmarks``), beside it.
+TRANSFER_FOLDER = "transfer"
 #: Per-problem scores a table can show (see the module docstring).
 METRICS = ("pass@1", "avg@k", "pass@k")
 #: Defaults of the config's ``report`` section (the schema fills them in a validated config).
@@ -57,10 +62,18 @@ def rows_of(config: Mapping[str, Any]) -> list[tuple[str, str]]:
     return [(BASE_ROW, "Base")] + [(name, m.label or name) for name, m in methods.items()]
 
 
-def eval_dirs(root: Path, row: str, seeds: Sequence[int]) -> dict[int | None, Path]:
+def transfer_rows(config: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """``(row name, label)`` of the transfer table: base first, then ``eval.transfer.methods`` in their order."""
+    labels = dict(rows_of(config))
+    return [(BASE_ROW, labels[BASE_ROW])] + [(m, labels[m]) for m in config["eval"]["transfer"]["methods"]]
+
+
+def eval_dirs(root: Path, row: str, seeds: Sequence[int], *, folder: str = EVAL_FOLDER) -> dict[int | None, Path]:
+    """The evaluation folders of ``row`` (one per seed; one, keyed None, for the base row): the main
+    evaluation's, or ``folder`` (:data:`TRANSFER_FOLDER`: the transfer evaluation's)."""
     if row == BASE_ROW:
-        return {None: root / BASE_ROW / "eval"}
-    return {s: root / row / f"seed{s}" / "eval" for s in seeds}
+        return {None: root / BASE_ROW / folder}
+    return {s: root / row / f"seed{s}" / folder for s in seeds}
 
 
 def require_files(paths: Sequence[Path]) -> None:

@@ -7,10 +7,11 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from oar.io import atomic_write_text
-from oar.report.base import BASE_ROW, ReportError, report_option, results_root, rows_of
+from oar.report.base import (BASE_ROW, TRANSFER_FOLDER, ReportError, eval_dirs, report_option, results_root, rows_of,
+                             transfer_rows)
 from oar.report.efficiency import all_metrics, efficiency_table
 from oar.report.figures import plot_credit_concentration, plot_training_curves
-from oar.report.tables import main_table, start_model_table
+from oar.report.tables import main_table, start_model_table, transfer_table
 
 __all__ = ["report_metrics", "build_report", "result_provenances", "provenance_footer"]
 
@@ -26,8 +27,9 @@ def report_metrics(config: Mapping[str, Any]) -> list[str]:
 def result_provenances(config: Mapping[str, Any], root: str | Path) -> dict[str, list[dict | None]]:
     """The recorded provenance (:mod:`oar.provenance`) of every result the report summarises:
     ``{"training runs": [...], "evaluations": [...]}``, one entry per ``train_summary.json`` of each
-    method and seed and per evaluation ``summary.json`` (the base row first); None for a file without
-    one (written before provenance was recorded) or that cannot be read."""
+    method and seed and per evaluation ``summary.json`` (the base row first), and with
+    ``eval.transfer.benchmarks`` ``"transfer evaluations"``, one per transfer ``summary.json``; None for
+    a file without one (written before provenance was recorded) or that cannot be read."""
     import json
 
     from oar.runs import SUMMARY_FILE
@@ -44,9 +46,13 @@ def result_provenances(config: Mapping[str, Any], root: str | Path) -> dict[str,
         return prov if isinstance(prov, dict) else None
 
     runs = [root / m / f"seed{s}" for m in methods for s in seeds]
-    return {"training runs": [read(r / SUMMARY_FILE) for r in runs],
-            "evaluations": [read(root / BASE_ROW / "eval" / "summary.json")]
-            + [read(r / "eval" / "summary.json") for r in runs]}
+    out = {"training runs": [read(r / SUMMARY_FILE) for r in runs],
+           "evaluations": [read(root / BASE_ROW / "eval" / "summary.json")]
+           + [read(r / "eval" / "summary.json") for r in runs]}
+    if config["eval"]["transfer"]["benchmarks"]:
+        out["transfer evaluations"] = [read(d / "summary.json") for row, _ in transfer_rows(config)
+                                       for d in eval_dirs(root, row, seeds, folder=TRANSFER_FOLDER).values()]
+    return out
 
 
 def provenance_footer(provenances: Mapping[str, list[dict | None]]) -> str | None:
@@ -96,7 +102,7 @@ def build_report(
         "learning_curves", "training_curves", "credit_concentration"}`` -> the paths written, and
         ``"credit_efficiency_csv"`` with ``report.efficiency_oracle`` (and ``"efficiency_vs_localisation"``,
         ``"efficiency_vs_localisation_csv"`` with ``report.credit_signals`` too), ``"versus_<method>_csv"`` per
-        ``report.also_against``.
+        ``report.also_against``, ``"transfer_csv"`` with ``eval.transfer.benchmarks``.
 
     Raises:
         ReportError: a result file is missing (every missing file is named).
@@ -133,9 +139,10 @@ def build_report(
                            metric=metrics_shown[0], power=power)
     versus = _write_credit_efficiency(config, root, out, tables[metrics_shown[0]], labels, ref_label=ref_label,
                                       confidence=confidence) + versus
+    transfer = _write_transfer(config, root, out, metrics_shown, confidence=confidence, k=k, temperature=temperature)
     _write_main_markdown(config, root, out, tables, start, steps, speed, extra=versus, threshold=threshold, how=how,
                          reference=reference, ref_label=ref_label, confidence=confidence, power=power, n_boot=n_boot,
-                         seed=seed, k=k, temperature=temperature, rollout_t=rollout_t)
+                         seed=seed, k=k, temperature=temperature, rollout_t=rollout_t, transfer=transfer)
     atomic_write_text(out["steps_to_threshold_csv"], steps.to_csv(index=False, float_format="%.6g"))
     atomic_write_text(out["learning_speed_csv"], speed.to_csv(index=False, float_format="%.6g"))
     atomic_write_text(out["efficiency_csv"], eff.to_csv(index=False, float_format="%.6g"))
@@ -167,10 +174,11 @@ def _write_main_markdown(
     k: int | None,
     temperature: float,
     rollout_t: float | None,
+    transfer: str = "",
 ) -> None:
     """Write ``tables/main.md`` (the main tables, ``extra`` (the sections of ``report.also_against``
-    and ``report.efficiency_oracle``), the steps to ``threshold`` and the learning speed, and the
-    provenance footer) and ``tables/main.tex``."""
+    and ``report.efficiency_oracle``), the steps to ``threshold`` and the learning speed, ``transfer``
+    (the transfer section, apart from the comparison), and the provenance footer) and ``tables/main.tex``."""
     from oar.learning_curves import learning_speed_markdown, threshold_markdown
     from oar.report.render import main_latex, main_markdown
 
@@ -179,11 +187,30 @@ def _write_main_markdown(
         n_boot=n_boot, seed=seed, k=k, temperature=temperature, rollout_temperature=rollout_t,
         seeds=list(config.get("seeds") or [0]),
         extra=extra + threshold_markdown(steps, threshold=threshold, how=how) + "\n" + learning_speed_markdown(
-            speed, threshold=threshold, reference_label=ref_label, confidence=confidence))
+            speed, threshold=threshold, reference_label=ref_label, confidence=confidence)
+        + (f"\n{transfer}" if transfer else ""))
     footer = provenance_footer(result_provenances(config, root))
     atomic_write_text(out["main_md"], md + (f"\n{footer}\n" if footer else ""))
     atomic_write_text(out["main_tex"], main_latex(tables, reference=reference, reference_label=ref_label,
                                                   confidence=confidence, k=k, temperature=temperature))
+
+
+def _write_transfer(config: Mapping[str, Any], root: Path, out: dict[str, Path], metrics: list[str], *,
+                    confidence: float, k: int | None, temperature: float) -> str:
+    """``eval.transfer``: the transfer table of each of ``metrics`` (:func:`oar.report.tables.transfer_table`),
+    written together to ``tables/transfer.csv`` (added to ``out``); returns the "Transfer (no claim)"
+    section of ``main.md`` ("" without transfer benchmarks)."""
+    if not config["eval"]["transfer"]["benchmarks"]:
+        return ""
+    import pandas as pd
+
+    from oar.report.render import transfer_markdown
+
+    tables = {m: transfer_table(config, root, metric=m, confidence=confidence) for m in metrics}
+    out["transfer_csv"] = root / "tables" / "transfer.csv"
+    atomic_write_text(out["transfer_csv"], pd.concat(list(tables.values()), ignore_index=True)
+                      .to_csv(index=False, float_format="%.6g"))
+    return transfer_markdown(tables, confidence=confidence, k=k, temperature=temperature)
 
 
 def _report_threshold(config: Mapping[str, Any], heldout: Mapping[str, Mapping[int, Any]], reference: str,

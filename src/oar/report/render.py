@@ -1,7 +1,7 @@
 """Rendering of the main comparison (``main.md``, ``main.tex``) from :func:`oar.report.tables.main_table`'s
 long tables: per metric the scores, the differences from the reference with their paired intervals,
 the per-seed differences, the minimum detectable difference, and the differences from the start model;
-and the start model's own accuracy.
+and the start model's own accuracy; and the transfer section (:func:`transfer_markdown`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any, Mapping, Sequence
 
 from oar.markdown import markdown_table
 
-__all__ = ["main_markdown", "main_latex", "wide", "metric_title", "format_difference", "HOLM_NOTE"]
+__all__ = ["main_markdown", "main_latex", "wide", "metric_title", "format_difference", "HOLM_NOTE", "transfer_markdown"]
 
 #: What the bold of every difference table means (one sentence, said once per table note).
 HOLM_NOTE = ("Bold: the interval excludes 0 and the difference survives Holm's correction for the {m} comparisons "
@@ -250,3 +250,36 @@ def versus_markdown(table: Any, *, reference_label: str, confidence: float) -> s
              "", *markdown_table(["Method", *benches], rows, "l" + "r" * len(benches))]
     lines += ["", HOLM_NOTE.format(m=family, alpha=1.0 - confidence)]
     return "\n".join(lines) + "\n"
+
+
+def _level_cell(mean: float, low: float, high: float, digits: int = 1) -> str:
+    """``41.2 [38.0, 44.4]`` (a score and its interval; the score alone without one)."""
+    if math.isnan(low):
+        return f"{mean:.{digits}f}"
+    return f"{mean:.{digits}f} [{low:.{digits}f}, {high:.{digits}f}]"
+
+
+def transfer_markdown(tables: Mapping[str, Any], *, confidence: float, k: int | None,
+                      temperature: float | None) -> str:
+    """The "Transfer (no claim)" section of ``main.md``: per metric (``tables``: metric ->
+    :func:`oar.report.tables.transfer_table`) one row per start model / listed method, one column per
+    transfer benchmark (its number of problems in the header), each cell the mean over seeds with its
+    t interval over seeds. No difference is taken and nothing is bold: these rows are not compared."""
+    first = next(iter(tables.values()))
+    methods = [lab for row, lab in dict.fromkeys(zip(first["row"], first["label"])) if row != "base"]
+    n_seeds = int(first.loc[first["row"] != "base", "n_seeds"].max()) if methods else 1
+    parts = ["## Transfer (no claim)", "",
+             f"The transfer benchmarks (eval.transfer), evaluated with the settings above on the start model and on "
+             f"{', '.join(methods) or 'no method'} only. Not a comparison: no differences, no test, nothing bold. "
+             f"Cells: the score (%), for a method the mean over its {n_seeds} training seed(s) with the {confidence:.0%} "
+             "t interval over seeds (oar.stats.seed_interval; none with one seed; the problems are fixed, so only "
+             "the training seed varies); tables/transfer.csv holds the seed-level sd and the per-seed scores.", ""]
+    for metric, df in tables.items():
+        benches = list(dict.fromkeys(df["benchmark"]))
+        n = df.drop_duplicates("benchmark").set_index("benchmark")["n_problems"]
+        rows = [[sub["label"].iloc[0], *(_level_cell(r.mean, r.ci_low, r.ci_high) for r in sub.itertuples(index=False))]
+                for _, sub in df.groupby("row", sort=False)]
+        parts += [f"### {metric_title(metric, k, temperature)}", "",
+                  *markdown_table(["Method", *(f"{b} (n = {n[b]})" for b in benches)], rows, "l" + "r" * len(benches)),
+                  ""]
+    return "\n".join(parts)

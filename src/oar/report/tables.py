@@ -1,5 +1,6 @@
 """The comparison tables: :func:`main_table` (one metric, long format, differences from the reference
-and from the start model with their intervals), :func:`column_mde` and :func:`start_model_table`.
+and from the start model with their intervals), :func:`column_mde` and :func:`start_model_table`; and
+:func:`transfer_table`, the transfer benchmarks' scores (``eval.transfer``), compared with nothing.
 """
 
 from __future__ import annotations
@@ -13,18 +14,21 @@ import numpy as np
 
 from oar.report.base import (
     BASE_ROW,
+    EVAL_FOLDER,
     METRICS,
+    TRANSFER_FOLDER,
     RunScores,
     eval_dirs,
     require_files,
     report_option,
     results_root,
     rows_of,
+    transfer_rows,
 )
 from oar.report.scores import check_summary, compare_rows, load_scores
-from oar.stats import seed_mde, seeds_for_mde
+from oar.stats import seed_interval, seed_mde, seeds_for_mde
 
-__all__ = ["main_table", "column_mde", "start_model_table"]
+__all__ = ["main_table", "column_mde", "start_model_table", "transfer_table"]
 
 
 def main_table(
@@ -108,19 +112,20 @@ def main_table(
 
 
 def _table_scores(root: Path, rows: list[tuple[str, str]], seeds: list[int], benches: list[str],
-                  metric: str) -> dict[str, dict[str, RunScores]]:
-    """The ``metric`` scores of every row and benchmark (``{row: {benchmark: RunScores}}``), after
-    checking that every evaluation file exists (:func:`require_files` names all missing ones) and that
-    each summary agrees with its rows (:func:`check_summary`)."""
+                  metric: str, *, folder: str = EVAL_FOLDER) -> dict[str, dict[str, RunScores]]:
+    """The ``metric`` scores of every row and benchmark (``{row: {benchmark: RunScores}}``) in the
+    evaluation folders ``folder`` (:func:`eval_dirs`), after checking that every evaluation file exists
+    (:func:`require_files` names all missing ones) and that each summary agrees with its rows
+    (:func:`check_summary`)."""
     files = []
     for row, _ in rows:
-        for d in eval_dirs(root, row, seeds).values():
+        for d in eval_dirs(root, row, seeds, folder=folder).values():
             files += [d / "summary.json"] + [d / f"{b}.jsonl" for b in benches]
     require_files(files)
 
     scores: dict[str, dict[str, RunScores]] = {}
     for row, _ in rows:
-        dirs = eval_dirs(root, row, seeds)
+        dirs = eval_dirs(root, row, seeds, folder=folder)
         scores[row] = {}
         for b in benches:
             rs = load_scores(dirs, b, metric=metric)
@@ -224,3 +229,45 @@ def start_model_table(config: Mapping[str, Any], results: str | Path | None = No
             rec["pass@1"] = math.nan
         recs.append(rec)
     return pd.DataFrame.from_records(recs)
+
+
+def transfer_table(config: Mapping[str, Any], results: str | Path | None = None, *, metric: str = "pass@1",
+                   confidence: float | None = None) -> "pd.DataFrame":  # noqa: F821
+    """The transfer benchmarks' scores of one metric in long format (percent), compared with nothing:
+    one row per (table row, benchmark) of the start model and each method of ``eval.transfer.methods``
+    (:func:`oar.report.base.transfer_rows`), from their transfer evaluations (``<row>/transfer/``).
+
+    Columns: ``row``, ``label``, ``metric``, ``benchmark``, ``n_problems``, ``n_seeds``, ``mean`` (over
+    seeds), ``std`` (the seed-level sd, ddof 1; NaN for one seed), ``ci_low``, ``ci_high`` (the t
+    interval of the mean over the training seeds, :func:`oar.stats.seed_interval`; NaN for one seed,
+    so for the base row, one evaluation), ``per_seed`` (";"-joined values).
+
+    Args:
+        config: a validated config with ``eval.transfer.benchmarks``.
+        results: the results folder ``R``; default ``<results_dir>/<name>``.
+        metric: as in :func:`main_table`.
+        confidence: interval coverage (default ``report.confidence``).
+
+    Raises:
+        ValueError: the config has no transfer benchmark.
+        oar.report.ReportError: a transfer evaluation's file is missing (every missing file is named).
+    """
+    import pandas as pd
+
+    confidence = float(report_option(config, "confidence", confidence))
+    benches = [b["name"] for b in config["eval"]["transfer"]["benchmarks"]]
+    if not benches:
+        raise ValueError("config: eval.transfer.benchmarks is empty; no transfer table")
+    rows = transfer_rows(config)
+    scores = _table_scores(results_root(config, results), rows, list(config.get("seeds") or [0]), benches, metric,
+                           folder=TRANSFER_FOLDER)
+    records = []
+    for row, label in rows:
+        for b in benches:
+            values = scores[row][b].scores.mean(axis=1) * 100.0  # (n_seeds,)
+            mean, low, high, _ = seed_interval(values, confidence=confidence)
+            records.append({"row": row, "label": label, "metric": metric, "benchmark": b,
+                            "n_problems": len(scores[row][b].ids), "n_seeds": len(values), "mean": mean,
+                            "std": float(np.std(values, ddof=1)) if len(values) > 1 else math.nan,
+                            "ci_low": low, "ci_high": high, "per_seed": ";".join(f"{v:.4f}" for v in values)})
+    return pd.DataFrame.from_records(records)
