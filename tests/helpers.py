@@ -14,26 +14,27 @@ SHARED_DATA = ROOT.parent / "shared" / "data"
 
 
 def _sources(config: dict) -> list[str]:
-    """The data files a raw config names (task.benchmark, eval.benchmarks)."""
+    """The data files a raw config names (task.benchmark, eval.benchmarks, eval.transfer.benchmarks)."""
     task = (config.get("task") or {}).get("benchmark") or {}
-    return [s for s in [task.get("source")] + [b.get("source") for b in (config.get("eval") or {}).get("benchmarks", [])]
-            if s]
+    ev = config.get("eval") or {}
+    entries = list(ev.get("benchmarks", [])) + list((ev.get("transfer") or {}).get("benchmarks", []))
+    return [s for s in [task.get("source")] + [b.get("source") for b in entries] if s]
 
 
 def _shared_sources() -> list[str]:
     import yaml
 
-    return [s for name in ("paper.yaml", "smollm2.yaml")
+    return [s for name in ("paper.yaml", "smollm2.yaml", "smollm2_arith.yaml")
             for s in _sources(yaml.safe_load((ROOT / "config" / name).read_text()))]
 
 
-#: Whether the data files of config/paper.yaml and config/smollm2.yaml (../shared/data/...) are here:
+#: Whether the data files of config/paper.yaml and the SmolLM2 configs (../shared/data/...) are here:
 #: the pre-flight (oar.preflight) stops a workflow or `oar plan` run of a config whose files are missing.
 PAPER_DATA = all((ROOT / s).exists() for s in _shared_sources())
 
 
 def stub_paper_data(tmp_path: Path) -> Path:
-    """Empty stand-ins for the data files of config/paper.yaml and config/smollm2.yaml, laid out as
+    """Empty stand-ins for the data files of config/paper.yaml and the SmolLM2 configs, laid out as
     they are named (``../shared/data/<name>/...``) beside a working directory ``<tmp_path>/repo``,
     which is returned."""
     work = tmp_path / "repo"
@@ -52,7 +53,9 @@ def with_stub_data(config: dict, folder: Path) -> dict:
     import copy
 
     out = copy.deepcopy(config)
-    entries = [(out.get("task") or {}).get("benchmark") or {}] + list((out.get("eval") or {}).get("benchmarks", []))
+    ev = out.get("eval") or {}
+    entries = ([(out.get("task") or {}).get("benchmark") or {}] + list(ev.get("benchmarks", []))
+               + list((ev.get("transfer") or {}).get("benchmarks", [])))
     for entry in entries:
         if entry.get("source"):
             f = folder / "data" / str(entry["source"]).replace("../", "")

