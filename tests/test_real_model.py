@@ -94,7 +94,9 @@ def sampled(warm):
     records = generate("test", ALIGN_PROMPTS, seed=config["task"]["seed"], **config["task"]["synthetic"])
     engine = make_engine("hf", model, tok, batch_size=config["rollout"]["batch_size"])
     prompts = [render_prompt(config["task"]["template"], r["question"], tok) for r in records]
-    ro = engine.generate(prompts, n=ALIGN_N, temperature=1.0, top_p=1.0, max_new_tokens=48, seed=0)
+    rollout = config["rollout"]
+    ro = engine.generate(prompts, n=ALIGN_N, temperature=rollout["temperature"], top_p=rollout["top_p"],
+                         max_new_tokens=rollout["max_new_tokens"], seed=0)
     return config, tok, records, ro
 
 
@@ -111,11 +113,12 @@ def test_alignment_on_the_bpe_tokenizer_over_real_responses(sampled):
     from oar.credit.controls import oracle_labels
     from oar.credit.mc_value import STEP_SPLITS, step_boundaries
     from oar.credit.probe import locate_answer_tokens
+    from oar.data.synthetic import DEFAULT_FILLERS
     from oar.task.grammar import check_steps, draw_counterfactual, mistake_spans, question_terms
     from oar.task.parsing import PIVOTAL, parse_response, token_char_spans, token_labels
 
     config, tok, records, ro = sampled
-    fillers = ["so", "then", "ok", "now", "well"]
+    fillers = list(config["task"]["synthetic"].get("fillers") or DEFAULT_FILLERS)
     labels = oracle_labels(CreditBatch(response_ids=ro.response_ids, response_mask=ro.response_mask,
                                        rewards=torch.zeros(len(ro.response_ids)),
                                        group_ids=torch.zeros(len(ro.response_ids), dtype=torch.long),
@@ -169,7 +172,7 @@ def test_alignment_on_the_bpe_tokenizer_over_real_responses(sampled):
         # decode to the edited result
         if check.status == "consistent" and parsed.answer.strip() == records[int(ro.prompt_index[b])]["answer"]:
             cf = draw_counterfactual(operands, ops, parsed.gap_fillers, records[int(ro.prompt_index[b])]["answer"],
-                                     rng, max_delta=9)
+                                     rng, max_delta=config["attribution"]["max_delta"])
             if cf is None:
                 continue
             cids = list(tok(cf.text, add_special_tokens=False)["input_ids"])

@@ -33,8 +33,8 @@ Step boundaries come from a rule on the decoded response (:data:`STEP_SPLITS`): 
 task's ``=`` and ``", "`` / ``". "``, so a result is a segment of its own), ``newline``,
 ``sentence``, or any regular expression; a boundary is the token that holds the first character after
 a match (on a character-level tokenizer the token that starts there; on a byte-level BPE one a token
-such as ``" so"`` or ``"=-"`` that begins inside the match). Shapes as :mod:`oar.credit`: ``B`` responses, ``T`` response tokens, ``S`` the most
-segments of a row.
+such as ``" so"`` or ``"=-"`` that begins inside the match). Shapes as :mod:`oar.credit`: ``B``
+responses, ``T`` response tokens, ``S`` the most segments of a row.
 """
 
 from __future__ import annotations

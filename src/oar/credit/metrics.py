@@ -145,6 +145,6 @@ def credited_concentration(token_advantages: torch.Tensor, mask: torch.Tensor,
     rows = credited_rows(token_advantages, mask)
     if not bool(rows.any()):
         return 0.0, 0.0, 0.0
-    top = top_mass(token_advantages[rows], mask[rows], frac=frac).to(torch.float64).mean()
+    top = top_mass(token_advantages[rows].to(torch.float64), mask[rows], frac=frac).mean()  # float64 as uniform
     uniform = uniform_top_mass(mask[rows], frac=frac).mean()
     return float(rows.float().mean()), float(top), float(uniform)

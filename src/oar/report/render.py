@@ -10,6 +10,7 @@ import math
 from typing import Any, Mapping, Sequence
 
 from oar.markdown import markdown_table
+from oar.report.base import BASE_ROW
 
 __all__ = ["main_markdown", "main_latex", "wide", "metric_title", "format_difference", "HOLM_NOTE", "transfer_markdown"]
 
@@ -266,8 +267,8 @@ def transfer_markdown(tables: Mapping[str, Any], *, confidence: float, k: int | 
     transfer benchmark (its number of problems in the header), each cell the mean over seeds with its
     t interval over seeds. No difference is taken and nothing is bold: these rows are not compared."""
     first = next(iter(tables.values()))
-    methods = [lab for row, lab in dict.fromkeys(zip(first["row"], first["label"])) if row != "base"]
-    n_seeds = int(first.loc[first["row"] != "base", "n_seeds"].max()) if methods else 1
+    methods = [lab for row, lab in dict.fromkeys(zip(first["row"], first["label"])) if row != BASE_ROW]
+    n_seeds = int(first.loc[first["row"] != BASE_ROW, "n_seeds"].max()) if methods else 1
     parts = ["## Transfer (no claim)", "",
              f"The transfer benchmarks (eval.transfer), evaluated with the settings above on the start model and on "
              f"{', '.join(methods) or 'no method'} only. Not a comparison: no differences, no test, nothing bold. "
