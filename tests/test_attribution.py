@@ -659,10 +659,11 @@ E2E_SFT_STEPS = 1000
 
 @pytest.mark.slow
 @pytest.mark.e2e
-def test_attribution_from_config_end_to_end(tmp_path):
+def test_attribution_from_config_end_to_end(tmp_path, capfd):
     """A tiny model fine-tuned briefly on 1-digit problems makes arithmetic mistakes and solves
     some problems: the benchmark finds both kinds of responses, scores them with a signal of every kind
-    and writes the tables (one row per signal and kind, n > 0), the per-response rows and the figures."""
+    and writes the tables (one row per signal and kind, n > 0), the per-response rows and the figures;
+    its progress bars count the mistakes collected and the signals scored."""
     import json
 
     import pandas as pd
@@ -699,6 +700,9 @@ def test_attribution_from_config_end_to_end(tmp_path):
     out = tmp_path / "attribution"
     res = attribution_from_config(cfg, model_dir, out)
     names = [s["name"] for s in cfg["attribution"]["signals"]]
+    err = capfd.readouterr().err
+    assert "attribution: mistakes: 100%" in err and "8/8" in err
+    assert "attribution: signals: 100%" in err and f"{len(names)}/{len(names)}" in err
 
     loc = pd.read_csv(out / "localisation.csv")
     assert list(loc.columns) == list(localisation_columns((1, 3)))

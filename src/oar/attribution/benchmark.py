@@ -339,22 +339,24 @@ class _Scored:
     continuations: Any
 
 
-def run_attribution(model: torch.nn.Module, tokenizer: Any, settings: AttributionSettings) -> AttributionResult:
+def run_attribution(model: torch.nn.Module, tokenizer: Any, settings: AttributionSettings, *,
+                    progress: bool = False) -> AttributionResult:
     """Sample, locate mistakes, build counterfactuals, score every signal and measure it (see the
     module docstring), as a list of phases.
 
     Args:
         model, tokenizer: the policy (e.g. the warm-started tiny model).
         settings: :class:`AttributionSettings` (:meth:`AttributionSettings.from_config`).
+        progress: progress bars on stderr over the mistakes collected and the signals scored.
 
     Returns:
         an :class:`AttributionResult`.
     """
     t_start = time.perf_counter()
     run = _Run.start(model, tokenizer, settings)
-    collected = _collect(run)                        # 1. sample until both kinds are complete
+    collected = _collect(run, progress)              # 1. sample until both kinds are complete
     batch, rows = _group_batch(collected)            # 2. one batch: the groups KTAE needs
-    scored = _score(run, collected, batch, rows)     # 3. every signal on the scored rows
+    scored = _score(run, collected, batch, rows, progress)   # 3. every signal on the scored rows
     loc, loc_per, fid, fid_per, cost = _measure(run, collected, scored)   # 4. localisation, fidelity, cost
     stab, stab_per, stab_seconds = _stability(run, collected, scored)     # 5. stability
     per = _per_response(run, collected, loc_per, fid_per, stab_per)       # 6. rows and summary
@@ -362,9 +364,11 @@ def run_attribution(model: torch.nn.Module, tokenizer: Any, settings: Attributio
     return AttributionResult(localisation=loc, stability=stab, cost=cost, fidelity=fid, per_response=per, summary=summary)
 
 
-def _collect(run: _Run) -> _Collected:
+def _collect(run: _Run, progress: bool = False) -> _Collected:
     """Phase 1: sample rounds of prompts until there are ``n_sampled`` located mistakes and
     ``n_counterfactual`` edits (or the prompts run out); edits are scored teacher-forced."""
+    from tqdm.auto import tqdm
+
     s, tok = run.s, run.tokenizer
     eos = getattr(tok, "eos_token_id", None)
     edit_rng = random.Random(_derived_seed("oar-attribution-edits", s.seed))
@@ -375,7 +379,11 @@ def _collect(run: _Run) -> _Collected:
         c.counts[key] = c.counts.get(key, 0) + 1
 
     t0 = time.perf_counter()
+    bar = tqdm(total=s.n_sampled + s.n_counterfactual, desc="attribution: mistakes", unit="response",
+               disable=not progress, dynamic_ncols=True)
     for r0 in range(0, s.max_prompts, s.prompts_per_round):
+        bar.update(len(c.sampled) + len(c.edited) - bar.n)
+        bar.set_postfix(prompts=r0, refresh=False)
         if len(c.sampled) >= s.n_sampled and len(c.edited) >= s.n_counterfactual:
             break
         plist = list(range(r0, min(r0 + s.prompts_per_round, s.max_prompts)))
@@ -415,6 +423,8 @@ def _collect(run: _Run) -> _Collected:
                     raise RuntimeError(f"oar.attribution: the counterfactual {cf.text!r} does not parse back to its edit")
                 c.edited.append(e)
                 per_prompt["counterfactual"][r.prompt] = per_prompt["counterfactual"].get(r.prompt, 0) + 1
+    bar.update(len(c.sampled) + len(c.edited) - bar.n)
+    bar.close()
     c.seconds = time.perf_counter() - t0
     if c.edited:
         rewards = run.reward_of([e.text for e in c.edited], [run.records[e.prompt]["answer"] for e in c.edited])
@@ -445,7 +455,7 @@ def _signal_kwargs(run: _Run) -> dict[str, Any]:
     return dict(conclude=s.conclude, ktae_options=s.ktae_options)
 
 
-def _score(run: _Run, c: _Collected, batch: "_Batch", rows: list[int]) -> _Scored:
+def _score(run: _Run, c: _Collected, batch: "_Batch", rows: list[int], progress: bool = False) -> _Scored:
     """Phase 3: every signal's scores of the scored rows (``compute_signals``)."""
     names = [sp.name for sp in run.specs]
     if not c.scored:
@@ -456,7 +466,7 @@ def _score(run: _Run, c: _Collected, batch: "_Batch", rows: list[int]) -> _Score
     cont = run.continuations(batch)
     scores, seconds, info = compute_signals(run.model, run.tokenizer, **tens, rows=torch.tensor(rows),
                                             signals=run.specs, seed=run.s.seed, repeats=run.s.repeats,
-                                            continuations=cont, **_signal_kwargs(run))
+                                            continuations=cont, progress=progress, **_signal_kwargs(run))
     if not bool(info["has_answer"].all()):
         raise RuntimeError("oar.attribution.run_attribution: the probe found no answer in a response that parsed")
     return _Scored(scores=scores, seconds=seconds, info=info, reasoning=info["reasoning_mask"],
@@ -583,6 +593,7 @@ def attribution_from_config(
     output_dir: str | os.PathLike,
     *,
     repeats: int | None = None,
+    progress: bool = True,
 ) -> AttributionResult:
     """Run the benchmark as the config says (:meth:`AttributionSettings.from_config`) and write its
     outputs. ``attribution.enabled`` is for the workflow: this function always runs.
@@ -596,6 +607,7 @@ def attribution_from_config(
         model_dir: the policy (loaded with :func:`oar.models.load_policy`).
         output_dir: output folder (created).
         repeats: timing repeats per signal (default ``attribution.timing_repeats``).
+        progress: progress bars on stderr (:func:`run_attribution`).
 
     Returns:
         the :class:`AttributionResult`.
@@ -610,7 +622,7 @@ def attribution_from_config(
     settings = AttributionSettings.from_config(config, **({} if repeats is None else {"repeats": int(repeats)}))
     model, tokenizer = load_policy(model_dir)
     model.to(config["device"])
-    result = run_attribution(model, tokenizer, settings)
+    result = run_attribution(model, tokenizer, settings, progress=progress)
     result.summary["model_dir"] = str(model_dir)
     result.summary["provenance"] = with_end_time(provenance(device=str(config["device"]), started=started))
     write_outputs(result, Path(output_dir))

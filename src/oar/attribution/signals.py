@@ -261,6 +261,7 @@ def compute_signals(
     warmup: bool = True,
     repeats: int = 1,
     continuations: Any = None,
+    progress: bool = False,
 ) -> tuple[dict[str, torch.Tensor], dict[str, float], dict[str, Any]]:
     """Score the responses ``rows`` with each signal, aligned with response positions.
 
@@ -285,6 +286,7 @@ def compute_signals(
             of every repeat are identical, the first is kept).
         continuations: an :class:`oar.credit.mc_value.ContinuationContext` row-aligned with the
             ``B`` responses (needed by ``mc_value`` signals only).
+        progress: a progress bar on stderr over the signals.
 
     Returns:
         ``scores`` (name -> ``(n, T)`` float32 on CPU), ``seconds`` (name -> wall seconds of the
@@ -309,7 +311,9 @@ def compute_signals(
     }
     scores: dict[str, torch.Tensor] = {}
     seconds: dict[str, float] = {}
-    for spec in specs:
+    from tqdm.auto import tqdm
+
+    for spec in tqdm(specs, desc="attribution: signals", unit="signal", disable=not progress, dynamic_ncols=True):
         note = ", ".join(f"{k}={v}" for k, v in spec.options.items() if k != "conclude")
         scores[spec.name], seconds[spec.name], info["n_scored"][spec.name], extra = _SCORERS[spec.kind](run, spec)
         info["notes"][spec.name] = ", ".join(x for x in (note, extra) if x)
