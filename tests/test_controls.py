@@ -56,6 +56,26 @@ def test_oracle_labels_hand_case():
     assert lab.reasoning[1].nonzero().flatten().tolist() == list(range(len("4+3=8, 8-2=6. ")))
 
 
+@pytest.mark.parametrize("synthetic, parsed", [
+    ({"fillers": ["so", "ok", "well"]}, [True, True, True, False]),
+    ({}, [True, True, True, False]),  # no key: the generator's default words, which hold "so" and "ok"
+    ({"fillers": [], "filler_prob": 0.0}, [False, True, False, False]),  # none: a filler is off the grammar
+])
+def test_oracle_reads_the_fillers_the_task_generates(synthetic, parsed):
+    """The oracle parses with the words ``generate`` writes for the same section (oar.data.synthetic
+    .task_fillers), the attribution benchmark's words: an empty list means no fillers, not the defaults."""
+    from oar.credit.controls import oracle_labels
+    from oar.data.synthetic import DEFAULT_FILLERS, task_fillers
+
+    assert task_fillers({}) == list(DEFAULT_FILLERS) and task_fillers(None) == list(DEFAULT_FILLERS)
+    assert task_fillers({"fillers": []}) == []
+    batch = _batch(task={"kind": "synthetic", "synthetic": synthetic})
+    assert oracle_labels(batch, fillers=task_fillers(synthetic)).parsed.tolist() == parsed
+    out = get_estimator("oracle_first_mistake")(batch, quantile=0.25, beta=1.0, floor=0.1)
+    # located: the parsed wrong responses of the 4 (rows 1 and 2 are wrong; row 2 carries the filler "ok")
+    assert out.stats["located_fraction"] == pytest.approx(sum(parsed[1:3]) / 4)
+
+
 def test_oracle_first_mistake_weights_the_mistake_not_its_copy():
     est = get_estimator("oracle_first_mistake")
     batch = _batch()

@@ -113,12 +113,12 @@ def test_alignment_on_the_bpe_tokenizer_over_real_responses(sampled):
     from oar.credit.controls import oracle_labels
     from oar.credit.mc_value import STEP_SPLITS, step_boundaries
     from oar.credit.probe import locate_answer_tokens
-    from oar.data.synthetic import DEFAULT_FILLERS
+    from oar.data.synthetic import task_fillers
     from oar.task.grammar import check_steps, draw_counterfactual, mistake_spans, question_terms
     from oar.task.parsing import PIVOTAL, parse_response, token_char_spans, token_labels
 
     config, tok, records, ro = sampled
-    fillers = list(config["task"]["synthetic"].get("fillers") or DEFAULT_FILLERS)
+    fillers = task_fillers(config["task"]["synthetic"])
     labels = oracle_labels(CreditBatch(response_ids=ro.response_ids, response_mask=ro.response_mask,
                                        rewards=torch.zeros(len(ro.response_ids)),
                                        group_ids=torch.zeros(len(ro.response_ids), dtype=torch.long),

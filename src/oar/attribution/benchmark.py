@@ -259,7 +259,7 @@ class _Run:
     @classmethod
     def start(cls, model: torch.nn.Module, tokenizer: Any, s: AttributionSettings) -> "_Run":
         from oar.data.prompts import render_prompt
-        from oar.data.synthetic import DEFAULT_FILLERS, generate
+        from oar.data.synthetic import generate, task_fillers
         from oar.rollout import HFEngine
 
         s.check()
@@ -268,7 +268,7 @@ class _Run:
         return cls(s=s, model=model, tokenizer=tokenizer, specs=signal_specs(s.signals), records=records,
                    terms=[question_terms(r["question"]) for r in records],
                    prompts=[render_prompt(s.template, r["question"], tokenizer) for r in records],
-                   fillers=list(opts.get("fillers", DEFAULT_FILLERS)),
+                   fillers=task_fillers(opts),
                    engine=HFEngine(model, tokenizer, batch_size=s.batch_size), pad_id=int(tokenizer.pad_token_id))
 
     def reward_of(self, texts: Sequence[str], golds: Sequence[str]) -> list[float]:

@@ -159,10 +159,9 @@ def oracle_labels(batch: CreditBatch, *, fillers: Sequence[str], name: str = "or
 
 
 def _fillers(batch: CreditBatch) -> list[str]:
-    from oar.data.synthetic import DEFAULT_FILLERS
+    from oar.data.synthetic import task_fillers
 
-    synthetic = (batch.extras.get("task") or {}).get("synthetic") or {}
-    return list(synthetic.get("fillers") or DEFAULT_FILLERS)
+    return task_fillers((batch.extras.get("task") or {}).get("synthetic"))
 
 
 def _oracle_scores(name: str, batch: CreditBatch, which: str, *, wrong_only: bool):

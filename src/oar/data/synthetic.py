@@ -41,10 +41,10 @@ from __future__ import annotations
 import hashlib
 import random
 import re
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 __all__ = [
-    "SPLITS", "OPERATORS", "DEFAULT_FILLERS", "ERROR_OFFSETS", "generate", "answer_of", "apply_op",
+    "SPLITS", "OPERATORS", "DEFAULT_FILLERS", "ERROR_OFFSETS", "task_fillers", "generate", "answer_of", "apply_op",
     "next_operation", "reduce_steps", "solve_steps", "corrupt_steps", "format_solution", "parse_question",
 ]
 
@@ -54,6 +54,17 @@ SPLITS: tuple[str, ...] = ("train", "test", "ood")
 OPERATORS: tuple[str, ...] = ("+", "-", "*")
 #: Default filler words: short, no digits, no operator characters.
 DEFAULT_FILLERS: tuple[str, ...] = ("so", "then", "ok", "now", "well")
+
+
+def task_fillers(synthetic: Mapping[str, Any] | None) -> list[str]:
+    """The filler words of a ``task.synthetic`` section: the ones :func:`generate` writes.
+
+    ``fillers`` when the section sets it (an empty list means none), else :data:`DEFAULT_FILLERS`. The
+    oracle's locator, the attribution benchmark and the tests parse responses with these words, so they
+    read the task as the generator wrote it.
+    """
+    given = (synthetic or {}).get("fillers")
+    return list(DEFAULT_FILLERS if given is None else given)
 
 _QUESTION_RE = re.compile(r"^Compute (.+)\.$")
 _TOKEN_RE = re.compile(r"\d+|[+\-*]")
