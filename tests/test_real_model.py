@@ -35,7 +35,7 @@ CONFIG = ROOT / "config" / "smollm2_arith.yaml"
 #: The config cut to a test's size: a short format SFT (enough to box the answers), small steps.
 SHORT = {
     "sft": {"steps": 30, "eval_size": 4},
-    "train": {"steps": 2, "prompts_per_step": 8, "save_every": 100},   # one step is run: nothing saved
+    "train": {"steps": 2, "prompts_per_step": 4, "save_every": 100},   # one step of 32 responses: nothing saved
     "eval": {"benchmarks": [{"name": "synthetic-test", "n": 8}]},
     "attribution": {"enabled": False, "trained": []},
     "tracking": {"enabled": False},
