@@ -66,6 +66,7 @@ def task_fillers(synthetic: Mapping[str, Any] | None) -> list[str]:
     given = (synthetic or {}).get("fillers")
     return list(DEFAULT_FILLERS if given is None else given)
 
+
 _QUESTION_RE = re.compile(r"^Compute (.+)\.$")
 _TOKEN_RE = re.compile(r"\d+|[+\-*]")
 
