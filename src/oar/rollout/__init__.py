@@ -8,7 +8,8 @@ Two engines behind one interface (:class:`RolloutEngine`):
   :func:`lean_generate`, a plain loop over the model's forward with a preallocated KV cache that
   makes the same forward calls and the same random draws, so its tokens and log-probs equal
   ``generate``'s for a seed, without ``generate``'s per-token bookkeeping and cache copies;
-  ``lean_compact``, the same loop dropping finished rows (deterministic, not bit-identical).
+  ``lean_compact``, the same loop with one prompt forward per distinct prompt and dropping finished
+  rows (deterministic, not bit-identical).
 - ``vllm``: a colocated ``vllm.LLM``; the trainer streams the policy's full weights into it after
   every update (:meth:`VLLMEngine.sync_weights`), and may free its memory during the update
   (:meth:`VLLMEngine.sleep` / :meth:`VLLMEngine.wake_up`, ``rollout.sleep_mode``).

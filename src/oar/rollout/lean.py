@@ -157,8 +157,9 @@ def lean_generate(
     ``generate``'s. Greedy: ``argmax`` of the raw logits. The loop stops when every row has emitted
     one of ``eos_ids`` or after ``max_new_tokens`` steps.
 
-    ``compact=True`` (``rollout.sampler: lean_compact``) drops finished rows from the batch (and
-    their KV cache) once at most :data:`COMPACT_BELOW` of the rows in it are unfinished. The random
+    ``compact=True`` (``rollout.sampler: lean_compact``) runs the prompt forward once per distinct
+    prompt (:func:`_prefill_distinct`: a group's ``n`` copies share it) and drops finished rows from the
+    batch (and their KV cache) once at most :data:`COMPACT_BELOW` of the rows in it are unfinished. The random
     draws stay those of the full batch (multinomial's own method, ``argmax(probs / q)`` with
     ``q ~ Exp(1)`` drawn for all rows, :func:`multinomial_rows`), so the samples are a deterministic
     function of the seed and equal ``generate``'s as long as a row's logits do not depend on which
@@ -190,10 +191,10 @@ def lean_generate(
     step_ids, step_pos = input_ids, position_ids
     T = max_new_tokens
     for t in range(max_new_tokens):
-        out = model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos, **{cache_arg: cache},
-                    use_cache=True, logits_to_keep=1, return_dict=True)
-        logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
-        del out
+        if t == 0 and compact:
+            logits = _prefill_distinct(model, cache, cache_arg, step_ids, mask, step_pos)
+        else:
+            logits = _last_logits(model, cache, cache_arg, step_ids, mask, step_pos)
         nxt, lp = _next_tokens(logits, step_ids, rows, B, greedy=greedy, temp=temp, top_p_warper=top_p_warper,
                                unfinished=unfinished if eos_t is not None else None, pad_id=pad_id)
         if len(rows) == B:
@@ -210,6 +211,35 @@ def lean_generate(
         if compact and eos_t is not None and n_left <= COMPACT_BELOW * len(rows):
             rows, unfinished, step_ids, step_pos, mask = _drop_finished(cache, rows, unfinished, step_ids, step_pos, mask)
     return tokens[:, :T], logprobs[:, :T]
+
+
+def _last_logits(model: Any, cache: Any, cache_arg: str, ids: torch.Tensor, mask: torch.Tensor | None,
+                 pos: torch.Tensor) -> torch.Tensor:
+    """One forward of :func:`lean_generate` (``(b, L)`` ids and positions, ``(b, L')`` mask or None,
+    writing into ``cache``): the ``(b, V)`` float32 logits of the last position."""
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, **{cache_arg: cache},
+                use_cache=True, logits_to_keep=1, return_dict=True)
+    return out.logits[:, -1].to(copy=True, dtype=torch.float32)
+
+
+def _prefill_distinct(model: Any, cache: Any, cache_arg: str, ids: torch.Tensor, mask: torch.Tensor | None,
+                      pos: torch.Tensor) -> torch.Tensor:
+    """``lean_compact``'s prompt forward: each distinct row of ``ids`` ``(B, P)`` once (a group's ``n``
+    copies of its prompt are one forward row), then every layer of ``cache`` and the ``(B, V)`` logits
+    expanded to all ``B`` rows. The same values as the full forward up to the kernels' dependence on
+    the batch size."""
+    first: dict[tuple[int, ...], int] = {}
+    inverse = [first.setdefault(tuple(row), i) for i, row in enumerate(ids.tolist())]
+    if len(first) == ids.shape[0]:
+        return _last_logits(model, cache, cache_arg, ids, mask, pos)
+    distinct = torch.tensor(list(first.values()), dtype=torch.long, device=ids.device)
+    slot = {row: j for j, row in enumerate(first.values())}
+    expand = torch.tensor([slot[i] for i in inverse], dtype=torch.long, device=ids.device)
+    logits = _last_logits(model, cache, cache_arg, ids[distinct], mask[distinct] if mask is not None else None,
+                          pos[distinct])
+    for layer in cache.layers:
+        layer.batch_select_indices(expand)
+    return logits[expand]
 
 
 def _warpers(greedy: bool, temperature: float, top_p: float) -> tuple[float, Any]:
