@@ -668,3 +668,17 @@ def test_report_credit_signals_join_the_efficiency_with_the_signals_localisation
         cfg["report"]["credit_signals"] = bad
         with pytest.raises(ReportError, match=match):
             build_report(cfg, root)
+
+
+def test_one_seed_report_says_nothing_is_bold(tree):
+    """With one seed there is no interval, so no comparison to correct: the notes say nothing is bold
+    instead of naming a correction over 0 comparisons; with seeds, the note names the family size."""
+    from oar.report.render import holm_note
+
+    assert holm_note(0, 0.05) == "Bold: none (no interval to test: one seed, or no comparison)."
+    assert "Holm's correction for the 4 comparisons of its table (familywise alpha 0.05" in holm_note(4, 0.05)
+    cfg, root = tree
+    out = build_report(validate_config({**cfg, "seeds": [0]}), root, seed=3)
+    md, tex = out["main_md"].read_text(), out["main_tex"].read_text()
+    assert "Bold: none (no interval to test" in md and "0 comparisons" not in md and "| **" not in md
+    assert "no interval (one seed), nothing bold" in tex and "0 comparisons" not in tex

@@ -204,7 +204,7 @@ def learning_speed_table(heldout: Mapping[str, Mapping[int, Any]], threshold: fl
 def learning_speed_markdown(df: "pd.DataFrame", *, threshold: float, reference_label: str,  # noqa: F821
                             confidence: float = 0.95) -> str:
     """The learning-speed endpoints as markdown (see :func:`learning_speed_table`)."""
-    from oar.report.render import HOLM_NOTE, family_significance, format_difference
+    from oar.report.render import family_significance, holm_note, format_difference
 
     if not len(df):
         return ""
@@ -222,7 +222,7 @@ def learning_speed_markdown(df: "pd.DataFrame", *, threshold: float, reference_l
               "sampled accuracy over the run, trapezoid rule over the evaluation steps). Differences are paired by "
               "seed; the interval is the t interval over the per-seed differences (— when a seed of either side "
               "never reaches the threshold, or for one seed). A negative steps difference is faster learning. "
-              + HOLM_NOTE.format(m=family, alpha=1.0 - confidence), ""]
+              + holm_note(family, 1.0 - confidence), ""]
     return "\n".join(lines)
 
 

@@ -137,7 +137,7 @@ def regime_markdown(df: "pd.DataFrame", *, reference_label: str = "GRPO",  # noq
                     confidence: float = 0.95) -> str:
     """The regime table as markdown: one row per (cell, method), with the reference's gain over the
     start model (the cell's room for RL). A highlighted cell's label is marked with a star."""
-    from oar.report.render import HOLM_NOTE, family_significance, format_difference
+    from oar.report.render import family_significance, format_difference, holm_note
 
     done = df[df["done"]] if "done" in df else df
     sig, family = family_significance(done["p"] if "p" in done else [], alpha=1.0 - confidence)
@@ -155,7 +155,7 @@ def regime_markdown(df: "pd.DataFrame", *, reference_label: str = "GRPO",  # noq
     lines = markdown_table(["cell", "length", "group", f"{reference_label} - start", "method", "seeds",
                             f"difference from {reference_label} [{confidence:.0%} CI over seeds]", "seed-level MDE",
                             "credit efficiency"], rows, "lrrrlrrrr")
-    lines.append("\n" + HOLM_NOTE.format(m=family, alpha=1.0 - confidence))
+    lines.append("\n" + holm_note(family, 1.0 - confidence))
     if df["highlight"].any():
         lines.append("\n★ highlighted in the map: the cells given more seeds for a seed-level MDE of about 2 points "
                      "(the MDE column says what they reached)")

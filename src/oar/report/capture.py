@@ -87,7 +87,7 @@ def credit_efficiency_markdown(eff: "pd.DataFrame", *, oracle_label: str, refere
     one benchmark column (bold: the interval excludes 0 and the method's difference survives Holm's
     correction over the methods shown; the Fieller interval excludes 0 exactly when the paired t test
     of the difference rejects)."""
-    from oar.report.render import HOLM_NOTE, family_significance, format_difference
+    from oar.report.render import family_significance, format_difference, holm_note
 
     df = eff[eff["benchmark"] == benchmark]
     if df.empty:
@@ -101,5 +101,5 @@ def credit_efficiency_markdown(eff: "pd.DataFrame", *, oracle_label: str, refere
                              [[r["label"], format_difference(r["diff"], r["diff_low"], r["diff_high"], significant=bool(s)),
                                _fmt_ratio(r["efficiency"], r["eff_low"], r["eff_high"], significant=bool(s))]
                               for (_, r), s in zip(df.iterrows(), sig)], "lrr")]
-    lines += ["", HOLM_NOTE.format(m=family, alpha=1.0 - confidence)]
+    lines += ["", holm_note(family, 1.0 - confidence)]
     return "\n".join(lines) + "\n"

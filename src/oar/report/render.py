@@ -12,11 +12,16 @@ from typing import Any, Mapping, Sequence
 from oar.markdown import markdown_table
 from oar.report.base import BASE_ROW
 
-__all__ = ["main_markdown", "main_latex", "wide", "metric_title", "format_difference", "HOLM_NOTE", "transfer_markdown"]
+__all__ = ["main_markdown", "main_latex", "wide", "metric_title", "format_difference", "holm_note", "transfer_markdown"]
 
-#: What the bold of every difference table means (one sentence, said once per table note).
-HOLM_NOTE = ("Bold: the interval excludes 0 and the difference survives Holm's correction for the {m} comparisons "
-             "of its table (familywise alpha {alpha:.2g}, oar.stats.holm_significant).")
+def holm_note(m: int, alpha: float) -> str:
+    """What the bold of a difference table means (one sentence, said once per table note), for a table
+    of ``m`` comparisons with an interval at familywise ``alpha``; with none (one seed: no interval)
+    it says that nothing is bold."""
+    if m == 0:
+        return "Bold: none (no interval to test: one seed, or no comparison)."
+    return (f"Bold: the interval excludes 0 and the difference survives Holm's correction for the {m} comparisons "
+            f"of its table (familywise alpha {alpha:.2g}, oar.stats.holm_significant).")
 
 
 def metric_title(metric: str, k: int | None, temperature: float | None) -> str:
@@ -106,7 +111,7 @@ def _interval_note(*, reference_label: str, confidence: float, n_boot: int, seed
         f"{pairing}. Interval: {confidence:.0%} t interval over the {n_seeds} training seed(s), each seed one "
         f"replicate: D_s = mean_i d[s, i] (the Average column: the mean over benchmarks), mean(D) -+ "
         f"t_(S-1) sd(D) / sqrt(S) with S - 1 = {max(n_seeds - 1, 0)} degrees of freedom (oar.stats.seed_interval; "
-        "no interval with one seed). " + HOLM_NOTE.format(m=family, alpha=1.0 - confidence) + " The problems are the same for every seed, "
+        "no interval with one seed). " + holm_note(family, 1.0 - confidence) + " The problems are the same for every seed, "
         f"so which problems were drawn is not resampled; main.csv holds that problem-level interval "
         f"(problem_ci_*, a {n_boot}-resample bootstrap, seed {seed}) for comparison."
     )
@@ -167,7 +172,7 @@ def main_markdown(tables: Mapping[str, Any], *, start: Any | None, reference: st
         if df["diff"].notna().any():
             others = [r for r in dict.fromkeys(df["row"]) if r != reference]
             family = int(df.loc[df["row"].isin(others), "p"].notna().sum())
-            note = (again + HOLM_NOTE.format(m=family, alpha=1.0 - confidence) if again else
+            note = (again + holm_note(family, 1.0 - confidence) if again else
                     _interval_note(reference_label=reference_label, confidence=confidence, n_boot=n_boot,
                                    seed=seed, n_seeds=n_seeds, family=family))
             parts += [f"### Difference from {reference_label} (points), {confidence:.0%} interval over training seeds", "",
@@ -179,7 +184,7 @@ def main_markdown(tables: Mapping[str, Any], *, start: Any | None, reference: st
         if df["start_diff"].notna().any():
             methods = [r for r in dict.fromkeys(df["row"]) if r != "base"]
             family = int(df.loc[df["row"].isin(methods), "start_p"].notna().sum())
-            note = (again + HOLM_NOTE.format(m=family, alpha=1.0 - confidence) if again else
+            note = (again + holm_note(family, 1.0 - confidence) if again else
                     _interval_note(reference_label=reference_label, confidence=confidence, n_boot=n_boot,
                                    seed=seed, n_seeds=n_seeds, family=family, start=True))
             parts += [f"### Difference from the start model (points), {confidence:.0%} interval over training seeds", "",
@@ -225,10 +230,11 @@ def main_latex(tables: Mapping[str, Any], *, reference: str, reference_label: st
             mdes = df.drop_duplicates("benchmark")
             mde_txt = "; ".join(f"{b} {v:.1f}" for b, v in zip(mdes["benchmark"], mdes["mde"]) if not math.isnan(v))
             family = int(df.loc[df["row"].isin(others), "p"].notna().sum())
-            out.append(_tabular(wide(df, "diff", rows=others, alpha=1.0 - confidence),
-                                f"{title}: difference from {reference_label} (points), {confidence:.0%} t interval "
-                                f"over training seeds; seed-level minimum detectable difference: {mde_txt}; "
-                                f"bold: significant after Holm's correction for {family} comparisons"))
+            caption = (f"{title}: difference from {reference_label} (points), {confidence:.0%} t interval over "
+                       f"training seeds; " + (f"seed-level minimum detectable difference: {mde_txt}; bold: significant "
+                                              f"after Holm's correction for {family} comparisons" if family
+                                              else "no interval (one seed), nothing bold"))
+            out.append(_tabular(wide(df, "diff", rows=others, alpha=1.0 - confidence), caption))
     return "% generated by oar.report (needs \\usepackage{booktabs})\n" + "\n\n".join(out) + "\n"
 
 
@@ -249,7 +255,7 @@ def versus_markdown(table: Any, *, reference_label: str, confidence: float) -> s
                                                               significant=significant[(row, b)]) for b in benches)])
     lines = [f"### Difference from {reference_label} ({metric}, points), {confidence:.0%} interval over training seeds",
              "", *markdown_table(["Method", *benches], rows, "l" + "r" * len(benches))]
-    lines += ["", HOLM_NOTE.format(m=family, alpha=1.0 - confidence)]
+    lines += ["", holm_note(family, 1.0 - confidence)]
     return "\n".join(lines) + "\n"
 
 
