@@ -672,7 +672,8 @@ def test_report_credit_signals_join_the_efficiency_with_the_signals_localisation
 
 def test_one_seed_report_says_nothing_is_bold(tree):
     """With one seed there is no interval, so no comparison to correct: the notes say nothing is bold
-    instead of naming a correction over 0 comparisons; with seeds, the note names the family size."""
+    instead of naming a correction over 0 comparisons, and that the MDE is not defined instead of
+    printing a NaN sd; with seeds, the note names the family size."""
     from oar.report.render import holm_note
 
     assert holm_note(0, 0.05) == "Bold: none (no interval to test: one seed, or no comparison)."
@@ -682,3 +683,4 @@ def test_one_seed_report_says_nothing_is_bold(tree):
     md, tex = out["main_md"].read_text(), out["main_tex"].read_text()
     assert "Bold: none (no interval to test" in md and "0 comparisons" not in md and "| **" not in md
     assert "no interval (one seed), nothing bold" in tex and "0 comparisons" not in tex
+    assert "**Minimum detectable difference**: not defined; a seed-level sd needs" in md and "sd nan" not in md

@@ -125,6 +125,9 @@ def _mde_line(df, *, confidence: float, power: float, reference_label: str, shor
     need = ", ".join(f"{r.benchmark} {int(r.seeds_for_target)}" if r.seeds_for_target == r.seeds_for_target
                      and r.seeds_for_target is not None else f"{r.benchmark} —" for r in mdes.itertuples(index=False))
     alpha = 1.0 - confidence
+    if mdes["mde"].isna().all():  # one seed: no seed-level sd to compute it from
+        return ("**Minimum detectable difference**: not defined; a seed-level sd needs a paired comparison over 2 or "
+                "more seeds.")
     seeds_line = f" Seeds for a seed-level MDE of {target:g} points (same sd): {need}."
     if short:
         return (f"**Minimum detectable difference** (seed level, power {power:.0%}, two-sided alpha {alpha:.2g}, "
