@@ -204,7 +204,7 @@ def learning_speed_table(heldout: Mapping[str, Mapping[int, Any]], threshold: fl
 def learning_speed_markdown(df: "pd.DataFrame", *, threshold: float, reference_label: str,  # noqa: F821
                             confidence: float = 0.95) -> str:
     """The learning-speed endpoints as markdown (see :func:`learning_speed_table`)."""
-    from oar.report.render import family_significance, holm_note, format_difference
+    from oar.report.render import family_significance, format_difference, holm_note
 
     if not len(df):
         return ""

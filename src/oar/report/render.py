@@ -111,7 +111,8 @@ def _interval_note(*, reference_label: str, confidence: float, n_boot: int, seed
         f"{pairing}. Interval: {confidence:.0%} t interval over the {n_seeds} training seed(s), each seed one "
         f"replicate: D_s = mean_i d[s, i] (the Average column: the mean over benchmarks), mean(D) -+ "
         f"t_(S-1) sd(D) / sqrt(S) with S - 1 = {max(n_seeds - 1, 0)} degrees of freedom (oar.stats.seed_interval; "
-        "no interval with one seed). " + holm_note(family, 1.0 - confidence) + " The problems are the same for every seed, "
+        "no interval with one seed). " + holm_note(family, 1.0 - confidence)
+        + " The problems are the same for every seed, "
         f"so which problems were drawn is not resampled; main.csv holds that problem-level interval "
         f"(problem_ci_*, a {n_boot}-resample bootstrap, seed {seed}) for comparison."
     )
@@ -119,15 +120,15 @@ def _interval_note(*, reference_label: str, confidence: float, n_boot: int, seed
 
 def _mde_line(df, *, confidence: float, power: float, reference_label: str, short: bool = False) -> str:
     mdes = df.drop_duplicates("benchmark")
+    if mdes["mde"].isna().all():  # one seed: no seed-level sd to compute it from
+        return ("**Minimum detectable difference**: not defined; a seed-level sd needs a paired comparison over 2 or "
+                "more seeds.")
     vals = ", ".join(f"{r.benchmark} {r.mde:.1f}" if not math.isnan(r.mde) else f"{r.benchmark} —"
                      for r in mdes.itertuples(index=False))
     target = float(mdes["target_mde"].iloc[0])
     need = ", ".join(f"{r.benchmark} {int(r.seeds_for_target)}" if r.seeds_for_target == r.seeds_for_target
                      and r.seeds_for_target is not None else f"{r.benchmark} —" for r in mdes.itertuples(index=False))
     alpha = 1.0 - confidence
-    if mdes["mde"].isna().all():  # one seed: no seed-level sd to compute it from
-        return ("**Minimum detectable difference**: not defined; a seed-level sd needs a paired comparison over 2 or "
-                "more seeds.")
     seeds_line = f" Seeds for a seed-level MDE of {target:g} points (same sd): {need}."
     if short:
         return (f"**Minimum detectable difference** (seed level, power {power:.0%}, two-sided alpha {alpha:.2g}, "

@@ -40,8 +40,8 @@ class HFEngine:
         batch_size: sequences per ``generate`` call.
         sampler: ``lean`` (default): :func:`lean_generate`, the same tokens and log-probs as
             ``generate`` for a seed with less per-token overhead; ``lean_compact``: the same loop
-            with one prompt forward per distinct prompt and dropping finished rows from the batch (deterministic for a seed, equal to ``generate``'s
-            samples unless the kernels' results depend on the batch size; see :func:`lean_generate`);
+            with one prompt forward per distinct prompt and dropping finished rows from the batch
+            (deterministic for a seed, equal to ``generate``'s samples unless the kernels' results depend on the batch size; see :func:`lean_generate`);
             ``hf``: ``model.generate``. The lean samplers fall back to ``generate`` (with a warning)
             for a model whose generation config asks for more than they reproduce
             (:func:`lean_unsupported`), and silently for an object without a ``config`` (a stand-in

@@ -158,9 +158,9 @@ def lean_generate(
     one of ``eos_ids`` or after ``max_new_tokens`` steps.
 
     ``compact=True`` (``rollout.sampler: lean_compact``) runs the prompt forward once per distinct
-    prompt (:func:`_prefill_distinct`: a group's ``n`` copies share it) and drops finished rows from the
-    batch (and their KV cache) once at most :data:`COMPACT_BELOW` of the rows in it are unfinished. The random
-    draws stay those of the full batch (multinomial's own method, ``argmax(probs / q)`` with
+    prompt (:func:`_prefill_distinct`: a group's ``n`` copies share it) and drops finished rows from
+    the batch (and their KV cache) once at most :data:`COMPACT_BELOW` of the rows in it are
+    unfinished. The random draws stay those of the full batch (multinomial's own method, ``argmax(probs / q)`` with
     ``q ~ Exp(1)`` drawn for all rows, :func:`multinomial_rows`), so the samples are a deterministic
     function of the seed and equal ``generate``'s as long as a row's logits do not depend on which
     other rows share its forward -- which the CPU/GPU matmul kernels do not promise (a change of the
@@ -224,17 +224,17 @@ def _last_logits(model: Any, cache: Any, cache_arg: str, ids: torch.Tensor, mask
 
 def _prefill_distinct(model: Any, cache: Any, cache_arg: str, ids: torch.Tensor, mask: torch.Tensor | None,
                       pos: torch.Tensor) -> torch.Tensor:
-    """``lean_compact``'s prompt forward: each distinct row of ``ids`` ``(B, P)`` once (a group's ``n``
-    copies of its prompt are one forward row), then every layer of ``cache`` and the ``(B, V)`` logits
-    expanded to all ``B`` rows. The same values as the full forward up to the kernels' dependence on
-    the batch size."""
-    first: dict[tuple[int, ...], int] = {}
-    inverse = [first.setdefault(tuple(row), i) for i, row in enumerate(ids.tolist())]
-    if len(first) == ids.shape[0]:
+    """``lean_compact``'s prompt forward: each distinct prompt row (its ids ``(B, P)`` and mask) once
+    (a group's ``n`` copies of its prompt are one forward row), then every layer of ``cache`` and the
+    ``(B, V)`` logits expanded to all ``B`` rows. The same values as the full forward up to the
+    kernels' dependence on the batch size."""
+    key = ids if mask is None else torch.cat([ids, mask.to(ids.dtype)], dim=1)
+    _, expand = torch.unique(key, dim=0, return_inverse=True)  # (B,) each row's distinct prompt
+    n_distinct = int(expand.max()) + 1
+    if n_distinct == ids.shape[0]:
         return _last_logits(model, cache, cache_arg, ids, mask, pos)
-    distinct = torch.tensor(list(first.values()), dtype=torch.long, device=ids.device)
-    slot = {row: j for j, row in enumerate(first.values())}
-    expand = torch.tensor([slot[i] for i in inverse], dtype=torch.long, device=ids.device)
+    # one row of each distinct prompt (its copies are equal, so which one does not matter)
+    distinct = expand.new_zeros(n_distinct).scatter_(0, expand, torch.arange(ids.shape[0], device=ids.device))
     logits = _last_logits(model, cache, cache_arg, ids[distinct], mask[distinct] if mask is not None else None,
                           pos[distinct])
     for layer in cache.layers:
