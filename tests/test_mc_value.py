@@ -26,8 +26,10 @@ class PrefixEngine:
     def __init__(self) -> None:
         self.calls: list[tuple[list[str], int]] = []
 
-    def generate(self, prompts, *, n, temperature, top_p, max_new_tokens, greedy=False, seed=None):
+    def generate(self, prompts, *, n, temperature, top_p, max_new_tokens, greedy=False, seed=None,
+                 shared_prefix=None):
         self.calls.append((list(prompts), n))
+        assert shared_prefix is not None and all(p.startswith(h) for p, h in zip(prompts, shared_prefix, strict=True))
         texts, index = [], []
         for i, p in enumerate(prompts):
             head = p.split("\n", 1)[1]  # the response prefix after the prompt "Compute ...\n"
@@ -316,5 +318,14 @@ def test_refine_spreads_each_steps_credit_by_oar_g_and_keeps_its_sum():
         assert refined.token_advantages[1][on].sum().item() == pytest.approx(plain.token_advantages[1][on].sum().item(), abs=1e-5)
     blamed = refined.token_advantages[1, 4:7]  # "8, ": not spread evenly any more
     assert (blamed < 0).all() and blamed.max() - blamed.min() > 1e-3 and refined.stats["refine_s"] > 0
+    # OAR-G scores only the responses whose step values move: a second group, all right, whose every
+    # continuation is right too, has nothing to spread and is not scored; the first group's credit is as before
+    wide = _batch(RESPONSES + [RESPONSES[0]] * 2, REWARDS + [1.0, 1.0], model=model)
+    wide.group_ids = torch.tensor([0, 0, 1, 1])
+    wide.extras["continuations"] = _context(PrefixEngine(), 4)
+    both = get_estimator("mc_value")(wide, greedy=True, refine={"mode": "answer_joint"}, refine_floor=0.1)
+    assert both.stats["refine_fraction"] == 0.5 and (both.token_advantages[2:] == 0).all()
+    torch.testing.assert_close(both.token_advantages[:2, :refined.token_advantages.shape[1]], refined.token_advantages,
+                               rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match="refine must be a mapping of OAR-G options"):
         get_estimator("mc_value")(batch, greedy=True, refine={"beta": 2.0})

@@ -20,6 +20,7 @@ from oar.rollout import (
     lean_unsupported,
     make_engine,
 )
+from oar.rollout.hf import prompt_heads
 
 #: prompts of different lengths (left padding in a batch)
 PROMPTS = ["Compute 1+2.\n", "Compute 47+18-25.\n", "What is 3*4?\n", "x\n"]
@@ -155,6 +156,44 @@ def test_lean_compact_drops_finished_rows():
     assert batch_sizes[1] == 16 and min(batch_sizes) < 12
     assert batch_sizes[1:] == sorted(batch_sizes[1:], reverse=True)
     assert tokens.shape[0] == 16
+
+
+#: Monte-Carlo-like states: two rendered prompts, each followed by response prefixes (one empty)
+HEADS = ["Compute 47+18-25.\n", "What is 3*4?\n"]
+STATES = [(h, h + tail) for h in HEADS for tail in ["", "4", "47+18=65, ", "47+1", "3*"]]
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_lean_compact_shared_prefix_equals_lean(greedy):
+    """``shared_prefix``: each distinct head's forward once, then the tails; the same continuations as
+    ``lean`` (one forward of every whole prompt) on this CPU model, log-probs to float rounding."""
+    model, tok = _greedy_model() if greedy else _sampling_model()
+    heads, prompts = [h for h, _ in STATES], [p for _, p in STATES]
+    kw = dict(n=3, temperature=1.0, top_p=1.0, max_new_tokens=30, seed=5, greedy=greedy)
+    ref = HFEngine(model, tok, batch_size=64, sampler="lean").generate(prompts, **kw)
+    rows: list[tuple[int, int]] = []
+    model.register_forward_pre_hook(lambda m, args, kwargs: rows.append(tuple(kwargs["input_ids"].shape)),
+                                    with_kwargs=True)
+    got = HFEngine(model, tok, batch_size=64, sampler="lean_compact").generate(prompts, shared_prefix=heads, **kw)
+    n = 1 if greedy else 3
+    longest = max(len(tok(p, add_special_tokens=True)["input_ids"]) for p in prompts)
+    assert rows[0][0] == len(HEADS)  # one forward row per distinct head
+    assert rows[1][0] == len(prompts) * n and rows[1][1] < longest - 5  # the tails only
+    assert torch.equal(got.response_ids, ref.response_ids) and got.texts == ref.texts
+    assert torch.equal(got.response_mask, ref.response_mask)
+    torch.testing.assert_close(got.logprobs, ref.logprobs, rtol=0, atol=1e-5)
+    assert len(set(ref.texts)) >= 4  # the states continue differently: the tails were seen
+
+
+def test_prompt_heads_falls_back_to_the_whole_prompt():
+    """A prefix whose tokens are not the prompt's leading tokens makes the whole prompt the head."""
+    _, tok = _sampling_model()
+    prompts = ["Compute 1+2.\n12", "x\ny"]
+    enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=True)
+    heads = prompt_heads(tok, enc["input_ids"], enc["attention_mask"], ["Compute 1+2.\n", "zz"],
+                         add_special_tokens=True)
+    n_head = len(tok("Compute 1+2.\n", add_special_tokens=True)["input_ids"])
+    assert heads.tolist() == [n_head, int(enc["attention_mask"][1].sum())]
 
 
 def test_multinomial_rows_is_torch_multinomial():

@@ -226,7 +226,9 @@ def continuation_values(ctx: ContinuationContext, texts: Sequence[str], char_sta
     the policy, biased but without sampling noise).
 
     Identical prefixes (the responses of a group often share their first steps) are one state and
-    are continued once: their value is one estimate from ``k`` continuations.
+    are continued once: their value is one estimate from ``k`` continuations. The engine is told
+    each state's rendered prompt (``shared_prefix``), which all states of a group share, so an engine
+    that can (``rollout.sampler: lean_compact``) runs its forward once.
 
     Returns:
         per row, one value per boundary; and the cost: ``mc_prefixes`` (boundaries),
@@ -236,14 +238,14 @@ def continuation_values(ctx: ContinuationContext, texts: Sequence[str], char_sta
     t0 = time.perf_counter()
     k = 1 if greedy else k
     state_of: dict[tuple[str, str], int] = {}  # (prompt + prefix, gold) -> state index
-    states: list[tuple[str, str, str]] = []  # (engine prompt, response prefix, gold)
+    states: list[tuple[str, str, str, str]] = []  # (engine prompt, response prefix, gold, rendered prompt)
     where: list[tuple[int, int]] = []  # (row, state) of every boundary, in row order
     for i, cs in enumerate(char_starts):
         for c in cs:
             key = (ctx.prompts[i] + texts[i][:c], str(ctx.golds[i]))
             if key not in state_of:
                 state_of[key] = len(states)
-                states.append((key[0], texts[i][:c], key[1]))
+                states.append((key[0], texts[i][:c], key[1], ctx.prompts[i]))
             where.append((i, state_of[key]))
     values: list[list[float]] = [[] for _ in char_starts]
     stats = {"mc_prefixes": float(len(where)), "mc_states": float(len(states)),
@@ -252,7 +254,8 @@ def continuation_values(ctx: ContinuationContext, texts: Sequence[str], char_sta
         shortest = min(min(bs) for bs in boundaries if bs)
         budget = max(1, int(ctx.max_new_tokens) - int(shortest))
         ro = ctx.engine.generate([s[0] for s in states], n=k, temperature=ctx.temperature, top_p=ctx.top_p,
-                                 max_new_tokens=budget, seed=ctx.seed, greedy=greedy)
+                                 max_new_tokens=budget, seed=ctx.seed, greedy=greedy,
+                                 shared_prefix=[s[3] for s in states])
         p_idx = ro.prompt_index.tolist()
         rewards = ctx.score([states[p][1] + ro.texts[j] for j, p in enumerate(p_idx)], [states[p][2] for p in p_idx])
         total = [0.0] * len(states)
@@ -320,7 +323,8 @@ def mc_step_credit(ctx: ContinuationContext, tokenizer: Any, response_ids: torch
                    step_split: str = McValueOptions.step_split, max_steps: int = McValueOptions.max_steps,
                    reasoning_only: bool = McValueOptions.reasoning_only, norm_by_std: bool = True,
                    greedy: bool = McValueOptions.greedy, group_moments: tuple[torch.Tensor, torch.Tensor] | None = None,
-                   root: str = McValueOptions.root, token_scores: torch.Tensor | None = None,
+                   root: str = McValueOptions.root,
+                   token_scores: torch.Tensor | Callable[[torch.Tensor], torch.Tensor] | None = None,
                    refine_floor: float = McValueOptions.refine_floor,
                    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """Step deltas of a batch: ``(delta (B, T) float32, values (B, S + 1) float64, cost stats)``.
@@ -331,7 +335,9 @@ def mc_step_credit(ctx: ContinuationContext, tokenizer: Any, response_ids: torch
     ``group_moments``: each row's group ``(mean, std)`` ``(B,)`` when the batch holds only some
     members of its groups (default: :func:`group_stats` of ``rewards`` and ``group_ids``).
     ``token_scores``: ``(B, T)`` scores that spread each step's delta over its tokens
-    (:func:`segment_weights` with ``refine_floor``; each step's sum is unchanged).
+    (:func:`segment_weights` with ``refine_floor``; each step's sum is unchanged), or a function that
+    returns them given the ``(B,)`` bool rows whose delta is not 0 everywhere (the only rows whose
+    scores are read: a response whose values never change has nothing to spread).
     """
     if k < 1:
         raise ValueError(f"mc_value: k must be >= 1, got {k}")
@@ -357,6 +363,8 @@ def mc_step_credit(ctx: ContinuationContext, tokenizer: Any, response_ids: torch
     seg = segment_ids(bounds, response_mask)
     delta = step_advantages(values, seg, response_mask.cpu())
     if token_scores is not None:
+        if callable(token_scores):
+            token_scores = token_scores((delta != 0).any(dim=1))
         delta = delta * segment_weights(token_scores, seg, refine_floor).to(delta.dtype)
     if norm_by_std:
         scale = torch.where(std > 0, std, torch.ones_like(std))
@@ -375,11 +383,12 @@ def mc_value_estimator(batch: CreditBatch, **options: Any) -> CreditResult:
     ``max_steps``, ``reasoning_only``, ``root`` (``group``: ``V_0`` is the group's mean reward;
     ``continuation``: from continuations of the bare prompt), ``refine`` (a mapping of OAR-G's
     options, e.g. ``{mode: answer_joint}``: each step's credit spread over its tokens by OAR-G's
-    scores, one OAR-G pass over the answered responses), ``refine_floor``, ``seq_weight``,
+    scores, one OAR-G pass over the answered responses whose step values move), ``refine_floor``, ``seq_weight``,
     ``alpha``) and the sequence advantage's ``norm_by_std`` (True), ``eps``.
     Needs ``batch.tokenizer`` and ``batch.extras["continuations"]`` (a :class:`ContinuationContext`,
     set by the trainer). Stats: the continuation cost (``mc_prefixes``, ``mc_states``,
-    ``mc_continuations``, ``mc_tokens``, ``mc_seconds``) and ``mc_steps_per_response``.
+    ``mc_continuations``, ``mc_tokens``, ``mc_seconds``), ``mc_steps_per_response`` and, with ``refine``,
+    ``refine_s`` and ``refine_fraction`` (the share of responses OAR-G scored).
     """
     check_options("mc_value", options, MC_VALUE_OPTIONS)
     ctx = batch.extras.get("continuations")
@@ -388,15 +397,21 @@ def mc_value_estimator(batch: CreditBatch, **options: Any) -> CreditResult:
                          "rollout engine, prompts, gold answers and reward) and CreditBatch.tokenizer are needed")
     A = sequence_advantages(batch, options)
     o = options_from(McValueOptions, {k: v for k, v in options.items() if k not in SEQ_OPTIONS}, "estimator 'mc_value'")
-    scores, refine_stats = None, {}
+    scores: Callable[[torch.Tensor], torch.Tensor] | None = None
+    refine_stats: dict[str, float] = {}
     refine = o.refine
     if refine is not None:
         if not isinstance(refine, Mapping) or set(refine) - set(REFINE_OPTIONS):
             raise ValueError(f"estimator 'mc_value': refine must be a mapping of OAR-G options {list(REFINE_OPTIONS)}, "
                              f"got {refine!r}")
-        # every answered response: a step can move the value in a group whose rewards are all equal
-        scores, _, _, st = importance_scores("oar_g", batch, dict(refine), torch.ones(batch.response_ids.shape[0]))
-        refine_stats = {"refine_s": st["importance_s"] + st["probe_s"]}
+
+        def refine_scores(rows: torch.Tensor) -> torch.Tensor:
+            # the answered responses whose step values move, also in a group whose rewards are all equal
+            s, _, active, st = importance_scores("oar_g", batch, dict(refine), rows.float())
+            refine_stats.update(refine_s=st["importance_s"] + st["probe_s"], refine_fraction=float(active.float().mean()))
+            return s
+
+        scores = refine_scores
     delta, _, stats = mc_step_credit(
         ctx, batch.tokenizer, batch.response_ids, batch.response_mask, batch.rewards, batch.group_ids,
         k=o.k, step_split=o.step_split, max_steps=o.max_steps, reasoning_only=o.reasoning_only,

@@ -170,7 +170,11 @@ class RolloutEngine(Protocol):
         max_new_tokens: int,
         greedy: bool = False,
         seed: int | None = None,
-    ) -> Rollout: ...
+        shared_prefix: Sequence[str] | None = None,
+    ) -> Rollout:
+        """``n`` responses per prompt; ``shared_prefix``: per prompt, a leading part other prompts of the
+        call share, which an engine may compute once (a hint: the responses do not depend on it)."""
+        ...
 
     #: whether :meth:`sync_weights` needs the policy's weights (False: the engine samples from the
     #: policy module itself, so the trainer need not gather anything)

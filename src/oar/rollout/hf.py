@@ -18,7 +18,7 @@ from oar.rollout.base import (
 )
 from oar.rollout.lean import lean_generate, lean_unsupported
 
-__all__ = ["HFEngine", "SAMPLERS", "hf_generate_kwargs"]
+__all__ = ["HFEngine", "SAMPLERS", "hf_generate_kwargs", "prompt_heads"]
 
 #: the samplers of :class:`HFEngine` (config ``rollout.sampler``)
 SAMPLERS = ("hf", "lean", "lean_compact")
@@ -31,6 +31,24 @@ def hf_generate_kwargs(*, greedy: bool, temperature: float, top_p: float) -> dic
     return dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
 
 
+def prompt_heads(tokenizer: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, prefixes: Sequence[str], *,
+                 add_special_tokens: bool) -> torch.Tensor:
+    """How many leading real tokens of each left-padded prompt (``(B, P)`` ids and mask) are its
+    ``prefixes[i]``'s tokens: ``(B,)`` long, the whole prompt where the prompt's tokens do not start
+    with the prefix's own (a tokenizer that merges across the cut), so a head is always exact."""
+    lengths = attention_mask.long().sum(1).tolist()
+    distinct = sorted(set(prefixes))
+    enc = tokenizer(distinct, add_special_tokens=add_special_tokens)["input_ids"]
+    own = dict(zip(distinct, enc))
+    P = input_ids.shape[1]
+    heads = []
+    for i, (prefix, n) in enumerate(zip(prefixes, lengths, strict=True)):
+        ids = own[prefix]
+        real = input_ids[i, P - n : P - n + len(ids)].tolist()
+        heads.append(len(ids) if 0 < len(ids) <= n and real == list(ids) else n)
+    return torch.tensor(heads, dtype=torch.long)
+
+
 class HFEngine:
     """Rollouts sampled from the policy itself (no copy of the weights), with ``transformers``.
 
@@ -40,7 +58,8 @@ class HFEngine:
         batch_size: sequences per ``generate`` call.
         sampler: ``lean`` (default): :func:`lean_generate`, the same tokens and log-probs as
             ``generate`` for a seed with less per-token overhead; ``lean_compact``: the same loop
-            with one prompt forward per distinct prompt and dropping finished rows from the batch
+            with one prompt forward per distinct prompt (or per distinct ``shared_prefix``) and
+            dropping finished rows from the batch
             (deterministic for a seed, equal to ``generate``'s samples unless the kernels' results depend on the batch size; see :func:`lean_generate`);
             ``hf``: ``model.generate``. The lean samplers fall back to ``generate`` (with a warning)
             for a model whose generation config asks for more than they reproduce
@@ -91,8 +110,14 @@ class HFEngine:
         max_new_tokens: int = 64,
         greedy: bool = False,
         seed: int | None = None,
+        shared_prefix: Sequence[str] | None = None,
     ) -> Rollout:
-        """Sample ``n`` responses for each prompt (``greedy``: one deterministic response each, n ignored)."""
+        """Sample ``n`` responses for each prompt (``greedy``: one deterministic response each, n ignored).
+
+        ``shared_prefix``: per prompt, a leading part of it that other prompts of the call share (a
+        Monte-Carlo state's rendered prompt before its response prefix). The ``lean_compact`` sampler
+        then runs each distinct prefix's forward once (:func:`prompt_heads`); the other samplers
+        ignore it. The prompts are tokenized whole either way."""
         if seed is not None:
             torch.manual_seed(seed)
         n_eff = 1 if greedy else n
@@ -111,11 +136,15 @@ class HFEngine:
                           add_special_tokens=prompt_add_special_tokens(tok, batch_prompts))
                 input_ids = enc["input_ids"].to(device)
                 attn = enc["attention_mask"].to(device)
+                compact = self.sampler == "lean_compact"
+                heads = None
+                if compact and shared_prefix is not None:
+                    heads = prompt_heads(tok, input_ids.cpu(), attn.cpu(), [shared_prefix[i] for i in idx],
+                                         add_special_tokens=prompt_add_special_tokens(tok, batch_prompts)).to(device)
                 if self.sampler != "hf":
                     resp, lp = lean_generate(self.model, input_ids, attn, max_new_tokens=max_new_tokens,
                                              eos_ids=self.eos_ids, pad_id=self.pad_id, greedy=greedy,
-                                             temperature=temperature, top_p=top_p,
-                                             compact=self.sampler == "lean_compact")
+                                             temperature=temperature, top_p=top_p, compact=compact, head_len=heads)
                 else:
                     resp, lp = self._hf_generate(input_ids, attn, max_new_tokens=max_new_tokens, greedy=greedy,
                                                  temperature=temperature, top_p=top_p)

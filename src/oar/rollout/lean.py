@@ -6,13 +6,14 @@ and :func:`lean_unsupported`, the generation-config settings it does not reprodu
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
 from oar.models import cache_argument
 
-__all__ = ["lean_generate", "lean_unsupported", "COMPACT_BELOW"]
+__all__ = ["lean_generate", "lean_unsupported", "COMPACT_BELOW", "HeadTailLayout", "head_tail_layout"]
 
 
 #: generation-config settings under which ``generate`` adds no logits processor and no stopping
@@ -145,6 +146,7 @@ def lean_generate(
     temperature: float = 1.0,
     top_p: float = 1.0,
     compact: bool = False,
+    head_len: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample continuations with a plain loop over ``model``'s forward and a preallocated KV cache.
 
@@ -158,42 +160,43 @@ def lean_generate(
     one of ``eos_ids`` or after ``max_new_tokens`` steps.
 
     ``compact=True`` (``rollout.sampler: lean_compact``) runs the prompt forward once per distinct
-    prompt (:func:`_prefill_distinct`: a group's ``n`` copies share it) and drops finished rows from
-    the batch (and their KV cache) once at most :data:`COMPACT_BELOW` of the rows in it are
-    unfinished. The random draws stay those of the full batch (multinomial's own method, ``argmax(probs / q)`` with
-    ``q ~ Exp(1)`` drawn for all rows, :func:`multinomial_rows`), so the samples are a deterministic
-    function of the seed and equal ``generate``'s as long as a row's logits do not depend on which
-    other rows share its forward -- which the CPU/GPU matmul kernels do not promise (a change of the
-    batch size can change the last bits of the logits, and then rarely a token).
+    prompt (:func:`_prefill_shared`: a group's ``n`` copies share it; with ``head_len``, once per
+    distinct head, then each row's tail) and drops finished rows from the batch (and their KV cache)
+    once at most :data:`COMPACT_BELOW` of the rows in it are unfinished. The random draws stay the
+    full batch's (:func:`multinomial_rows`), so the samples are a deterministic function of the seed
+    and equal ``generate``'s as long as a row's logits do not depend on which other rows share its
+    forward, which the matmul kernels do not promise (then, rarely, a token differs).
 
     Args:
         model: a decoder-only ``PreTrainedModel`` (or an FSDP-wrapped one, gathered) in eval mode.
         input_ids: ``(B, P)`` long, left-padded prompts.
         attention_mask: ``(B, P)`` long, 1 on real prompt tokens.
+        head_len: ``compact`` only: ``(B,)`` long, how many leading real tokens of each row are a head
+            that other rows share (a Monte-Carlo state's rendered prompt, before its response prefix):
+            rows with equal heads share one forward of it; None: the whole prompt is the head.
     Returns:
         tokens ``(B, T)`` long (``pad_id`` after a row's eos) and their log-probs ``(B, T)`` float32
         under ``log_softmax(logits / temperature)`` (temperature 1 when greedy), as
         :func:`oar.rollout.base.token_logprobs` of the step logits (0 after a row's eos when
-        compacting);
-        ``T <= max_new_tokens`` is the step at which the last row stopped.
+        compacting); ``T <= max_new_tokens`` is the step at which the last row stopped.
     """
     B = input_ids.shape[0]
     device = input_ids.device
+    if max_new_tokens < 1:
+        return input_ids.new_zeros(B, 0), torch.zeros(B, 0, dtype=torch.float32, device=device)
     temp, top_p_warper = _warpers(greedy, temperature, top_p)
-    position_ids, mask = _prompt_positions(attention_mask)
-    cache = _preallocated_cache(model, input_ids.shape[1] + max_new_tokens)
     cache_arg = cache_argument(model)  # its name differs between transformers versions
+    cache, logits, mask, step_pos = _prefill(model, cache_arg, input_ids, attention_mask, max_new_tokens=max_new_tokens,
+                                             compact=compact, head_len=head_len, pad_id=pad_id)
     eos_t = torch.tensor(list(eos_ids), dtype=torch.long, device=device) if eos_ids else None
     tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
     logprobs = torch.zeros(B, max_new_tokens, dtype=torch.float32, device=device)
     rows = torch.arange(B, device=device)  # the full-batch index of each row in the forward's batch
     unfinished = torch.ones(B, dtype=torch.bool, device=device)  # of the rows in the batch
-    step_ids, step_pos = input_ids, position_ids
+    step_ids = input_ids
     T = max_new_tokens
     for t in range(max_new_tokens):
-        if t == 0 and compact:
-            logits = _prefill_distinct(model, cache, cache_arg, step_ids, mask, step_pos)
-        else:
+        if t > 0:
             logits = _last_logits(model, cache, cache_arg, step_ids, mask, step_pos)
         nxt, lp = _next_tokens(logits, step_ids, rows, B, greedy=greedy, temp=temp, top_p_warper=top_p_warper,
                                unfinished=unfinished if eos_t is not None else None, pad_id=pad_id)
@@ -213,6 +216,26 @@ def lean_generate(
     return tokens[:, :T], logprobs[:, :T]
 
 
+def _prefill(model: Any, cache_arg: str, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
+             max_new_tokens: int, compact: bool, head_len: torch.Tensor | None, pad_id: int,
+             ) -> tuple[Any, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """:func:`lean_generate`'s prompt forward into a new preallocated cache (``compact``:
+    :func:`_prefill_shared`; else one forward of the ``(B, P)`` prompts, as ``generate``).
+
+    Returns:
+        the cache, the ``(B, V)`` logits of each prompt's last token, the attention mask of the
+        cache's positions (None: no padding) and the ``(B, L)`` positions whose last column is each
+        prompt's last token's.
+    """
+    if compact:
+        layout = head_tail_layout(input_ids, attention_mask, head_len, pad_id=pad_id)
+        cache = _preallocated_cache(model, layout.length + max_new_tokens)
+        return (cache, *_prefill_shared(model, cache, cache_arg, layout))
+    pos, mask = _prompt_positions(attention_mask)
+    cache = _preallocated_cache(model, input_ids.shape[1] + max_new_tokens)
+    return cache, _last_logits(model, cache, cache_arg, input_ids, mask, pos), mask, pos
+
+
 def _last_logits(model: Any, cache: Any, cache_arg: str, ids: torch.Tensor, mask: torch.Tensor | None,
                  pos: torch.Tensor) -> torch.Tensor:
     """One forward of :func:`lean_generate` (``(b, L)`` ids and positions, ``(b, L')`` mask or None,
@@ -222,24 +245,88 @@ def _last_logits(model: Any, cache: Any, cache_arg: str, ids: torch.Tensor, mask
     return out.logits[:, -1].to(copy=True, dtype=torch.float32)
 
 
-def _prefill_distinct(model: Any, cache: Any, cache_arg: str, ids: torch.Tensor, mask: torch.Tensor | None,
-                      pos: torch.Tensor) -> torch.Tensor:
-    """``lean_compact``'s prompt forward: each distinct prompt row (its ids ``(B, P)`` and mask) once
-    (a group's ``n`` copies of its prompt are one forward row), then every layer of ``cache`` and the
-    ``(B, V)`` logits expanded to all ``B`` rows. The same values as the full forward up to the
-    kernels' dependence on the batch size."""
-    key = ids if mask is None else torch.cat([ids, mask.to(ids.dtype)], dim=1)
-    _, expand = torch.unique(key, dim=0, return_inverse=True)  # (B,) each row's distinct prompt
+@dataclass(frozen=True)
+class HeadTailLayout:
+    """The prompts of :func:`lean_generate`'s compacting prefill, each cut into a head (shared by rows
+    with equal heads) and a tail, both left-padded: row ``i``'s prompt is its head's real tokens, then
+    its tail's.
+
+    Attributes:
+        head_ids, head_mask: ``(B, H)`` long.
+        tail_ids, tail_mask: ``(B, S)`` long (``S`` is 0 when every head is the whole prompt).
+        lengths: ``(B,)`` long, each prompt's number of real tokens.
+    """
+
+    head_ids: torch.Tensor
+    head_mask: torch.Tensor
+    tail_ids: torch.Tensor
+    tail_mask: torch.Tensor
+    lengths: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        """Positions of the cache the prompts fill (``H + S``)."""
+        return self.head_ids.shape[1] + self.tail_ids.shape[1]
+
+
+def head_tail_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, head_len: torch.Tensor | None, *,
+                     pad_id: int) -> HeadTailLayout:
+    """Cut left-padded prompts (``(B, P)`` ids and mask) into heads of ``head_len`` (``(B,)`` long,
+    clamped to ``[1, length]``; None: the whole prompt) real tokens and tails of the rest, each
+    left-padded with ``pad_id``.
+
+    >>> ids = torch.tensor([[0, 5, 6, 7], [5, 6, 8, 9]]); mask = (ids > 0).long()
+    >>> lay = head_tail_layout(ids, mask, torch.tensor([2, 2]), pad_id=0)
+    >>> lay.head_ids.tolist(), lay.tail_ids.tolist(), lay.tail_mask.tolist()
+    ([[5, 6], [5, 6]], [[0, 7], [8, 9]], [[0, 1], [1, 1]])
+    """
+    P = input_ids.shape[1]
+    lengths = attention_mask.long().sum(1)
+    h = lengths if head_len is None else head_len.to(lengths).clamp(min=1).minimum(lengths)
+    H, S = int(h.max()), int((lengths - h).max())
+    j = torch.arange(H, device=input_ids.device)
+    head_valid = j[None] >= (H - h)[:, None]
+    src = ((P - lengths + h - H)[:, None] + j[None]).clamp(0, P - 1)  # the head's columns in input_ids
+    head_ids = torch.where(head_valid, input_ids.gather(1, src), pad_id)
+    k = torch.arange(S, device=input_ids.device)
+    tail_valid = k[None] >= (S - (lengths - h))[:, None]  # a tail is the last length - h columns
+    tail_ids = torch.where(tail_valid, input_ids[:, P - S:], pad_id)
+    return HeadTailLayout(head_ids, head_valid.long(), tail_ids, tail_valid.long(), lengths)
+
+
+def _prefill_shared(model: Any, cache: Any, cache_arg: str, layout: HeadTailLayout,
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``lean_compact``'s prompt forwards, writing into ``cache``: each distinct head (ids and mask) once
+    (a group's ``n`` copies of its prompt are one forward row), every layer of ``cache`` expanded to all
+    ``B`` rows, then one forward of the tails (a row whose tail is empty keeps its head's logits).
+
+    The same values as one forward of the whole prompts up to the kernels' dependence on the batch
+    size: positions count real tokens, and the mask hides the padding between a head and its tail.
+
+    Returns:
+        the ``(B, V)`` float32 logits of each prompt's last token, the ``(B, H + S)`` attention mask of
+        the cache (None when there is no padding) and the ``(B, 1)`` position of each last token.
+    """
+    head_ids, head_mask = layout.head_ids, layout.head_mask
+    head_pos, hmask = _prompt_positions(head_mask)
+    _, expand = torch.unique(torch.cat([head_ids, head_mask], dim=1), dim=0, return_inverse=True)
     n_distinct = int(expand.max()) + 1
-    if n_distinct == ids.shape[0]:
-        return _last_logits(model, cache, cache_arg, ids, mask, pos)
-    # one row of each distinct prompt (its copies are equal, so which one does not matter)
-    distinct = expand.new_zeros(n_distinct).scatter_(0, expand, torch.arange(ids.shape[0], device=ids.device))
-    logits = _last_logits(model, cache, cache_arg, ids[distinct], mask[distinct] if mask is not None else None,
-                          pos[distinct])
-    for layer in cache.layers:
-        layer.batch_select_indices(expand)
-    return logits[expand]
+    if n_distinct == head_ids.shape[0]:
+        logits = _last_logits(model, cache, cache_arg, head_ids, hmask, head_pos)
+    else:
+        # one row of each distinct head (its copies are equal, so which one does not matter)
+        distinct = expand.new_zeros(n_distinct).scatter_(0, expand, torch.arange(len(expand), device=expand.device))
+        logits = _last_logits(model, cache, cache_arg, head_ids[distinct],
+                              hmask[distinct] if hmask is not None else None, head_pos[distinct])
+        for layer in cache.layers:
+            layer.batch_select_indices(expand)
+        logits = logits[expand]
+    if layout.tail_ids.shape[1] == 0:
+        return logits, hmask, head_pos[:, -1:]
+    full_pos, mask = _prompt_positions(torch.cat([head_mask, layout.tail_mask], dim=1))
+    tail_logits = _last_logits(model, cache, cache_arg, layout.tail_ids, mask, full_pos[:, head_ids.shape[1]:])
+    has_tail = layout.tail_mask[:, -1].bool()
+    return torch.where(has_tail[:, None], tail_logits, logits), mask, (layout.lengths - 1)[:, None]
 
 
 def _warpers(greedy: bool, temperature: float, top_p: float) -> tuple[float, Any]:

@@ -143,7 +143,10 @@ class VLLMEngine:
         max_new_tokens: int = 64,
         greedy: bool = False,
         seed: int | None = None,
+        shared_prefix: Sequence[str] | None = None,
     ) -> Rollout:
+        """``n`` responses per prompt; ``shared_prefix`` is not used (vLLM finds shared prefixes itself
+        when its prefix caching is on)."""
         from vllm import SamplingParams
 
         self.wake_up()  # never sample from slept weights or without a KV cache
