@@ -653,6 +653,26 @@ def test_the_transfer_evaluation_changes_no_fingerprint_but_its_own():
     assert transfer_fingerprint(with_transfer) != transfer_fingerprint(more_methods)
 
 
+def test_eval_sampler_at_its_default_changes_no_fingerprint():
+    """eval.sampler came after results existed: at its default (lean) the evaluation fingerprints are
+    what they were without the key; lean_compact changes the evaluations' own, not a training run's."""
+    import copy
+
+    from oar.config import load_config, resolve_methods
+    from oar.identity import eval_fingerprint, run_key, transfer_fingerprint
+
+    cfg = load_config(ROOT / "config" / "config.yaml")
+    assert cfg["eval"]["sampler"] == "lean"
+    old = copy.deepcopy(cfg)
+    del old["eval"]["sampler"]  # a config from before the key
+    assert (eval_fingerprint(old), transfer_fingerprint(old)) == (eval_fingerprint(cfg), transfer_fingerprint(cfg))
+    compact = copy.deepcopy(cfg)
+    compact["eval"]["sampler"] = "lean_compact"
+    assert eval_fingerprint(compact) != eval_fingerprint(cfg)
+    grpo = resolve_methods(cfg)["grpo"]
+    assert run_key(compact, grpo, sft=True) == run_key(cfg, grpo, sft=True)
+
+
 # a results_dir (or model path) that breaks an unquoted shell command twice: a space and a command
 WEIRD = "my results/$(touch PWNED)"
 

@@ -238,6 +238,7 @@ def evaluate_from_config(config: dict, model_dir: str | Path | None, output_dir:
     """
     from datetime import datetime, timezone
 
+    from oar.identity import NEW_KEYS_AT_DEFAULT
     from oar.io import check_output_folder
     from oar.models import check_model_files, load_policy, model_identity
     from oar.provenance import provenance, with_end_time
@@ -254,6 +255,8 @@ def evaluate_from_config(config: dict, model_dir: str | Path | None, output_dir:
     output_dir.mkdir(parents=True, exist_ok=True)
     # cached results are reused only for the same model content, generation and scoring settings
     settings = {k: ev[k] for k in ("greedy", "samples", "temperature", "top_p", "max_new_tokens", "chunk_size")}
+    if ev["sampler"] != NEW_KEYS_AT_DEFAULT["eval"]["sampler"]:  # at its default, caches written before the key stay valid
+        settings["sampler"] = ev["sampler"]
     settings.update(model_identity=model_identity(spec), seed=seed, template=config["task"]["template"],
                     reward=config["reward"])
     model_path = str(model_dir) if model_dir else config["model"]["source"]
@@ -263,7 +266,8 @@ def evaluate_from_config(config: dict, model_dir: str | Path | None, output_dir:
 
         model.to("cuda" if config["device"] == "auto" and torch.cuda.is_available() else config["device"])
     engine = make_engine(ev["engine"], model, tokenizer, batch_size=ev["batch_size"], seed=seed,
-                         model_path=model_path, vllm_kwargs=config["rollout"]["vllm"])
+                         model_path=model_path, vllm_kwargs=config["rollout"]["vllm"],
+                         sampler=ev["sampler"])
     results: dict[str, dict] = {}
     for name, records in benches.items():
         done = output_dir / f"{name}.json"

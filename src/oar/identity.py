@@ -116,6 +116,7 @@ def fingerprint(*parts: Any) -> str:
 #: rerun every finished job (set to anything else, it joins the fingerprint and the job reruns).
 NEW_KEYS_AT_DEFAULT: dict[str, dict[str, Any]] = {
     "sft": {"micro_batch_size": None},
+    "eval": {"sampler": "lean"},
 }
 
 
@@ -256,7 +257,7 @@ def _evaluation_fingerprint(config: Mapping[str, Any], benchmarks: Any) -> str:
     """The fingerprint of an evaluation of ``benchmarks`` with the config's settings: ``eval`` but
     :data:`EVAL_KEYS_NOT_EVALUATED`, its ``benchmarks`` being ``benchmarks``; the reward; the task's
     template, seed and synthetic options."""
-    ev = {k: v for k, v in config["eval"].items() if k not in EVAL_KEYS_NOT_EVALUATED}
+    ev = {k: v for k, v in config_sections(config, "eval")["eval"].items() if k not in EVAL_KEYS_NOT_EVALUATED}
     ev["benchmarks"] = benchmarks
     task = config["task"]
     return fingerprint(ev, config_sections(config, "reward"), task.get("template"), task.get("seed"),

@@ -151,7 +151,7 @@ class AttributionSettings:
     schema holds the defaults; nothing here repeats them).
 
     Sampling (config ``rollout``): ``n_samples`` (the group size, ``rollout.n``), ``temperature``,
-    ``top_p``, ``max_new_tokens``, ``batch_size``. Task (``task``): ``template`` and ``task_options``
+    ``top_p``, ``max_new_tokens``, ``batch_size``, ``sampler``. Task (``task``): ``template`` and ``task_options``
     (``task.synthetic``, the keywords of :func:`oar.data.synthetic.generate`). Reward (``reward``):
     ``reward_timeout_s``, ``reward_workers``. The benchmark (``attribution``): ``n_sampled``,
     ``n_counterfactual`` (wanted responses of each kind), ``max_prompts``, ``prompts_per_round``,
@@ -168,6 +168,7 @@ class AttributionSettings:
     top_p: float
     max_new_tokens: int
     batch_size: int
+    sampler: str
     template: str
     task_options: Mapping[str, Any]
     reward_timeout_s: float
@@ -205,7 +206,7 @@ class AttributionSettings:
         settings = cls(
             n_samples=int(ro["n"]), temperature=float(ro["temperature"]), top_p=float(ro["top_p"]),
             max_new_tokens=int(ro["max_new_tokens"]), batch_size=int(ro["batch_size"]),
-            template=str(task["template"]), task_options=dict(task["synthetic"]),
+            sampler=str(ro["sampler"]), template=str(task["template"]), task_options=dict(task["synthetic"]),
             reward_timeout_s=float(reward["timeout_s"]), reward_workers=reward["workers"],
             n_sampled=int(attr["n_sampled"]), n_counterfactual=int(attr["n_counterfactual"]),
             max_prompts=int(attr["max_prompts"]), prompts_per_round=int(attr["prompts_per_round"]),
@@ -231,7 +232,7 @@ class AttributionSettings:
         return {
             "split": self.split, "template": self.template, "seed": self.seed, "n_samples": self.n_samples,
             "temperature": self.temperature, "top_p": self.top_p, "max_new_tokens": self.max_new_tokens,
-            "n_sampled": self.n_sampled, "n_counterfactual": self.n_counterfactual, "max_prompts": self.max_prompts,
+            "sampler": self.sampler, "n_sampled": self.n_sampled, "n_counterfactual": self.n_counterfactual, "max_prompts": self.max_prompts,
             "prompts_per_round": self.prompts_per_round, "propagated_only": self.propagated_only,
             "min_steps": self.min_steps, "max_per_prompt": self.max_per_prompt, "max_delta": self.max_delta,
             "top_k": list(self.top_k),
@@ -269,7 +270,7 @@ class _Run:
                    terms=[question_terms(r["question"]) for r in records],
                    prompts=[render_prompt(s.template, r["question"], tokenizer) for r in records],
                    fillers=task_fillers(opts),
-                   engine=HFEngine(model, tokenizer, batch_size=s.batch_size), pad_id=int(tokenizer.pad_token_id))
+                   engine=HFEngine(model, tokenizer, batch_size=s.batch_size, sampler=s.sampler), pad_id=int(tokenizer.pad_token_id))
 
     def reward_of(self, texts: Sequence[str], golds: Sequence[str]) -> list[float]:
         from oar.reward import score_batch
