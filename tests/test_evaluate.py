@@ -46,6 +46,13 @@ def test_evaluate_writes_rows_and_summary_and_resumes(tmp_path):
     stamp = (out / "synthetic-ood.json").stat().st_mtime_ns
     evaluate_from_config(cfg, None, out)
     assert (out / "synthetic-ood.json").stat().st_mtime_ns == stamp
+    # eval.sampler lean_compact is another setting (evaluated again, not reused), with the same answers here
+    compact = load_config(ROOT / "config" / "config.yaml", {**over, "eval": {**over["eval"], "sampler": "lean_compact"}})
+    evaluate_from_config(compact, None, out)
+    assert (out / "synthetic-ood.json").stat().st_mtime_ns != stamp
+    assert json.loads((out / "synthetic-ood.json").read_text())["settings"]["sampler"] == "lean_compact"
+    again = [json.loads(l) for l in (out / "synthetic-test.jsonl").read_text().splitlines()]
+    assert [r["response"] for r in again] == [r["response"] for r in rows]
 
 
 def test_cli_evaluate_transfer_scores_the_transfer_benchmarks_only(tmp_path, capsys):
