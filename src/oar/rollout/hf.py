@@ -45,7 +45,7 @@ def prompt_heads(tokenizer: Any, input_ids: torch.Tensor, attention_mask: torch.
     for i, (prefix, n) in enumerate(zip(prefixes, lengths, strict=True)):
         ids = own[prefix]
         real = input_ids[i, P - n : P - n + len(ids)].tolist()
-        heads.append(len(ids) if 0 < len(ids) <= n and real == list(ids) else n)
+        heads.append(len(ids) if 0 < len(ids) <= n and real == ids else n)
     return torch.tensor(heads, dtype=torch.long)
 
 
@@ -59,8 +59,8 @@ class HFEngine:
         sampler: ``lean`` (default): :func:`lean_generate`, the same tokens and log-probs as
             ``generate`` for a seed with less per-token overhead; ``lean_compact``: the same loop
             with one prompt forward per distinct prompt (or per distinct ``shared_prefix``) and
-            dropping finished rows from the batch
-            (deterministic for a seed, equal to ``generate``'s samples unless the kernels' results depend on the batch size; see :func:`lean_generate`);
+            dropping finished rows from the batch (deterministic for a seed, equal to ``generate``'s
+            samples unless the kernels' results depend on the batch size; see :func:`lean_generate`);
             ``hf``: ``model.generate``. The lean samplers fall back to ``generate`` (with a warning)
             for a model whose generation config asks for more than they reproduce
             (:func:`lean_unsupported`), and silently for an object without a ``config`` (a stand-in
@@ -127,20 +127,21 @@ class HFEngine:
         was_training = self.model.training
         self.model.eval()
         parts = []
+        compact = self.sampler == "lean_compact"
         try:
             order = [i for i in range(len(prompts)) for _ in range(n_eff)]
             for start in range(0, len(order), self.batch_size):
                 idx = order[start : start + self.batch_size]
                 batch_prompts = [prompts[i] for i in idx]
+                special = prompt_add_special_tokens(tok, batch_prompts)
                 enc = tok(batch_prompts, return_tensors="pt", padding=True,
-                          add_special_tokens=prompt_add_special_tokens(tok, batch_prompts))
+                          add_special_tokens=special)
                 input_ids = enc["input_ids"].to(device)
                 attn = enc["attention_mask"].to(device)
-                compact = self.sampler == "lean_compact"
                 heads = None
                 if compact and shared_prefix is not None:
                     heads = prompt_heads(tok, input_ids.cpu(), attn.cpu(), [shared_prefix[i] for i in idx],
-                                         add_special_tokens=prompt_add_special_tokens(tok, batch_prompts)).to(device)
+                                         add_special_tokens=special).to(device)
                 if self.sampler != "hf":
                     resp, lp = lean_generate(self.model, input_ids, attn, max_new_tokens=max_new_tokens,
                                              eos_ids=self.eos_ids, pad_id=self.pad_id, greedy=greedy,
