@@ -365,7 +365,7 @@ def update_policy(model: Any, optimizer: Any, strategy: Any, ro: Any, token_adv:
 
     tcfg = {"packing": packing, "micro_batch_size": micro_batch_size, "mini_batch_size": mini_batch_size,
             "micro_batch_tokens": micro_batch_tokens, "pack_length": pack_length, "grad_clip": grad_clip,
-            "ppo_epochs": 1}
+            "ppo_epochs": 1, "skip_zero_advantage": False}  # every row computed: the check times the whole update
     upd, nonfinite = trainer_update(model, optimizer, strategy, ro, token_adv, None, recipe=dict(recipe, kl_coef=0.0),
                                     tcfg=tcfg, temperature=temperature, agg_max_len=None, generator=generator,
                                     observe=observe if marks is not None else None)

@@ -114,7 +114,7 @@ def test_composed_update_equals_the_trainers():
     mine = gc.update_policy(*results[0], strategy, ro, adv, recipe=gc.RECIPE,
                             generator=torch.Generator().manual_seed(5), marks=Marks(), **layout)
     assert events == ["reset", "backward end", "reset", "backward end", "reset", "step"]
-    tcfg = dict(layout, ppo_epochs=1)
+    tcfg = dict(layout, ppo_epochs=1, skip_zero_advantage=False)
     theirs, nonfinite = update_policy(*results[1], strategy, ro, adv, None, recipe=dict(gc.RECIPE, kl_coef=0.0),
                                        tcfg=tcfg, temperature=1.0, agg_max_len=None,
                                        generator=torch.Generator().manual_seed(5))

@@ -81,6 +81,67 @@ def test_layout_gives_the_padded_paths_loss_and_gradients(layout, agg):
     assert sum(new["tokens_real"]) <= sum(old["tokens_real"]) == int(ro.prompt_mask.sum() + ro.response_mask.sum())
 
 
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_skip_zero_advantage_leaves_the_loss_and_gradient(agg):
+    """train.skip_zero_advantage: the rows whose advantages are all 0 are not computed, the mini-batch's
+    loss and gradient stay those of every row; with a KL term nothing is skipped."""
+    from oar.models import build_tiny
+    from oar.update import credited_rows
+
+    model, _ = build_tiny(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=0)
+    ref, _ = build_tiny(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=1)
+    ro, adv = _rollout()
+    adv[:6] = 0.0                                   # groups 0 and 1 scored alike
+    adv[6, ro.response_mask[6].sum():] = 5.0        # non-zero past the response only: row 6 stays credited
+    rows = torch.arange(12)
+    assert credited_rows(rows, adv, ro.response_mask).tolist() == list(range(6, 12))
+    layout = LAYOUTS["shared_prompt"]
+    old, g_old = _update(model, ro, adv, agg, **layout)
+    new, g_new = _update(model, ro, adv, agg, skip_zero_advantage=True, **layout)
+    for k in ("loss", "pg_loss"):
+        assert new[k] == pytest.approx(old[k], rel=1e-5, abs=1e-7), k
+    assert old["loss"][0] != 0
+    for k in g_old:
+        torch.testing.assert_close(g_new[k], g_old[k], rtol=1e-5, atol=1e-7, msg=k)
+    credited_tokens = int(ro.response_mask[6:].sum()) + int(ro.prompt_mask[6:].sum())
+    assert sum(new["tokens_real"]) < sum(old["tokens_real"])
+    assert sum(new["tokens_real"]) <= credited_tokens
+    # a KL term has a gradient on every row: nothing is left out
+    kl_old, _ = _update(model, ro, adv, agg, ref=ref.eval(), **layout)
+    kl_new, _ = _update(model, ro, adv, agg, ref=ref.eval(), skip_zero_advantage=True, **layout)
+    assert sum(kl_new["tokens_real"]) == sum(kl_old["tokens_real"])
+    assert kl_new["loss"] == pytest.approx(kl_old["loss"], rel=1e-6)
+
+
+def test_skip_zero_advantage_with_nothing_credited_still_steps():
+    """A mini-batch with no credited row runs one zero-weight micro-batch: every parameter gets a zero
+    gradient, so an optimizer with momentum moves the weights exactly as with every row computed."""
+    from oar.models import build_tiny
+    from oar.strategy import make_strategy
+    from oar.update import update_policy
+    from oar.config import section_defaults
+
+    ro, adv = _rollout()
+    weights = {}
+    for skip in (False, True):
+        model, _ = build_tiny(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        tcfg = {**section_defaults("train"), "mini_batch_size": 64, "micro_batch_size": 64,
+                "skip_zero_advantage": skip, **LAYOUTS["shared_prompt"]}
+        recipe = {"loss_agg": "token-mean", "eps_low": 0.2, "eps_high": 0.2, "clip_ratio_c": None, "kl_coef": 0.0}
+        stats = []
+        for a in (adv, torch.zeros_like(adv)):      # a credited step, then one with nothing credited
+            upd, bad = update_policy(model, opt, make_strategy({"device": "cpu", "train": {"strategy": "ddp"}}), ro, a,
+                                     None, recipe=recipe, tcfg=tcfg, temperature=1.0, agg_max_len=None,
+                                     generator=torch.Generator().manual_seed(0))
+            assert bad == 0
+            stats.append(upd)
+        assert skip is False or stats[1]["tokens_real"] == []
+        weights[skip] = [p.detach().clone() for p in model.parameters()]
+    for a, b in zip(weights[False], weights[True]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_shared_prompt_under_eager_attention_matches_sdpa():
     """shared_prompt passes its own 4-D mask: boolean to sdpa, additive to eager; same log-probs."""
     from oar.models import build_tiny

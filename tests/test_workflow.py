@@ -673,6 +673,29 @@ def test_eval_sampler_at_its_default_changes_no_fingerprint():
     assert run_key(compact, grpo, sft=True) == run_key(cfg, grpo, sft=True)
 
 
+def test_skip_zero_advantage_at_its_default_changes_no_run_identity():
+    """train.skip_zero_advantage came after runs existed: at its default (false) a run's store key,
+    the trainer's checkpoint identity and the memory plan's fingerprint are what they were without the
+    key (a checkpoint saved before it resumes); set, it is another run."""
+    import copy
+
+    from oar.config import load_config, resolve_methods
+    from oar.identity import plan_fingerprint, run_identity, run_key
+
+    cfg = load_config(ROOT / "config" / "config.yaml")
+    assert cfg["train"]["skip_zero_advantage"] is False
+    old = copy.deepcopy(cfg)
+    del old["train"]["skip_zero_advantage"]  # a config from before the key
+    grpo = resolve_methods(cfg)["grpo"]
+    assert run_key(old, grpo, sft=True) == run_key(cfg, grpo, sft=True)
+    assert run_identity(old, grpo, 0, "m") == run_identity(cfg, grpo, 0, "m")
+    assert plan_fingerprint(old) == plan_fingerprint(cfg)
+    skip = copy.deepcopy(cfg)
+    skip["train"]["skip_zero_advantage"] = True
+    assert run_key(skip, grpo, sft=True) != run_key(cfg, grpo, sft=True)
+    assert run_identity(skip, grpo, 0, "m")["train.skip_zero_advantage"] == "True"
+
+
 # a results_dir (or model path) that breaks an unquoted shell command twice: a space and a command
 WEIRD = "my results/$(touch PWNED)"
 

@@ -56,12 +56,12 @@ Two definitions that look alike differ on purpose, and stay so (their values are
   model's content hash, so it drops the ``model`` keys that only locate it
   (:data:`MODEL_LOCATION_KEYS`) and names the seed and method; the workflow knows only the config,
   so it keeps ``model.source`` (through :func:`start_key` or the model section), and the seed and
-  method name are the run folder's and entry's names. :func:`run_identity` reads the raw sections
-  (no :func:`config_sections`), which matters for no key today: the only section with options
-  left out by :func:`config_sections` is ``sft``, which it does not hold. It is compared key by key
-  (:func:`oar.runs.identity_diff` names what changed), not hashed, so it may grow a key without
-  rerunning anything: an old checkpoint then reads it as ``<absent>`` and is refused, never resumed
-  silently.
+  method name are the run folder's and entry's names. :func:`run_identity` reads its ``train``
+  section through :func:`config_sections` (a new key at its default, such as
+  ``skip_zero_advantage``, is left out, so a checkpoint saved before the key existed still resumes)
+  and the other sections raw. It is compared key by key (:func:`oar.runs.identity_diff` names what
+  changed), not hashed, so it may grow a key without rerunning anything: an old checkpoint then
+  reads it as ``<absent>`` and is refused, never resumed silently.
 """
 
 from __future__ import annotations
@@ -117,6 +117,7 @@ def fingerprint(*parts: Any) -> str:
 NEW_KEYS_AT_DEFAULT: dict[str, dict[str, Any]] = {
     "sft": {"micro_batch_size": None},
     "eval": {"sampler": "lean"},
+    "train": {"skip_zero_advantage": False},
 }
 
 
@@ -231,7 +232,7 @@ def run_identity(config: Mapping[str, Any], method: ResolvedMethod, seed: int, s
         seed: run seed.
         start_model: :func:`oar.models.model_identity` of the model training starts from.
     """
-    train = {k: v for k, v in config["train"].items() if k not in RESUMABLE_TRAIN_KEYS}
+    train = {k: v for k, v in config_sections(config, "train")["train"].items() if k not in RESUMABLE_TRAIN_KEYS}
     model = {k: v for k, v in config["model"].items() if k not in MODEL_LOCATION_KEYS}
     return flatten({
         "method": method.as_params(),

@@ -15,7 +15,7 @@ from oar.packing import MicroBatch, micro_batch_logprobs, plan_micro_batches
 from oar.rollout import Rollout
 from oar.strategy import Strategy
 
-__all__ = ["policy_forward", "update_policy", "UPDATE_EVENTS"]
+__all__ = ["policy_forward", "update_policy", "credited_rows", "UPDATE_EVENTS"]
 
 #: What :func:`update_policy` tells its ``observe`` callback, in order: ``micro-batch`` (before each
 #: micro-batch's forward), ``backward end`` (after its backward), ``step start`` / ``step`` (around
@@ -65,6 +65,19 @@ def policy_forward(
     return out, ent_out
 
 
+def credited_rows(rows: torch.Tensor, token_adv: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """The entries of ``rows`` whose token advantage is non-zero on at least one response token.
+
+    Args:
+        rows: ``(R,)`` row indices into the batch.
+        token_adv, response_mask: ``(N, T)`` token advantages and response mask of the batch.
+    Returns:
+        ``(R',)`` the credited ones, in their order in ``rows``.
+    """
+    credited = ((token_adv[rows] != 0) & (response_mask[rows] != 0)).any(dim=1)
+    return rows[credited]
+
+
 def update_policy(model: Any, optimizer: Any, strategy: Strategy, ro: Rollout, token_adv: torch.Tensor,
                    ref_model: Any, *, recipe: dict, tcfg: dict, temperature: float, agg_max_len: int | None,
                    generator: torch.Generator, observe: Callable[[str], None] | None = None,
@@ -76,6 +89,12 @@ def update_policy(model: Any, optimizer: Any, strategy: Strategy, ro: Rollout, t
     forward, the lm_head only where a response token is predicted), PPO clip loss with the recipe's range
     and aggregation, optional k3 KL to ``ref_model``, gradient clipping, one optimizer step per
     mini-batch (skipped when the loss or gradient is not finite on any process).
+
+    With ``train.skip_zero_advantage`` and no KL term, the rows whose token advantages are all 0
+    (:func:`credited_rows`) are left out of the forwards: their clipped loss is 0 whatever the
+    log-probs, so the gradient is the same up to rounding (the aggregates still count them:
+    :func:`_micro_weight` divides by the whole mini-batch's tokens or sequences). The token means of
+    the statistics (clipfrac, approx_kl, entropy) are then over the computed rows.
 
     Each micro-batch's loss is weighted so that the micro-batches add up to the mini-batch's
     aggregate whatever their sizes (:func:`_micro_weight`): the loss and gradient do not depend on
@@ -104,11 +123,15 @@ def update_policy(model: Any, optimizer: Any, strategy: Strategy, ro: Rollout, t
     def plan(rows: torch.Tensor) -> list[MicroBatch]:
         return plan_micro_batches(ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask, rows, **layout)
 
+    # without a KL term, a row whose every token advantage is 0 adds exactly 0 to the loss's gradient
+    skip = tcfg["skip_zero_advantage"] and ref_model is None
     n_mini = strategy.max_over_ranks([math.ceil(N / max(mb, 1))])[0]
     perms = [torch.randperm(N, generator=generator) for _ in range(tcfg["ppo_epochs"])]
     minis = [perm[b * mb : (b + 1) * mb] for perm in perms for b in range(n_mini)]
-    plans = [plan(rows) for rows in minis]
-    n_micro = strategy.max_over_ranks([len(p) for p in plans])  # per mini-batch, over processes
+    plans = [plan(credited_rows(rows, token_adv, ro.response_mask) if skip else rows) for rows in minis]
+    # per mini-batch, over processes; at least one (a zero-weight one where no row is credited), so
+    # that every parameter has a gradient and the optimizer steps as it would with every row computed
+    n_micro = [max(c, 1) for c in strategy.max_over_ranks([len(p) for p in plans])]
     dummy = plan(torch.arange(min(N, 1)))  # a zero-weight micro-batch for a process short of them
     upd: dict[str, list[float]] = {"loss": [], "pg_loss": [], "kl_ref": [], "clipfrac": [], "approx_kl": [],
                                    "grad_norm": [], "entropy": [], "tokens_real": [], "tokens_computed": []}
@@ -148,7 +171,7 @@ def _mini_batch_backward(model: Any, strategy: Strategy, ro: Rollout, token_adv:
     resp_mask = ro.response_mask[rows]
     n_tok, n_seq = float(resp_mask.sum()), len(rows)
     n_has = int((resp_mask.sum(1) > 0).sum())
-    total, pg_total, kl_total, clip_sum, akl_sum, ent_sum = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
+    total, pg_total, kl_total, clip_sum, akl_sum, ent_sum, n_computed = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
     for u in range(count):
         if observe is not None:
             observe("micro-batch")
@@ -180,6 +203,7 @@ def _mini_batch_backward(model: Any, strategy: Strategy, ro: Rollout, token_adv:
         if not real:
             continue
         tokens = float(m.sum())
+        n_computed += tokens
         total += float(loss.detach()) * w
         pg_total += float(pg.detach()) * w
         kl_total += kl_val * w
@@ -191,9 +215,9 @@ def _mini_batch_backward(model: Any, strategy: Strategy, ro: Rollout, token_adv:
     if n_seq:
         upd["pg_loss"].append(pg_total)
         upd["kl_ref"].append(kl_total)
-        upd["clipfrac"].append(clip_sum / max(n_tok, 1.0))
-        upd["approx_kl"].append(akl_sum / max(n_tok, 1.0))
-        upd["entropy"].append(ent_sum / max(n_tok, 1.0))
+        upd["clipfrac"].append(clip_sum / max(n_computed, 1.0))
+        upd["approx_kl"].append(akl_sum / max(n_computed, 1.0))
+        upd["entropy"].append(ent_sum / max(n_computed, 1.0))
     return total, n_seq
 
 
