@@ -86,15 +86,14 @@ def test_skip_zero_advantage_leaves_the_loss_and_gradient(agg):
     """train.skip_zero_advantage: the rows whose advantages are all 0 are not computed, the mini-batch's
     loss and gradient stay those of every row; with a KL term nothing is skipped."""
     from oar.models import build_tiny
-    from oar.update import credited_rows
+    from oar.credit.metrics import credited_rows
 
     model, _ = build_tiny(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=0)
     ref, _ = build_tiny(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=1)
     ro, adv = _rollout()
     adv[:6] = 0.0                                   # groups 0 and 1 scored alike
     adv[6, ro.response_mask[6].sum():] = 5.0        # non-zero past the response only: row 6 stays credited
-    rows = torch.arange(12)
-    assert credited_rows(rows, adv, ro.response_mask).tolist() == list(range(6, 12))
+    assert credited_rows(adv, ro.response_mask).nonzero().flatten().tolist() == list(range(6, 12))
     layout = LAYOUTS["shared_prompt"]
     old, g_old = _update(model, ro, adv, agg, **layout)
     new, g_new = _update(model, ro, adv, agg, skip_zero_advantage=True, **layout)

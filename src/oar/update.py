@@ -10,12 +10,13 @@ from typing import Any, Callable
 
 import torch
 
+from oar.credit.metrics import credited_rows
 from oar.loss import aggregate, k3_kl, policy_loss
 from oar.packing import MicroBatch, micro_batch_logprobs, plan_micro_batches
 from oar.rollout import Rollout
 from oar.strategy import Strategy
 
-__all__ = ["policy_forward", "update_policy", "credited_rows", "UPDATE_EVENTS"]
+__all__ = ["policy_forward", "update_policy", "UPDATE_EVENTS"]
 
 #: What :func:`update_policy` tells its ``observe`` callback, in order: ``micro-batch`` (before each
 #: micro-batch's forward), ``backward end`` (after its backward), ``step start`` / ``step`` (around
@@ -65,19 +66,6 @@ def policy_forward(
     return out, ent_out
 
 
-def credited_rows(rows: torch.Tensor, token_adv: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """The entries of ``rows`` whose token advantage is non-zero on at least one response token.
-
-    Args:
-        rows: ``(R,)`` row indices into the batch.
-        token_adv, response_mask: ``(N, T)`` token advantages and response mask of the batch.
-    Returns:
-        ``(R',)`` the credited ones, in their order in ``rows``.
-    """
-    credited = ((token_adv[rows] != 0) & (response_mask[rows] != 0)).any(dim=1)
-    return rows[credited]
-
-
 def update_policy(model: Any, optimizer: Any, strategy: Strategy, ro: Rollout, token_adv: torch.Tensor,
                    ref_model: Any, *, recipe: dict, tcfg: dict, temperature: float, agg_max_len: int | None,
                    generator: torch.Generator, observe: Callable[[str], None] | None = None,
@@ -90,11 +78,12 @@ def update_policy(model: Any, optimizer: Any, strategy: Strategy, ro: Rollout, t
     and aggregation, optional k3 KL to ``ref_model``, gradient clipping, one optimizer step per
     mini-batch (skipped when the loss or gradient is not finite on any process).
 
-    With ``train.skip_zero_advantage`` and no KL term, the rows whose token advantages are all 0
-    (:func:`credited_rows`) are left out of the forwards: their clipped loss is 0 whatever the
-    log-probs, so the gradient is the same up to rounding (the aggregates still count them:
-    :func:`_micro_weight` divides by the whole mini-batch's tokens or sequences). The token means of
-    the statistics (clipfrac, approx_kl, entropy) are then over the computed rows.
+    With ``train.skip_zero_advantage`` and no KL term, only the credited rows
+    (:func:`oar.credit.metrics.credited_rows`, those the step metric ``credited_share`` counts) are
+    computed: a row whose token advantages are all 0 has a clipped loss of 0 whatever the log-probs,
+    so the gradient is the same up to rounding (the aggregates still count it: :func:`_micro_weight`
+    divides by the whole mini-batch's tokens or sequences). The token means of the statistics
+    (clipfrac, approx_kl, entropy) are then over the computed rows.
 
     Each micro-batch's loss is weighted so that the micro-batches add up to the mini-batch's
     aggregate whatever their sizes (:func:`_micro_weight`): the loss and gradient do not depend on
@@ -128,7 +117,7 @@ def update_policy(model: Any, optimizer: Any, strategy: Strategy, ro: Rollout, t
     n_mini = strategy.max_over_ranks([math.ceil(N / max(mb, 1))])[0]
     perms = [torch.randperm(N, generator=generator) for _ in range(tcfg["ppo_epochs"])]
     minis = [perm[b * mb : (b + 1) * mb] for perm in perms for b in range(n_mini)]
-    plans = [plan(credited_rows(rows, token_adv, ro.response_mask) if skip else rows) for rows in minis]
+    plans = [plan(rows[credited_rows(token_adv[rows], ro.response_mask[rows])] if skip else rows) for rows in minis]
     # per mini-batch, over processes; at least one (a zero-weight one where no row is credited), so
     # that every parameter has a gradient and the optimizer steps as it would with every row computed
     n_micro = [max(c, 1) for c in strategy.max_over_ranks([len(p) for p in plans])]
