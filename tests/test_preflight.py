@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from helpers import ROOT, small_overrides
-from oar.config import deep_merge, load_config
+from oar.config import deep_merge, load_config, resolve_methods
 from oar.preflight import PreflightError, check_config, path_problems, profile_files, profile_problems
 
 GSM8K_RECORD = {"question": "Tom has 2 apples and buys 3. How many?", "answer": "2 + 3 = 5\n#### 5"}
@@ -231,3 +231,72 @@ def test_slurm_profile_placeholders_stop_a_dry_run_and_filled_values_pass(tmp_pa
     copy.write_text(text)
     proc = _snakemake("-n", "--workflow-profile", str(copy.parent), *results)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+# ------------------------------------------------------------------------------------------ disk
+
+#: a 70B Llama's shape (plan.model): no disk here holds one of its checkpoints
+BIG_MODEL = {"hidden_size": 8192, "num_layers": 80, "num_heads": 64, "num_kv_heads": 8, "intermediate_size": 28672,
+             "vocab_size": 128256, "tie_word_embeddings": False}
+
+
+def test_a_training_keeps_its_checkpoints_and_its_model(tmp_path):
+    from oar.launch import checkpoint_bytes, model_bytes, training_disk_bytes
+    from oar.plan import model_shape
+
+    config = _config(tmp_path, model={"source": "smollm2"})
+    p = model_shape(config).num_params
+    assert model_bytes(config) == 4 * p  # float32 weights, as save_pretrained writes them
+    assert checkpoint_bytes(config) == 3 * 4 * p  # float32 master weights + AdamW's two states
+    assert training_disk_bytes(config) == 16 * p
+    config["train"]["keep_checkpoints"] = 3
+    assert training_disk_bytes(config) == 3 * 12 * p + 4 * p
+    config["model"]["dtype"] = "bfloat16"
+    assert model_bytes(config) == 2 * p and checkpoint_bytes(config) == 12 * p  # master weights stay float32
+
+
+def test_disk_problems_count_what_each_unfinished_training_still_needs(tmp_path):
+    from oar.launch import checkpoint_bytes, disk_problems, model_bytes, training_disk_bytes
+
+    config = _config(tmp_path, model={"source": "smollm2"})
+    per_run, ckpt = training_disk_bytes(config), checkpoint_bytes(config)
+    runs = [tmp_path / "grpo" / "seed0", tmp_path / "grpo" / "seed1"]
+    need = 2 * per_run + ckpt  # and one checkpoint more: the one written beside the one it replaces
+    assert disk_problems(config, source="c.yaml", runs=runs, sft=False, free=need) == []
+    [problem] = disk_problems(config, source="c.yaml", runs=runs, sft=False, free=need - 1)
+    assert (problem.source, problem.key) == ("c.yaml", "key results_dir")
+    assert problem.message.startswith("the 2 training(s) still to run need about ")
+    assert "plan.disk_check: false" in problem.message and f"free at {config['results_dir']}" in problem.message
+    # the SFT's model, when the SFT still runs
+    assert disk_problems(config, source="c.yaml", runs=runs, sft=True, free=need)
+    assert disk_problems(config, source="c.yaml", runs=runs, sft=True, free=need + model_bytes(config)) == []
+    # a resumed run: what its folder already holds is not needed again
+    runs[0].mkdir(parents=True)
+    (runs[0] / "part.bin").write_bytes(b"\0" * 1000)
+    assert disk_problems(config, source="c.yaml", runs=runs, sft=False, free=need - 1000) == []
+    # nothing to run, the check off, or a shape the plan does not know: no problem
+    assert disk_problems(config, source="c.yaml", runs=[], sft=False, free=0) == []
+    off = deep_merge(config, {"plan": {"disk_check": False}})
+    assert disk_problems(off, source="c.yaml", runs=runs, sft=True, free=0) == []
+    hub = deep_merge(config, {"model": {"source": "someorg/unknown-model"}})
+    assert disk_problems(hub, source="c.yaml", runs=runs, sft=True, free=0) == []
+
+
+@pytest.mark.slow  # two snakemake runs that stop in onstart: a few seconds each
+@pytestmark_snakemake
+def test_a_run_whose_trainings_do_not_fit_stops_before_any_job(tmp_path):
+    cfg = yaml.safe_load((ROOT / "config" / "smoke.yaml").read_text())
+    cfg["plan"] = {"model": BIG_MODEL}
+    path = _write(tmp_path / "big.yaml", cfg)
+    results = ["--config", f"results_dir={tmp_path / 'results'}"]
+    n_runs = len(cfg["seeds"]) * len(resolve_methods(load_config(path)))
+    proc = _snakemake("--cores", "1", "--configfile", str(path), *results)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert f"{path}: key results_dir: the {n_runs} training(s) still to run and the SFT need about " in text, text[-3000:]
+    assert not list((tmp_path / "results").rglob("manifest.json")), "a job ran"
+    # a target: only its training is counted
+    name = cfg["name"]
+    target = f"{tmp_path / 'results'}/{name}/grpo/seed0/train_summary.json"
+    proc = _snakemake(target, "--cores", "1", "--configfile", str(path), *results)
+    assert f"{path}: key results_dir: the 1 training(s) still to run and the SFT need about " in proc.stdout + proc.stderr

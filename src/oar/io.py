@@ -18,6 +18,8 @@ __all__ = [
     "exclusive_lock",
     "FolderLockedError",
     "DiskFullError",
+    "free_bytes",
+    "format_bytes",
     "SharedWriteError",
     "OutputPathError",
     "check_output_folder",
@@ -357,3 +359,20 @@ def _json_default(o: Any) -> Any:
     if isinstance(o, Path):
         return str(o)
     raise TypeError(f"not JSON serializable: {type(o).__name__}")
+
+
+def free_bytes(path: str | Path) -> int:
+    """Free bytes on the file system of ``path`` (or of its nearest existing parent)."""
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
+def format_bytes(n: float) -> str:
+    """``1.5 GiB``, ``320 KiB``: a size for a message."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")

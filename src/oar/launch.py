@@ -1,6 +1,7 @@
 """How the workflow launches and sizes its jobs: per-rule resources, the training job's node and GPU
 resources on SLURM, the command that starts one training job (one process, torchrun, srun +
-torchrun), the early SIGTERM of training jobs and the conda env of the rules (the fingerprints that
+torchrun), the early SIGTERM of training jobs, the disk the trainings will keep (checked before the
+first job: :func:`disk_problems`) and the conda env of the rules (the fingerprints that
 rerun a rule are :mod:`oar.identity`'s). ``workflow/rules/common.smk`` calls these with the
 validated config; the layout itself is :func:`oar.plan.train_layout` (``oar plan`` sizes by it).
 
@@ -18,9 +19,12 @@ from __future__ import annotations
 import math
 import os
 import shlex
-from typing import Any, Mapping
+from pathlib import Path
+from typing import Any, Mapping, Sequence
 
+from oar.io import format_bytes, free_bytes
 from oar.plan import ModelShape, PlanError, dtype_bytes, gib, model_shape, train_layout
+from oar.preflight import Problem
 from oar.preemption import STOP_SIGNALS
 
 
@@ -36,6 +40,22 @@ class LaunchError(ValueError):
 TORCHRUN_SIGNALS = ",".join(dict.fromkeys(["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", *(s.name for s in STOP_SIGNALS)]))
 
 
+def model_bytes(config: Mapping[str, Any], shape: ModelShape | None = None) -> int:
+    """Bytes of the model's weights in ``model.dtype`` (``auto``: the checkpoint's dtype): what a
+    saved model (the SFT output, a training's final ``model/``) holds, give or take the small files.
+
+    Raises:
+        PlanError: when the model's shape is unknown (see :func:`oar.plan.model_shape`).
+    """
+    shape = shape or model_shape(dict(config))
+    return shape.num_params * _model_dtype_bytes(config, shape)
+
+
+def _model_dtype_bytes(config: Mapping[str, Any], shape: ModelShape) -> int:
+    dtype = config["model"]["dtype"]
+    return dtype_bytes(shape.dtype if dtype == "auto" else dtype, "model.dtype")
+
+
 def checkpoint_bytes(config: Mapping[str, Any], shape: ModelShape | None = None) -> int:
     """Bytes of one training checkpoint, all processes together: the master weights and AdamW's two
     states (``3 x P x`` the master dtype's bytes: float32, or ``model.dtype`` with
@@ -45,13 +65,62 @@ def checkpoint_bytes(config: Mapping[str, Any], shape: ModelShape | None = None)
         PlanError: when the model's shape is unknown (see :func:`oar.plan.model_shape`).
     """
     shape = shape or model_shape(dict(config))
-    t, m = config["train"], config["model"]
-    if t["master_dtype"] == "float32":
-        master_b = 4
-    else:
-        dtype = m["dtype"]
-        master_b = dtype_bytes(shape.dtype if dtype == "auto" else dtype, "model.dtype")
+    master_b = 4 if config["train"]["master_dtype"] == "float32" else _model_dtype_bytes(config, shape)
     return 3 * shape.num_params * master_b
+
+
+def training_disk_bytes(config: Mapping[str, Any], shape: ModelShape | None = None) -> int:
+    """Bytes a finished training keeps on disk: ``train.keep_checkpoints`` checkpoints
+    (:func:`checkpoint_bytes`) and its final model (:func:`model_bytes`); its metrics and
+    evaluations are small beside them.
+
+    Raises:
+        PlanError: when the model's shape is unknown (see :func:`oar.plan.model_shape`).
+    """
+    shape = shape or model_shape(dict(config))
+    return int(config["train"]["keep_checkpoints"]) * checkpoint_bytes(config, shape) + model_bytes(config, shape)
+
+
+def folder_bytes(path: str | os.PathLike) -> int:
+    """Bytes of the files under ``path`` (following a link to it; 0 when it does not exist)."""
+    root = Path(path).resolve()
+    if not root.is_dir():
+        return 0
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def disk_problems(config: Mapping[str, Any], *, source: str, runs: Sequence[str | os.PathLike],
+                  sft: bool, free: int | None = None) -> list[Problem]:
+    """Whether the disk under ``results_dir`` holds what the workflow still has to write, before any
+    job runs: for each training of ``runs`` (the run folders not finished yet) what
+    :func:`training_disk_bytes` says it keeps, less what its folder already holds (a resumed run); the
+    start model when ``sft`` (the SFT is still to run); and one checkpoint more, the one being
+    written beside the one it replaces. ``free`` defaults to the free bytes there.
+
+    Returns:
+        One :class:`oar.preflight.Problem` (key ``results_dir``) when they do not fit, else none; none
+        either with ``plan.disk_check: false`` or when the model's shape is unknown (a hub id ``oar
+        plan`` does not know: give ``plan.model``).
+    """
+    if not config["plan"]["disk_check"] or not (runs or sft):
+        return []
+    try:
+        shape = model_shape(dict(config))
+    except PlanError:
+        return []
+    per_run = training_disk_bytes(config, shape)
+    need = sum(max(0, per_run - folder_bytes(r)) for r in runs) + (model_bytes(config, shape) if sft else 0)
+    need += checkpoint_bytes(config, shape) if runs else 0
+    results = Path(config["results_dir"])
+    free = free_bytes(results) if free is None else free
+    if need <= free:
+        return []
+    what = f"{len(runs)} training(s) still to run" + (" and the SFT" if sft else "")
+    return [Problem(source, "key results_dir", (
+        f"the {what} need about {format_bytes(need)} of disk ({format_bytes(per_run)} per training: "
+        f"{config['train']['keep_checkpoints']} checkpoint(s) of {format_bytes(checkpoint_bytes(config, shape))} "
+        f"and the model), but {format_bytes(free)} are free at {results}; free space, set results_dir to a "
+        f"larger disk, or run fewer trainings at a time (name their targets); plan.disk_check: false skips this check"))]
 
 
 def preemption_signal_seconds(config: Mapping[str, Any], shape: ModelShape | None = None) -> int:
@@ -108,7 +177,11 @@ __all__ = [
     "SHELL_PREFIX",
     "LaunchError",
     "TORCHRUN_SIGNALS",
+    "model_bytes",
     "checkpoint_bytes",
+    "training_disk_bytes",
+    "folder_bytes",
+    "disk_problems",
     "preemption_signal_seconds",
     "preemption_summary",
     "train_signal_seconds",

@@ -41,8 +41,8 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 import torch
 
-from oar.io import (DiskFullError, atomic_path, atomic_write_json, atomic_write_jsonl, read_jsonl, recover_atomic_dir,
-                    safetensors_problem)
+from oar.io import (DiskFullError, atomic_path, atomic_write_json, atomic_write_jsonl, format_bytes, free_bytes,
+                    read_jsonl, recover_atomic_dir, safetensors_problem)
 
 __all__ = [
     "RunFolder",
@@ -176,14 +176,6 @@ def _exception_chain(exc: BaseException) -> Iterator[BaseException]:
             todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
 
 
-def free_bytes(path: str | Path) -> int:
-    """Free bytes on the file system of ``path`` (or of its nearest existing parent)."""
-    p = Path(path).absolute()
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    return shutil.disk_usage(p).free
-
-
 def is_disk_full(exc: BaseException, path: str | Path, needed: int) -> bool:
     """Whether ``exc``, raised while writing ``needed`` bytes under ``path``, means the disk is full."""
     for e in _exception_chain(exc):
@@ -195,15 +187,6 @@ def is_disk_full(exc: BaseException, path: str | Path, needed: int) -> bool:
         if any(t in text for t in _WRITE_FAILED_TEXT) and free_bytes(path) < needed:
             return True
     return False
-
-
-def format_bytes(n: float) -> str:
-    """``1.5 GiB``, ``320 KiB``: a size for a message."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def disk_full_error(path: str | Path, what: str, needed: int, intact: str) -> DiskFullError:

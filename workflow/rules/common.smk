@@ -17,7 +17,7 @@ if SRC_DIR not in sys.path:
 from oar.config import ConfigError, resolve_methods, validate_config, workflow_config, write_resolved
 from oar.fetch import hub_model
 from oar.preflight import PreflightError, path_problems, profile_files, profile_problems
-from oar.launch import SHELL_PREFIX, LaunchError, conda_env_choice, oar_env, resource, train_signal_seconds
+from oar.launch import SHELL_PREFIX, LaunchError, conda_env_choice, disk_problems, oar_env, resource, train_signal_seconds
 from oar.launch import train_launcher as _train_launcher, train_resources as _train_resources
 from oar.identity import (attribution_fingerprint, data_key, eval_fingerprint, fingerprint, plan_fingerprint,
                           report_fingerprint, resumable_train_values, run_key, sft_key, transfer_fingerprint)
@@ -275,7 +275,19 @@ def write_resolved_config():
     write_resolved(config, CONFIG_FILE, source=CONFIG_SOURCE)
 
 
+def check_disk():
+    """Stop before any job runs when the trainings this invocation runs (the DAG's train jobs: all of a
+    full run, those a target names) would not fit under results_dir with their checkpoints and models,
+    and the SFT's model when it runs (oar.launch.disk_problems; plan.disk_check: false skips it)."""
+    jobs = list(workflow.dag.needrun_jobs())
+    runs = sorted({os.path.dirname(str(j.output[0])) for j in jobs if j.rule.name == "train"})
+    problems = disk_problems(config, source=CONFIG_SOURCE, runs=runs, sft=any(j.rule.name == "sft" for j in jobs))
+    if problems:
+        raise WorkflowError(str(PreflightError(problems)))
+
+
 onstart:
+    check_disk()
     write_resolved_config()
     if workflow.deployment_settings.deployment_method:
         # --use-conda / --sdm: the rules' software is not in this (Snakemake's) environment; each
