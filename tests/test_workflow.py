@@ -696,6 +696,26 @@ def test_skip_zero_advantage_at_its_default_changes_no_run_identity():
     assert run_identity(skip, grpo, 0, "m")["train.skip_zero_advantage"] == "True"
 
 
+def test_the_disk_check_changes_no_fingerprint():
+    """plan.disk_check came after results existed, and says only whether the workflow starts: neither the
+    key's absence nor its value reruns the plan or changes a run's identity."""
+    import copy
+
+    from oar.config import load_config, resolve_methods
+    from oar.identity import plan_fingerprint, run_identity, run_key
+
+    cfg = load_config(ROOT / "config" / "config.yaml")
+    assert cfg["plan"]["disk_check"] is True
+    old, off = copy.deepcopy(cfg), copy.deepcopy(cfg)
+    del old["plan"]["disk_check"]  # a config from before the key
+    off["plan"]["disk_check"] = False
+    grpo = resolve_methods(cfg)["grpo"]
+    for c in (old, off):
+        assert plan_fingerprint(c) == plan_fingerprint(cfg)
+        assert run_key(c, grpo, sft=True) == run_key(cfg, grpo, sft=True)
+        assert run_identity(c, grpo, 0, "m") == run_identity(cfg, grpo, 0, "m")
+
+
 # a results_dir (or model path) that breaks an unquoted shell command twice: a space and a command
 WEIRD = "my results/$(touch PWNED)"
 

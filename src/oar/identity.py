@@ -121,9 +121,11 @@ NEW_KEYS_AT_DEFAULT: dict[str, dict[str, Any]] = {
 }
 
 
-#: Options that change where a result comes from, not what it is, per section: never in a fingerprint.
+#: Options that change where a result comes from, or whether the workflow starts at all, not what it is,
+#: per section: never in a fingerprint.
 NOT_FINGERPRINTED: dict[str, frozenset[str]] = {
     "sft": frozenset({"cache_dir"}),
+    "plan": frozenset({"disk_check"}),  # the disk check before the first job (oar.launch.disk_problems)
 }
 
 
