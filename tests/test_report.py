@@ -571,7 +571,7 @@ def test_credit_efficiency_fieller_interval_endpoints_are_where_the_paired_t_tes
     unbounded."""
     from scipy.stats import t as student_t
 
-    from oar.report.capture import credit_efficiency_table
+    from oar.report.capture import EFFICIENCY_COLUMNS, credit_efficiency_markdown, credit_efficiency_table
 
     table = pd.DataFrame.from_records([
         {"row": "base", "label": "start", "metric": "avg@k", "benchmark": "Average", "n_seeds": 3, "diff": math.nan,
@@ -595,6 +595,10 @@ def test_credit_efficiency_fieller_interval_endpoints_are_where_the_paired_t_tes
     table.loc[3, "diff_per_seed"] = "4;-3;6"  # the oracle's lead no longer separates from 0
     eff = credit_efficiency_table(table, oracle="orc").set_index("row")
     assert math.isinf(eff.loc["m", "eff_low"]) and math.isinf(eff.loc["m", "eff_high"])
+    # a config of the reference and the oracle alone: an empty table with the columns, no section
+    only = credit_efficiency_table(table[table["row"] != "m"], oracle="orc")
+    assert only.empty and list(only.columns) == EFFICIENCY_COLUMNS
+    assert credit_efficiency_markdown(only, oracle_label="Oracle", reference_label="GRPO", confidence=0.95) == ""
     with pytest.raises(ReportError, match="efficiency_oracle: 'nope'"):
         credit_efficiency_table(table, oracle="nope")
     with pytest.raises(ReportError, match="'grpo' is the reference"):

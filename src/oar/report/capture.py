@@ -17,7 +17,12 @@ import numpy as np
 from oar.markdown import markdown_table
 from oar.report.base import BASE_ROW, ReportError, per_seed_values
 
-__all__ = ["credit_efficiency_table", "credit_efficiency_markdown"]
+__all__ = ["EFFICIENCY_COLUMNS", "credit_efficiency_table", "credit_efficiency_markdown"]
+
+#: The columns of :func:`credit_efficiency_table` (also of its empty table: no method but the reference
+#: and the oracle).
+EFFICIENCY_COLUMNS = ["row", "label", "metric", "benchmark", "n_seeds", "diff", "diff_low", "diff_high", "p",
+                      "oracle_diff", "oracle_low", "oracle_high", "efficiency", "eff_low", "eff_high"]
 
 
 def credit_efficiency_table(table: "pd.DataFrame", *, oracle: str, confidence: float = 0.95) -> "pd.DataFrame":  # noqa: F821
@@ -30,11 +35,12 @@ def credit_efficiency_table(table: "pd.DataFrame", *, oracle: str, confidence: f
         confidence: coverage of the Fieller interval.
 
     Returns:
-        One row per (method, benchmark) except the start model, the reference and the oracle:
-        ``row``, ``label``, ``metric``, ``benchmark``, ``n_seeds``, ``diff`` (method - reference,
-        points), ``diff_low``, ``diff_high`` (its seed-level interval), ``p`` (its seed-level p value), ``oracle_diff`` (oracle - reference), ``oracle_low``,
-        ``oracle_high`` (its interval), ``efficiency``, ``eff_low``, ``eff_high`` (Fieller; -inf/+inf
-        when unbounded).
+        One row per (method, benchmark) except the start model, the reference and the oracle (none
+        when the config runs no other method), columns :data:`EFFICIENCY_COLUMNS`: ``row``,
+        ``label``, ``metric``, ``benchmark``, ``n_seeds``, ``diff`` (method - reference, points),
+        ``diff_low``, ``diff_high`` (its seed-level interval), ``p`` (its seed-level p value),
+        ``oracle_diff`` (oracle - reference), ``oracle_low``, ``oracle_high`` (its interval),
+        ``efficiency``, ``eff_low``, ``eff_high`` (Fieller; -inf/+inf when unbounded).
 
     Raises:
         ReportError: ``oracle`` is not a method of the table or has no differences (it is the reference).
@@ -58,7 +64,7 @@ def credit_efficiency_table(table: "pd.DataFrame", *, oracle: str, confidence: f
                      "oracle_diff": o["diff"],
                      "oracle_low": o["ci_low"], "oracle_high": o["ci_high"], "efficiency": ratio,
                      "eff_low": low, "eff_high": high})
-    return pd.DataFrame.from_records(recs)
+    return pd.DataFrame.from_records(recs, columns=EFFICIENCY_COLUMNS)
 
 
 def _fieller(method_joined: str, oracle_joined: str, confidence: float) -> tuple[float, float, float]:
