@@ -108,9 +108,9 @@ def disk_problems(config: Mapping[str, Any], *, source: str, runs: Sequence[str 
         shape = model_shape(dict(config))
     except PlanError:
         return []
-    per_run = training_disk_bytes(config, shape)
-    need = sum(max(0, per_run - folder_bytes(r)) for r in runs) + (model_bytes(config, shape) if sft else 0)
-    need += checkpoint_bytes(config, shape) if runs else 0
+    per_run, ckpt = training_disk_bytes(config, shape), checkpoint_bytes(config, shape)
+    need = (sum(max(0, per_run - folder_bytes(r)) for r in runs) + (ckpt if runs else 0)
+            + (model_bytes(config, shape) if sft else 0))
     results = Path(config["results_dir"])
     free = free_bytes(results) if free is None else free
     if need <= free:
@@ -118,7 +118,7 @@ def disk_problems(config: Mapping[str, Any], *, source: str, runs: Sequence[str 
     what = f"{len(runs)} training(s) still to run" + (" and the SFT" if sft else "")
     return [Problem(source, "key results_dir", (
         f"the {what} need about {format_bytes(need)} of disk ({format_bytes(per_run)} per training: "
-        f"{config['train']['keep_checkpoints']} checkpoint(s) of {format_bytes(checkpoint_bytes(config, shape))} "
+        f"{config['train']['keep_checkpoints']} checkpoint(s) of {format_bytes(ckpt)} "
         f"and the model), but {format_bytes(free)} are free at {results}; free space, set results_dir to a "
         f"larger disk, or run fewer trainings at a time (name their targets); plan.disk_check: false skips this check"))]
 
