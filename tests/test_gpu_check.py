@@ -22,7 +22,7 @@ SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 #: Dependencies of the project that a stock CUDA image (torch, transformers, accelerate) lacks; the
 #: check must run without them.
 NOT_ON_STOCK_IMAGE = ["mlflow", "jsonschema", "math_verify", "snakemake", "scipy", "pandas", "matplotlib", "gguf",
-                      "trl", "datasets", "vllm"]
+                      "trl", "datasets", "vllm", "sklearn"]
 
 
 def _gpu_check():
