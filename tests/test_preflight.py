@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from helpers import ROOT, small_overrides
@@ -300,3 +301,62 @@ def test_a_run_whose_trainings_do_not_fit_stops_before_any_job(tmp_path):
     target = f"{tmp_path / 'results'}/{name}/grpo/seed0/train_summary.json"
     proc = _snakemake(target, "--cores", "1", "--configfile", str(path), *results)
     assert f"{path}: key results_dir: the 1 training(s) still to run and the SFT need about " in proc.stdout + proc.stderr
+
+
+# ---------------------------------------------------------------------------------- the device
+from oar.preflight import CUDA_MIN_DRIVER, check_device, device_problem, nvidia_driver_version  # noqa: E402
+
+
+@pytest.mark.parametrize("driver, build, expect", [
+    (None, None, "no NVIDIA driver; install torch's CUDA build"),
+    ("550.54.14", None, "NVIDIA driver 550.54.14; install torch's CUDA build"),
+    (None, "13.0", "a CUDA 13.0 build), no NVIDIA driver; run the job on a GPU node"),
+    ("550.54.14", "13.0", "NVIDIA driver 550.54.14; a CUDA 13.0 build needs NVIDIA driver >= 580.65.06: update the driver"),
+    ("580.95.05", "13.0", "NVIDIA driver 580.95.05; check CUDA_VISIBLE_DEVICES"),
+    ("535.104.05", "12.8", "NVIDIA driver 535.104.05; check CUDA_VISIBLE_DEVICES"),
+])
+def test_cuda_without_a_usable_gpu_is_one_line_naming_key_driver_and_torch_build(driver, build, expect):
+    problem = device_problem({"device": "cuda"}, source="config/paper.yaml", cuda_available=False, driver=driver,
+                             torch_cuda=build)
+    text = str(problem)
+    assert text.startswith("config/paper.yaml: key device: asks for a GPU, but torch sees none on ")
+    assert expect in text and "\n" not in text
+    assert f"torch {torch.__version__} (" in text
+    # a usable GPU, or a config that asks for none, passes
+    assert device_problem({"device": "cuda"}, source="x", cuda_available=True) is None
+    assert device_problem({"device": "cpu"}, source="x", cuda_available=False) is None
+
+
+def test_auto_with_a_gpu_resource_is_a_gpu_profile():
+    cfg = {"device": "auto", "resources": {"eval": {"gpu": 0}, "train": {"gpu": 8}}}
+    problem = device_problem(cfg, source="c.yaml", cuda_available=False, driver=None, torch_cuda="13.0")
+    assert str(problem).startswith("c.yaml: key resources.train.gpu: asks for a GPU")
+    assert device_problem({"device": "auto", "resources": {}}, source="c.yaml", cuda_available=False) is None
+
+
+def test_the_driver_table_covers_the_pinned_torch_build():
+    """torch 2.13.0 from PyPI is a CUDA 13 build (workflow/envs/gpu.yaml): the table knows its driver."""
+    assert CUDA_MIN_DRIVER[13] == "580.65.06"
+    assert nvidia_driver_version() is None or nvidia_driver_version()[0].isdigit()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_cuda_here_is_refused_by_every_job_and_by_the_strategy(repo, capsys):
+    """On this GPU-less machine: ``oar train`` / ``evaluate`` / ``sft`` / ``attribution`` with ``device: cuda``
+    exit 2 with one line and write nothing; the library's strategy refuses it too (no CPU fallback)."""
+    from helpers import one_error_line, run_cli
+    from oar.strategy import make_strategy
+
+    path = _write(repo / "gpu.yaml", _config(repo, device="cuda"))
+    out = repo / "out"
+    for command, args in [("train", ["--method", "grpo", "--output", str(out)]),
+                          ("evaluate", ["--output", str(out)]), ("sft", ["--output", str(out)]),
+                          ("attribution", ["--model", str(repo), "--output", str(out)])]:
+        rc, _, err = run_cli([command, "--config", str(path), *args], capsys)
+        line = one_error_line(err, command)
+        assert rc == 2 and f"{path}: key device: asks for a GPU, but torch sees none" in line, (command, err)
+        assert not out.exists()
+    with pytest.raises(PreflightError, match="key device: asks for a GPU"):
+        check_device({"device": "cuda"}, source="c.yaml")
+    with pytest.raises(PreflightError, match="key device: asks for a GPU"):
+        make_strategy({"device": "cuda"})

@@ -73,10 +73,12 @@ def _load(args: argparse.Namespace, overrides: dict | None = None, overrides_sou
 def _cmd_sft(args: argparse.Namespace) -> int:
     from oar.fetch import with_fetched_model
     from oar.sft import sft_or_cached
+    from oar.preflight import check_device
     from oar.stage_runs import log_sft_run
 
     # a hub model.source: the copy the workflow fetched (rule fetch_model), when there is one
     config = with_fetched_model(_load(args))
+    check_device(config, source=args.config)  # the GPU it asks for is on this node (oar.preflight)
     summary = sft_or_cached(config, args.output)
     log_sft_run(config, args.output, summary)
     print(json.dumps({k: v for k, v in summary.items() if k != "loss_curve"}, indent=2, default=str))
@@ -89,7 +91,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     overrides = {"train": {"steps": args.steps}} if args.steps is not None else None
     config = _load(args, overrides, f"command line: --steps {args.steps}")
-    check_config(config, source=args.config)  # every path it names exists (oar.preflight)
+    check_config(config, source=args.config, job=True)  # every path it names exists, its GPU is here
     # signals are caught from here on, before the slow imports and the model load: a SIGTERM while
     # starting stops the run before its first step instead of killing it
     with StopSignal(repeat_seconds=config["train"]["preemption"]["repeat_seconds"]) as stop:
@@ -112,7 +114,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     from oar.stage_runs import log_evaluation_run
 
     config = _load(args)
-    check_config(config, source=args.config)  # every path it names exists (oar.preflight)
+    check_config(config, source=args.config, job=True)  # every path it names exists, its GPU is here
     out = evaluate_from_config(config, args.model, args.output, seed=args.seed, transfer=args.transfer)
     log_evaluation_run(config, args.model, args.output, out, seed=args.seed, transfer=args.transfer)
     for name, r in out["benchmarks"].items():
@@ -134,9 +136,11 @@ def _cmd_data(args: argparse.Namespace) -> int:
 
 def _cmd_attribution(args: argparse.Namespace) -> int:
     from oar.attribution import attribution_from_config, format_tables
+    from oar.preflight import check_device
     from oar.stage_runs import log_attribution_run
 
     config = _load(args)
+    check_device(config, source=args.config)  # the GPU it asks for is on this node (oar.preflight)
     result = attribution_from_config(config, args.model, args.output)
     log_attribution_run(config, args.model, args.output, result.summary)
     print(format_tables(result))

@@ -241,6 +241,7 @@ def evaluate_from_config(config: dict, model_dir: str | Path | None, output_dir:
     from oar.identity import NEW_KEYS_AT_DEFAULT
     from oar.io import check_output_folder
     from oar.models import check_model_files, load_policy, model_identity
+    from oar.preflight import job_device
     from oar.provenance import provenance, with_end_time
     from oar.rollout import make_engine
 
@@ -261,10 +262,7 @@ def evaluate_from_config(config: dict, model_dir: str | Path | None, output_dir:
                     reward=config["reward"])
     model_path = str(model_dir) if model_dir else config["model"]["source"]
     model, tokenizer = load_policy(spec)
-    if config["device"] != "cpu":
-        import torch
-
-        model.to("cuda" if config["device"] == "auto" and torch.cuda.is_available() else config["device"])
+    model.to(job_device(config))
     engine = make_engine(ev["engine"], model, tokenizer, batch_size=ev["batch_size"], seed=seed,
                          model_path=model_path, vllm_kwargs=config["rollout"]["vllm"],
                          sampler=ev["sampler"])

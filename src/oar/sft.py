@@ -515,6 +515,7 @@ def sft_from_config(
 
     from oar.io import check_output_folder
     from oar.models import load_policy
+    from oar.preflight import job_device
     from oar.provenance import provenance, with_end_time
 
     t0 = time.perf_counter()
@@ -532,8 +533,7 @@ def sft_from_config(
     if model_spec.get("source") == "tiny":
         model_spec["tiny"] = {"seed": sft_seed, **dict(model_spec.get("tiny") or {})}
     model, tokenizer = load_policy(model_spec)
-    device = config["device"]
-    model.to(device)
+    model.to(job_device(config))
 
     result = run_sft(model, tokenizer, train_records, **_run_sft_options(sft), seed=sft_seed,
                      micro_batch_size=sft.get("micro_batch_size"), template=template, progress=progress,

@@ -422,9 +422,12 @@ def make_strategy(config: dict) -> Strategy:
     from accelerate import Accelerator
 
     from oar.config import deep_merge, schema, section_defaults
+    from oar.preflight import check_device
 
     tcfg = deep_merge(section_defaults("train"), config.get("train") or {})
     device = config["device"] if "device" in config else schema()["properties"]["device"]["default"]
+    # device: cuda where torch sees no GPU is refused, never trained on the CPU (accelerate's fallback)
+    check_device({**config, "device": device}, source=f"config {config.get('name', '')!r}".strip())
     accelerator = Accelerator(cpu=device == "cpu")
     if tcfg["compute_dtype"] == "float16" and accelerator.device.type == "cpu":
         raise ValueError("train.compute_dtype: float16 needs a GPU; use bfloat16 or float32 on CPU")

@@ -617,12 +617,13 @@ def attribution_from_config(
 
     from oar.attribution.report import write_outputs
     from oar.models import load_policy
+    from oar.preflight import job_device
     from oar.provenance import provenance, with_end_time
 
     started = datetime.now(timezone.utc)
     settings = AttributionSettings.from_config(config, **({} if repeats is None else {"repeats": int(repeats)}))
     model, tokenizer = load_policy(model_dir)
-    model.to(config["device"])
+    model.to(job_device(config))
     result = run_attribution(model, tokenizer, settings, progress=progress)
     result.summary["model_dir"] = str(model_dir)
     result.summary["provenance"] = with_end_time(provenance(device=str(config["device"]), started=started))
