@@ -160,3 +160,117 @@ def test_vllm_engine_without_sleep_mode_never_sleeps():
     engine.sleep()
     engine.wake_up()
     assert llm.calls == []
+
+
+# ------------------------------------------------------------------- placement of training engines
+class _FakeVllm:
+    """A stand-in ``vllm`` module whose ``LLM`` records its arguments and seeds the global generators
+    (as vLLM's start-up does)."""
+
+    def __init__(self) -> None:
+        self.built: list[dict] = []
+        fake = self
+
+        class LLM(FakeLLM):
+            def __init__(self, **kwargs):
+                super().__init__()
+                fake.built.append(kwargs)
+                torch.manual_seed(int(kwargs.get("seed") or 0))
+
+        self.LLM = LLM
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    import sys
+
+    fake = _FakeVllm()
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    return fake
+
+
+@pytest.mark.parametrize("rank, world", [(0, 1), (0, 2), (1, 2), (5, 8)])
+def test_a_training_engine_per_process_uses_the_external_launcher(fake_vllm, monkeypatch, rank, world):
+    """With several training processes each builds its engine with vLLM's external_launcher (its
+    worker in the process, on cuda:{LOCAL_RANK}) and its own seed; one process keeps vLLM's default
+    executor and the run seed; an evaluation engine (not colocated) never takes the launcher. The
+    trainer's random generators are as they were before the engine's start-up."""
+    import oar.rollout.vllm as mod
+    from oar.seeds import rank_seed
+
+    monkeypatch.setattr(mod, "_process_group", lambda: (rank, world))
+    env = {}
+    monkeypatch.setattr(mod.os, "environ", env)
+    torch.manual_seed(123)
+    expected_next = torch.rand(1)
+    torch.manual_seed(123)
+    engine = VLLMEngine("/m", _Tok(), seed=7, colocated=True, dtype="float32")
+    assert torch.equal(torch.rand(1), expected_next)  # vLLM's seeding did not leak into the trainer
+    built = fake_vllm.built[-1]
+    assert built["seed"] == rank_seed(7, rank) and built["model"] == "/m" and built["dtype"] == "float32"
+    if world > 1:
+        assert built["distributed_executor_backend"] == "external_launcher"
+        assert env["RANK"] == str(rank) and env["LOCAL_RANK"] == str(rank)
+    else:
+        assert "distributed_executor_backend" not in built and rank_seed(7, 0) == 7
+    assert engine.placement["seed"] == built["seed"]
+    VLLMEngine("/m", _Tok(), seed=7)  # evaluation: vLLM's default executor and the run seed
+    assert "distributed_executor_backend" not in fake_vllm.built[-1] and fake_vllm.built[-1]["seed"] == 7
+
+
+def test_rank_seeds_differ_between_ranks_and_runs():
+    from oar.seeds import rank_seed
+
+    seeds = {rank_seed(s, r) for s in range(4) for r in range(8)}
+    assert len(seeds) == 32 and all(0 <= x < 2**32 for x in seeds)
+
+
+@pytest.mark.parametrize("env, kwargs, text", [
+    ({"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, {}, "VLLM_ENABLE_V1_MULTIPROCESSING=1 (environment) runs vLLM's "
+                                                  "engine core in another process"),
+    ({}, {"distributed_executor_backend": "mp"}, "rollout.vllm.distributed_executor_backend: 'mp' cannot take"),
+    ({}, {"tensor_parallel_size": 2}, "rollout.vllm.tensor_parallel_size: 2 cannot take the weight sync"),
+    ({}, {"data_parallel_size": 4}, "rollout.vllm.data_parallel_size: 4 cannot take"),
+])
+def test_settings_the_sync_cannot_work_with_are_refused_at_engine_start(fake_vllm, monkeypatch, env, kwargs, text):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValueError) as e:
+        VLLMEngine("/m", _Tok(), colocated=True, **kwargs)
+    assert str(e.value).startswith("rollout.engine vllm: ") and text in str(e.value) and "\n" not in str(e.value)
+    assert fake_vllm.built == []  # refused before vLLM starts
+    VLLMEngine("/m", _Tok(), **kwargs)  # an evaluation engine is never synced: it may run them
+    assert fake_vllm.built[-1] == {"model": "/m", "enable_prefix_caching": True, "seed": 0, **kwargs}
+
+
+def test_a_multiprocessing_vllm_fails_the_weight_sync_as_refused(monkeypatch):
+    """What the refusal prevents: with the engine core in another process vLLM serialises
+    collective_rpc's arguments, and a generator of tensors cannot be (vLLM 0.32.0's msgpack encoder
+    raises TypeError); the sync made no progress the trainer could see."""
+    class MultiprocessLLM(FakeLLM):
+        def collective_rpc(self, method, kwargs=None):
+            import pickle
+
+            pickle.dumps(kwargs)  # the engine-core client's encoder, pickle fallback
+
+    engine = VLLMEngine.__new__(VLLMEngine)
+    engine._setup(MultiprocessLLM(), _Tok(), sleep_mode=False)
+    with pytest.raises(TypeError, match="generator"):
+        engine.sync_weights(torch.nn.Linear(2, 2))
+
+
+def test_close_shuts_the_engine_core_down_once():
+    calls = []
+
+    class Core:
+        def shutdown(self):
+            calls.append("shutdown")
+
+    llm = FakeLLM()
+    llm.llm_engine = type("E", (), {"engine_core": Core()})()
+    engine = VLLMEngine.__new__(VLLMEngine)
+    engine._setup(llm, _Tok(), sleep_mode=False)
+    engine.close()
+    assert calls == ["shutdown"]
+    assert HFEngine.close(object.__new__(HFEngine)) is None  # nothing to release

@@ -284,3 +284,93 @@ def test_mc_value_continuations_through_vllm(sft_dir):
         assert differ == 0 and torch.equal(hf_values, vllm_values)
     else:
         assert differ <= len(states) // 8 and rows_differ <= len(rows) // 8
+
+
+# ---------------------------------------------------------------------------------------------
+# colocated engines, one per training process (torchrun, external_launcher)
+# ---------------------------------------------------------------------------------------------
+
+def _torchrun(args: list[str], tmp_path, timeout: int = 900):
+    """``torchrun --standalone --nproc_per_node 2 <args>`` in the repository, one thread per process,
+    vLLM's CPU KV cache at 1 GiB per engine (two engines share this machine)."""
+    import os
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    (tmp_path / "torchrun.log").write_text(proc.stdout + proc.stderr)
+    return proc
+
+
+@pytest.mark.distributed
+def test_two_ranks_each_own_engine_synced_and_sampling(tiny_dir, tmp_path):
+    """``torchrun --nproc_per_node 2``: each rank builds its own training engine (vLLM's
+    external_launcher, vLLM rank = local rank = the process's rank, so on CUDA ``cuda:{LOCAL_RANK}``),
+    moves its own policy by rank-specific steps, syncs its engine and samples from it: the log-prob
+    gap to its own policy is at float rounding after its sync, and the two engines give one fixed
+    sequence different log-probs (each holds its own rank's weights)."""
+    import json
+
+    from helpers import ROOT
+
+    d, _, _ = tiny_dir
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = _torchrun([str(ROOT / "tests" / "scripts" / "colocated_vllm.py"), str(d), str(out)], tmp_path)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]  # vLLM's teardown included
+    r = [json.loads((out / f"rank{k}.json").read_text()) for k in (0, 1)]
+    atol = _atol()
+    for k, v in enumerate(r):
+        assert (v["rank"], v["local_rank"], v["executor"], v["world"]) == (k, k, "external_launcher", 2), v
+        assert v["vllm_world_size"] == 1  # tensor parallelism 1: every rank an engine of its own
+        assert v["gap_start"] <= atol and v["gap_stale"] > 0.1 and v["gap_after"] <= atol, v
+    assert r[0]["pid"] != r[1]["pid"] and r[0]["engine_seed"] != r[1]["engine_seed"]
+    assert r[0]["policy_checksum"] != r[1]["policy_checksum"]
+    assert max(abs(a - b) for a, b in zip(r[0]["fixed_logprobs"], r[1]["fixed_logprobs"])) > 0.01
+    print(f"two engines: gaps after sync {r[0]['gap_after']:.1e} / {r[1]['gap_after']:.1e} (stale "
+          f"{r[0]['gap_stale']:.2f} / {r[1]['gap_stale']:.2f})")
+
+
+@pytest.mark.distributed
+def test_oar_train_on_two_ranks_with_colocated_vllm_and_fsdp(sft_dir, tmp_path):
+    """``torchrun --nproc_per_node 2 -m oar.cli train`` with ``rollout.engine: vllm`` and
+    ``train.strategy: fsdp`` (gloo): two steps of OAR-G, each rank sampling from its own engine and
+    syncing it after each update. The engines' log-probs are the policy's (approx_kl ~ 0 at step 0 and
+    after the first sync), responses are scored and credited, and the weights moved."""
+    import json
+
+    import yaml
+
+    from helpers import ROOT
+
+    d, _, _ = sft_dir
+    cfg = {"extends": str(ROOT / "config" / "smoke.yaml"), "name": "colocated", "model": {"source": str(d)},
+           "tracking": {"enabled": False},
+           "task": {"synthetic": {**MC_TASK, "operands": [2, 3]}},
+           "rollout": {"engine": "vllm", "max_new_tokens": MC_NEW_TOKENS,
+                       "vllm": {"enforce_eager": True, "dtype": "float32", "max_model_len": 128}},
+           "train": {"steps": 2, "strategy": "fsdp", "prompts_per_step": 8, "mini_batch_size": 64,
+                     "heldout": {"every": 0}}}
+    path = tmp_path / "colocated.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "run"
+    proc = _torchrun(["-m", "oar.cli", "train", "--config", str(path), "--method", "oar_g", "--seed", "0",
+                      "--output", str(out), "--no-progress"], tmp_path)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    assert (proc.stdout + proc.stderr).count("'distributed_executor_backend': 'external_launcher'") == 2
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+    for r in rows:
+        assert r["approx_kl"] < 1e-6, r  # old log-probs (the engines') = the policy's
+    assert max(r["credited_share"] for r in rows) > 0 and max(r["grad_norm"] for r in rows) > 0
+    import safetensors.torch
+
+    start = safetensors.torch.load_file(str(d / "model.safetensors"))
+    final = safetensors.torch.load_file(str(out / "model" / "model.safetensors"))
+    assert any(not torch.equal(start[k], final[k]) for k in start)

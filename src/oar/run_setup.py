@@ -157,7 +157,8 @@ def setup_run(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder
     prompts_all = [render_prompt(config["task"]["template"], r["question"], tokenizer) for r in records]
     stream = PromptStream(len(records), seed, resume_cursor(state, strategy.rank, strategy.world))
     engine = make_engine(rcfg["engine"], policy, tokenizer, batch_size=rcfg["batch_size"], seed=seed, sampler=rcfg["sampler"],
-                         model_path=str(start_spec["source"]), vllm_kwargs=rcfg["vllm"], sleep_mode=rcfg["sleep_mode"])
+                         model_path=str(start_spec["source"]), vllm_kwargs=rcfg["vllm"], sleep_mode=rcfg["sleep_mode"],
+                         colocated=True)
     if saved is not None:  # the engine starts from the start model's weights
         refresh_engine(engine, strategy, model)
     prov = provenance(device=strategy.device.type, started=started)

