@@ -19,7 +19,7 @@ import yaml
 
 from helpers import PAPER_DATA, ROOT, stub_paper_data
 from oar.config import load_config
-from oar.plan import (GiB, KNOWN_MODELS, LOGITS_COPIES, ModelShape, PlanError, engine_memory, format_plan,
+from oar.plan import (MEMORY_PHASES, GiB, KNOWN_MODELS, LOGITS_COPIES, ModelShape, PlanError, engine_memory, format_plan,
                       layer_activation_bytes, model_shape, plan, training_memory, training_terms, world_size)
 
 PAPER = ROOT / "config" / "paper.yaml"
@@ -216,11 +216,11 @@ def test_fsdp_accumulation_keeps_unsharded_float32_gradients_until_the_last_micr
     P = model_shape(cfg).num_params
     assert terms["accumulated gradients (unsharded)"].bytes == 4 * P
     assert terms["accumulated gradients (unsharded)"].phases == ("forward", "logits", "backward", "backward end")
-    assert terms["gradients"].phases == ("step", "rollout")
+    assert terms["gradients"].phases == ("step", "rollout", "credit")
     # one micro-batch per mini-batch: gradients are reduce-scattered at once, sharded throughout
     single = load_config(PAPER, {**SHARDED, "train": {**SHARDED["train"], "mini_batch_size": 2, "micro_batch_size": 2}})
     names = {t.name: t for t in training_terms(single, 8)}
-    assert "accumulated gradients (unsharded)" not in names and len(names["gradients"].phases) == 6
+    assert "accumulated gradients (unsharded)" not in names and len(names["gradients"].phases) == len(MEMORY_PHASES)
 
 
 def test_checkpointing_shrinks_activations():
@@ -356,19 +356,49 @@ def test_workflow_refuses_an_unfittable_config_before_training(tmp_path):
 # ---------------------------------------------------------------------- what the plan says it is
 
 
-def test_plan_names_the_passes_it_does_not_count_and_speaks_of_gpus():
+def test_plan_counts_every_credit_pass_and_speaks_of_gpus():
+    """OAR-P's perturbed forwards and OAR-G's input-gradient backward are terms of the credit phase,
+    one per pass at the largest options of the methods that run it, with the phase's total for each;
+    the engine sleeps there (sleep_mode), so its share is not in it."""
     cfg = load_config(PAPER)
     r = plan(cfg)
     text = format_plan(r)
     assert f"\npeak {r.peak_bytes / GiB:.2f} GiB of 80 GiB per GPU: fits\n" in text
-    free = (r.gpu_bytes - r.phase_totals["rollout"]) / GiB
-    assert (f"\nnot counted: OAR-P perturbation passes (method oar_p), OAR-G input-gradient pass (methods oar_g, "
-            f"oar_g_q50, oar_g_nomass, dapo_oar_g); they run in the rollout phase, in the {free:.2f} GiB it leaves "
-            f"free\n") in text
-    assert "host memory" not in text
-    # no method that runs its own passes: nothing to name
-    only = load_config(PAPER, {"only_methods": ["grpo", "dapo_ktae"]})
-    assert "not counted" not in format_plan(plan(only))
+    assert "not counted" not in text and "host memory" not in text
+    passes = {t.name: t for t in r.credit}
+    assert set(passes) == {"credit: OAR-P perturbation passes", "credit: OAR-G input-gradient pass"}
+    assert all(t.phases == ("credit",) and t.credit_pass and not t.engine for t in r.credit)
+    assert "(methods oar_g, oar_g_q50, oar_g_nomass, dapo_oar_g)" in passes["credit: OAR-G input-gradient pass"].note
+    base = sum(t.bytes for t in r.terms if "credit" in t.phases) + r.headroom_bytes
+    for t in r.credit:
+        assert r.credit_totals[t.name] == base + t.bytes
+        assert (f"\ncredit phase with the {t.name[len('credit: '):]}: {r.credit_totals[t.name] / GiB:.2f} GiB per GPU "
+                f"({t.bytes / GiB:.2f} GiB for the pass: ") in text
+    assert r.phase_totals["credit"] == max(r.credit_totals.values())
+    # OAR-G at 4 responses per backward (the paper config's earlier setting) does not fit, and says why
+    four = plan(load_config(PAPER, {"methods": {"oar_g": {"chunk_size": 4}}}))
+    assert not four.fits and four.peak_phase == "credit" and four.breaker == "credit: OAR-G input-gradient pass"
+    assert "to shrink it: the method's chunk_size (or chunk_tokens)" in four.message
+    # no method that runs its own passes: no credit term, the phase holds what the rollout leaves
+    only = plan(load_config(PAPER, {"only_methods": ["grpo", "dapo_ktae"]}))
+    assert only.credit == [] and "credit phase with" not in format_plan(only)
+
+
+def test_the_credit_pass_grows_with_its_chunk_and_an_awake_engine_counts():
+    """Each pass is linear in its chunk; without sleep mode (or for mc_value's continuations through
+    vLLM) the engine's share is in the credit phase."""
+    small, big = (plan(load_config(PAPER, {"methods": {"oar_p": {"chunk_size": c}}, "only_methods": ["oar_p"]}))
+                  for c in (8, 16))
+    (a,), (b,) = small.credit, big.credit
+    assert 1.9 < b.bytes / a.bytes < 2.1
+    awake = plan(load_config(PAPER, {"rollout": {"sleep_mode": False}, "only_methods": ["oar_p"]}))
+    share = next(t.bytes for t in awake.engine if t.name == "vLLM share")
+    asleep = plan(load_config(PAPER, {"only_methods": ["oar_p"]}))
+    assert awake.phase_totals["credit"] == asleep.phase_totals["credit"] + share
+    mc = plan(load_config(PAPER, {"methods": {"mc": {"recipe": "grpo", "credit": "mc_value"}}, "only_methods": ["mc"]}))
+    (t,) = mc.credit
+    assert t.engine and t.bytes == 0 and mc.phase_totals["credit"] == asleep.phase_totals["credit"] - \
+        asleep.credit[0].bytes + share and mc.engine_in("credit")
 
 
 def test_plan_of_a_cpu_config_speaks_of_host_memory_per_process():
@@ -378,14 +408,14 @@ def test_plan_of_a_cpu_config_speaks_of_host_memory_per_process():
     assert cfg["device"] == "cpu" and "GPU" not in text.replace("GiB", "")
     assert f"\npeak {r.peak_bytes / GiB:.2f} GiB of 80 GiB host memory per process: fits\n" in text
     assert "training, per process" in text and "1 process(es) x 80 GiB host memory" in text
-    assert "not counted: OAR-P perturbation passes (method oar_p), OAR-G input-gradient pass (method oar_g)" in text
+    assert "credit phase with the OAR-P perturbation passes: " in text and "credit phase with the OAR-G " in text
 
 
-def test_the_uncounted_passes_are_those_of_every_estimator_that_calls_the_policy():
+def test_the_credit_passes_are_those_of_every_estimator_that_calls_the_policy():
     from oar.credit import estimator_needs_model, list_estimators
-    from oar.plan import UNCOUNTED_PASSES
+    from oar.plan import CREDIT_PASSES
 
-    assert set(UNCOUNTED_PASSES) == {e for e in list_estimators() if estimator_needs_model(e)}
+    assert set(CREDIT_PASSES) == {e for e in list_estimators() if estimator_needs_model(e)}
 
 
 def test_the_paper_config_header_quotes_the_plan():
@@ -393,5 +423,9 @@ def test_the_paper_config_header_quotes_the_plan():
     r = plan(load_config(PAPER))
     header = PAPER.read_text().split("\nname:", 1)[0].replace("\n# ", " ")
     assert f"= {r.phase_totals[r.peak_phase] / GiB:.1f} GiB, the peak, of 80" in header and r.peak_phase == "logits"
-    free = (r.gpu_bytes - r.phase_totals["rollout"]) / GiB
-    assert f"{r.phase_totals['rollout'] / GiB:.1f} GiB, leaving {free:.1f} for OAR-P's and OAR-G's own passes" in header
+    assert f"+ headroom 4 = {r.phase_totals['rollout'] / GiB:.1f} GiB; credit phase" in header
+    totals = {t.name: (t.bytes / GiB, r.credit_totals[t.name] / GiB) for t in r.credit}
+    p_pass, p_total = totals["credit: OAR-P perturbation passes"]
+    g_pass, g_total = totals["credit: OAR-G input-gradient pass"]
+    assert f"OAR-P's 32-sequence chunk {p_pass:.1f} = {p_total:.1f} GiB" in header
+    assert f"OAR-G's one-response backward {g_pass:.1f} = {g_total:.1f} GiB" in header

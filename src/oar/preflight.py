@@ -456,7 +456,7 @@ def job_device(config: Mapping[str, Any]) -> str:
     :func:`check_device` where there is none) and for ``device: auto`` where torch sees a GPU, else ``cpu``."""
     import torch
 
-    device = str(config.get("device", "cpu"))
+    device = str(config["device"])
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return device

@@ -70,15 +70,16 @@ response token except under ``none``):
 
 The total is taken per phase (:data:`MEMORY_PHASES`: inside the decoder layers' forward; the logits at the
 end of the forward and start of the backward; the decoder layers' backward; the embedding's
-backward at its end; the optimizer step; the rollout), each phase summing the terms alive in it,
-plus ``plan.headroom`` of the GPU kept free for the CUDA context, NCCL buffers and allocator
-fragmentation; the peak phase must fit in ``plan.gpu_memory_gb`` (a CPU config: the host memory of
-one training process, and the plan speaks of host memory). Not modelled: the credit estimators'
-own passes through the policy (OAR-P's perturbed forwards, OAR-G's input-gradient backward, and the
-others of :data:`UNCOUNTED_PASSES`) beyond the gathered weights -- :func:`format_plan` names them and
-the config's methods that run them, with what the rollout phase leaves free --, FSDP's all-gather
-staging buffers (a transient ~2.5 x the gathered module at its pre-forward), CUDA graphs, and
-allocator rounding.
+backward at its end; the optimizer step; the rollout; the credit estimators' own passes), each phase
+summing the terms alive in it, plus ``plan.headroom`` of the GPU kept free for the CUDA context,
+NCCL buffers and allocator fragmentation; the peak phase must fit in ``plan.gpu_memory_gb`` (a CPU
+config: the host memory of one training process, and the plan speaks of host memory). The credit
+phase holds the policy as in the rollout and the largest chunk of one method's passes (OAR-P's
+perturbed forwards, OAR-G's input-gradient backward, ``mc_value``'s continuations and refine pass:
+:func:`~oar.plan.memory.credit_terms`, one term per pass, the phase's total with each), with the
+vLLM engine asleep (``rollout.sleep_mode``; the trainer sleeps it before the credit phase unless the
+method samples continuations through it). Not modelled: FSDP's all-gather staging buffers (a
+transient ~2.5 x the gathered module at its pre-forward), CUDA graphs, and allocator rounding.
 
 ``benchmarks/bench_memory.py`` checks these formulas against the measured peak of live tensor
 memory of a training micro-batch on CPU (tiny model and SmolLM2-135M, ddp and 2-process fsdp,
@@ -87,17 +88,18 @@ benchmarks/README.md, "Measured numbers".
 """
 
 from oar.plan.format import format_plan
-from oar.plan.memory import (FSDP_UNSHARDED_ACCUMULATION, LOGITS_COPIES, MEMORY_PHASES, UNCOUNTED_PASSES, GiB,
-                             PlanResult, Term, engine_memory, engine_terms, gib, layer_activation_bytes, plan,
-                             training_memory, training_terms, uncounted_passes)
+from oar.plan.memory import (CREDIT_PASSES, FSDP_UNSHARDED_ACCUMULATION, LOGITS_COPIES, MEMORY_PHASES,
+                             PROBE_TAIL_TOKENS, GiB, PlanResult, Term, credit_terms, engine_memory, engine_terms, gib,
+                             layer_activation_bytes, plan, training_memory, training_terms)
 from oar.plan.settings import (VLLM_DEFAULTS, MicroBatchShape, PlanSettings, micro_batch_shape, train_layout,
                                world_size)
 from oar.plan.shape import KNOWN_MODELS, TINY_VOCAB_SIZE, ModelShape, PlanError, dtype_bytes, model_shape
 
 __all__ = [
-    "GiB", "MEMORY_PHASES", "LOGITS_COPIES", "FSDP_UNSHARDED_ACCUMULATION", "UNCOUNTED_PASSES", "VLLM_DEFAULTS",
+    "GiB", "MEMORY_PHASES", "LOGITS_COPIES", "FSDP_UNSHARDED_ACCUMULATION", "CREDIT_PASSES", "PROBE_TAIL_TOKENS",
+    "VLLM_DEFAULTS",
     "KNOWN_MODELS", "TINY_VOCAB_SIZE", "PlanError", "ModelShape", "MicroBatchShape", "PlanSettings", "Term",
     "PlanResult", "dtype_bytes", "gib", "model_shape", "train_layout", "world_size", "micro_batch_shape",
     "layer_activation_bytes", "training_terms", "training_memory", "engine_terms", "engine_memory",
-    "uncounted_passes", "plan", "format_plan",
+    "credit_terms", "plan", "format_plan",
 ]

@@ -36,7 +36,7 @@ def format_plan(result: PlanResult, *, source: str = "", footer: list[str] | Non
            f"  largest forward: {s.batch.describe()} (train.packing, train.micro_batch_tokens), "
            f"{s.micro_batches} per mini-batch", ""]
     rows = []
-    for t in result.terms:
+    for t in [*result.terms, *result.credit]:
         short = {"forward": "fwd", "backward": "bwd", "backward end": "bwd-end"}
         ph = "all" if set(t.phases) == set(MEMORY_PHASES) else " ".join(short.get(p, p) for p in t.phases)
         cpu = f" [{gib(t.cpu_bytes)} GiB CPU]" if t.cpu_bytes else ""
@@ -50,9 +50,9 @@ def format_plan(result: PlanResult, *, source: str = "", footer: list[str] | Non
     share = next((t for t in result.engine if t.name == "vLLM share"), None)
     rows = []
     for ph in MEMORY_PHASES:
-        parts = gib(result.phase_totals[ph] - result.headroom_bytes - (
-            share.bytes if share is not None and ph in share.phases else 0))
-        extra = f" + vLLM {gib(share.bytes)}" if share is not None and ph in share.phases else ""
+        with_engine = share is not None and result.engine_in(ph)
+        parts = gib(result.phase_totals[ph] - result.headroom_bytes - (share.bytes if with_engine else 0))
+        extra = f" + vLLM {gib(share.bytes)}" if with_engine else ""
         mark = "  <- peak" if ph == result.peak_phase else ""
         rows.append([ph, gib(result.phase_totals[ph]), f"training {parts}{extra} + headroom "
                      f"{gib(result.headroom_bytes)}{mark}"])
@@ -63,11 +63,8 @@ def format_plan(result: PlanResult, *, source: str = "", footer: list[str] | Non
     out.append(f"peak {gib(result.peak_bytes)} GiB of {limit}: {verdict}")
     if not result.fits:
         out.append(result.message)
-    if result.uncounted:
-        passes = ", ".join(f"{what} (method{'s' if len(names) > 1 else ''} {', '.join(names)})"
-                           for what, names in result.uncounted)
-        free = result.gpu_bytes - result.phase_totals["rollout"]
-        out.append(f"not counted: {passes}; they run in the rollout phase, in the {gib(max(free, 0))} GiB it "
-                   f"leaves free")
+    for t in result.credit:
+        out.append(f"credit phase with the {t.name[len('credit: '):]}: {gib(result.credit_totals[t.name])} GiB "
+                   f"{s.per} ({gib(t.bytes)} GiB for the pass: {t.note})")
     out += footer or []
     return "\n".join(out) + "\n"

@@ -6,18 +6,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from oar.plan.settings import PlanSettings, world_size
 from oar.plan.shape import ModelShape, dtype_bytes, model_shape
 
-__all__ = ["GiB", "MEMORY_PHASES", "LOGITS_COPIES", "FSDP_UNSHARDED_ACCUMULATION", "UNCOUNTED_PASSES", "Term",
-           "PlanResult", "gib", "layer_activation_bytes", "training_terms", "training_memory", "engine_terms",
-           "engine_memory", "uncounted_passes", "plan"]
+__all__ = ["GiB", "MEMORY_PHASES", "LOGITS_COPIES", "FSDP_UNSHARDED_ACCUMULATION", "CREDIT_PASSES",
+           "PROBE_TAIL_TOKENS", "Term", "PlanResult", "gib", "layer_activation_bytes", "training_terms",
+           "training_memory", "engine_terms", "engine_memory", "credit_terms", "plan"]
 
 GiB = 1024**3
-#: Phases whose live memory is summed separately; the largest is the peak.
-MEMORY_PHASES = ("forward", "logits", "backward", "backward end", "step", "rollout")
+#: Phases whose live memory is summed separately; the largest is the peak. ``credit``: the credit
+#: estimators' own passes through the gathered policy, after the rollout (the engine asleep, unless
+#: the estimator samples continuations through it).
+MEMORY_PHASES = ("forward", "logits", "backward", "backward end", "step", "rollout", "credit")
 _ALL = MEMORY_PHASES
+_ROLLOUT = ("rollout", "credit")
 _UPDATE = ("forward", "logits", "backward", "backward end")
 _SAVED = ("forward", "logits", "backward")
 #: float32 ``positions x V`` tensors alive at the end of ``oar.update.policy_forward(with_entropy=True)``:
@@ -26,16 +30,19 @@ LOGITS_COPIES = 5
 #: ``oar.strategy.FSDPStrategy.sync_context`` turns gradient sync off for all but the last
 #: micro-batch of a mini-batch; FSDP2 then accumulates every gradient unsharded, in float32.
 FSDP_UNSHARDED_ACCUMULATION = True
-#: The credit estimators whose own passes through the policy the plan does not count, and what the
-#: passes are (every estimator registered with ``needs_model``; a test checks the two agree). They run
-#: in the rollout phase, on the gathered policy.
-UNCOUNTED_PASSES: dict[str, str] = {
+#: The credit estimators that run passes of their own through the policy, and what the passes are
+#: (every estimator registered with ``needs_model``; a test checks the two agree). They run in the
+#: ``credit`` phase, on the gathered policy; each is a :class:`Term` of its own (:func:`credit_terms`).
+CREDIT_PASSES: dict[str, str] = {
     "oar_p": "OAR-P perturbation passes",
     "oar_g": "OAR-G input-gradient pass",
     "shuffled": "OAR-G input-gradient pass",
     "inverted": "OAR-G input-gradient pass",
     "mc_value": "mc_value continuations and refine pass",
 }
+#: Positions at the end of a credit probe whose logits the outcome reads (the conclude string and a
+#: boxed answer's tokens: ``oar.credit.importance.common.logits_to_keep``), as the plan counts them.
+PROBE_TAIL_TOKENS = 16
 
 
 def gib(n: int | float) -> str:
@@ -53,14 +60,19 @@ class Term:
     note: str = ""
     hint: str = ""  # the config keys that shrink it
     cpu_bytes: int = 0
+    # a credit pass (:func:`credit_terms`): one method's alternative, never alive beside another's;
+    # ``engine``: the vLLM engine is awake during it (it samples continuations)
+    credit_pass: bool = False
+    engine: bool = False
 
 
 @dataclass
 class PlanResult:
     """A config's plan: terms, per-phase totals, the verdict and (when it does not fit) the message.
 
-    ``padded``: planned with a padding mask (:func:`layer_activation_bytes`); ``uncounted``: the
-    passes of :data:`UNCOUNTED_PASSES` the config's methods run (:func:`uncounted_passes`)."""
+    ``padded``: planned with a padding mask (:func:`layer_activation_bytes`); ``credit``: the
+    passes of :data:`CREDIT_PASSES` the config's methods run (:func:`credit_terms`), each with the
+    credit phase's total when it runs (``credit_totals``, by term name)."""
 
     shape: ModelShape
     world_size: int
@@ -75,7 +87,19 @@ class PlanResult:
     message: str
     settings: PlanSettings
     padded: bool = True
-    uncounted: list[tuple[str, list[str]]] = field(default_factory=list)
+    credit: list[Term] = field(default_factory=list)
+    credit_totals: dict[str, int] = field(default_factory=dict)
+
+    def engine_in(self, phase: str) -> bool:
+        """Whether the vLLM engine's share counts in ``phase``'s total (in the credit phase: for its
+        largest pass)."""
+        share = next((t for t in self.engine if t.name == "vLLM share"), None)
+        if share is None:
+            return False
+        if phase != "credit":
+            return phase in share.phases
+        worst = max(self.credit, key=lambda t: self.credit_totals[t.name], default=None)
+        return "credit" in share.phases or (worst is not None and worst.engine)
 
     @property
     def peak_bytes(self) -> int:
@@ -208,7 +232,7 @@ def _state_terms(shape: ModelShape, s: PlanSettings) -> list[Term]:
         # no reduce-scatter between the micro-batches of a mini-batch: FSDP2 keeps every gradient
         # unsharded in the reduce dtype (float32) until the last one; the sharded ones exist after it
         terms.append(placed("gradients", grads, gnote + "; from the last micro-batch to the next mini-batch",
-                            more, ("step", "rollout")))
+                            more, ("step", *_ROLLOUT)))
         terms.append(Term("accumulated gradients (unsharded)", P * 4, _UPDATE,
                           f"{P / 1e9:.3g}B x 4 B: FSDP2 accumulates unsharded float32 gradients while gradient sync "
                           f"is off ({s.micro_batches} micro-batches per mini-batch)",
@@ -289,11 +313,11 @@ def _step_and_rollout_terms(shape: ModelShape, s: PlanSettings) -> list[Term]:
 
     # rollout and credit passes
     if s.fsdp:
-        terms.append(Term("rollout: gathered policy", P * wb, ("rollout",),
+        terms.append(Term("rollout: gathered policy", P * wb, _ROLLOUT,
                           f"the whole policy gathered in {wb} B for the rollout and credit passes",
                           "train.compute_dtype: bfloat16"))
     elif s.autocast:
-        terms.append(Term("rollout: autocast copies", shape.linear_params * s.compute_b, ("rollout",),
+        terms.append(Term("rollout: autocast copies", shape.linear_params * s.compute_b, _ROLLOUT,
                           f"autocast's {s.compute} weight copies for the rollout and credit passes",
                           "train.strategy: fsdp"))
     if s.engine == "hf":
@@ -341,6 +365,7 @@ def _engine_terms(shape: ModelShape, s: PlanSettings) -> list[Term]:
     all_seqs = in_flight * one
     free = share - weights - act
     fits_seqs = max(0, free) // one if one else 0
+    # asleep from the credit phase on (sleep mode), unless the method samples through it (Term.engine)
     phases = ("rollout",) if s.sleep_mode else _ALL
     key = "rollout.vllm.gpu_memory_utilization"
     return [
@@ -364,6 +389,110 @@ def engine_memory(config: dict, world: int | None = None) -> dict[str, int]:
 
 
 
+# ------------------------------------------------------------------------------ credit passes
+
+
+def credit_terms(config: dict, world: int | None = None, *, shape: ModelShape | None = None) -> list[Term]:
+    """The credit estimators' own passes through the policy (:data:`CREDIT_PASSES`), one :class:`Term`
+    per pass, each at the largest options among the config's methods that run it, alive in the
+    ``credit`` phase only, and never beside another (``credit_pass``). Empty when no method runs one.
+
+    Each counts the tensors of its largest chunk (``S`` = prompt + response tokens, ``c`` compute
+    bytes, ``kv`` the K/V bytes of a token over all layers):
+
+    - OAR-P (no gradient): the unperturbed probe's KV cache and a chunk's copy of it
+      (``2 x chunk_size x S x kv``), one layer's MLP intermediates and projections for the chunk
+      (``chunk_size x S x c(3I + q + 2kv + 2h)``: no gradient, one layer at a time), and the float32
+      logits of the :data:`PROBE_TAIL_TOKENS` tail positions;
+    - OAR-G (a backward to the input embeddings, the model in eval mode, so without gradient
+      checkpointing): every layer's saved activations for the chunk's positions
+      (:func:`layer_activation_bytes`), the backward workspace, the input embeddings and their
+      gradient in float32, and three float32 copies of the tail logits; the chunk is
+      ``chunk_size x draws`` rows of ``S``, or (``chunk_size`` null) ``chunk_tokens`` positions;
+    - ``mc_value``: its continuations run on the rollout engine (engine hf: the KV cache of
+      ``rollout.batch_size`` sequences and their last-token logits, as the rollout; engine vllm: in
+      the engine's share, awake for it), plus its ``refine`` pass, counted as OAR-G's.
+    """
+    shape = shape or model_shape(config)
+    s = PlanSettings.from_config(config, world or world_size(config), shape)
+    return _credit_terms(shape, s, config)
+
+
+def _credit_terms(shape: ModelShape, s: PlanSettings, config: dict) -> list[Term]:
+    if not config.get("methods"):
+        return []
+    from oar.config import resolve_methods
+    from oar.credit.importance import OarGOptions, OarPOptions
+    from oar.credit.importance.common import option_names
+    from oar.credit.mc_value import McValueOptions
+
+    def opts(cls: type, given: dict) -> Any:
+        return cls(**{k: v for k, v in given.items() if k in option_names(cls)})
+
+    found: dict[str, tuple[int, str, list[str], bool]] = {}  # pass -> (bytes, note, methods, engine awake)
+    for name, meth in resolve_methods(config).items():
+        what = CREDIT_PASSES.get(meth.estimator)
+        if what is None:
+            continue
+        given = meth.estimator_options()
+        engine = False
+        if meth.estimator == "oar_p":
+            nbytes, note = _oar_p_pass(shape, s, opts(OarPOptions, given))
+        elif meth.estimator == "mc_value":
+            mc = opts(McValueOptions, given)
+            nbytes, note, engine = _continuation_pass(shape, s)
+            if mc.refine is not None:
+                rb, rnote = _oar_g_pass(shape, s, opts(OarGOptions, dict(mc.refine)))
+                nbytes, note = nbytes + rb, f"{note}; refine: {rnote}"
+        else:
+            nbytes, note = _oar_g_pass(shape, s, opts(OarGOptions, given))
+        old = found.get(what)
+        if old is None or nbytes > old[0]:
+            found[what] = (nbytes, note, (old[2] if old else []) + [name], engine)
+        else:
+            old[2].append(name)
+    hint = "the method's chunk_size (or chunk_tokens), or rollout.max_new_tokens"
+    return [Term(f"credit: {what}", nbytes, ("credit",),
+                 f"{note} (method{'s' if len(names) > 1 else ''} {', '.join(names)})", hint,
+                 credit_pass=True, engine=engine)
+            for what, (nbytes, note, names, engine) in found.items()]
+
+
+def _oar_p_pass(shape: ModelShape, s: PlanSettings, o: Any) -> tuple[int, str]:
+    """OAR-P's largest chunk (see :func:`credit_terms`)."""
+    c, S, rows = s.act_b, s.seq, int(o.chunk_size)
+    kv = 2 * rows * S * shape.kv_bytes_per_token(c)
+    layer = rows * S * c * (3 * shape.intermediate_size + shape.q_dim + 2 * shape.kv_dim + 2 * shape.hidden_size)
+    logits = rows * PROBE_TAIL_TOKENS * shape.vocab_size * 4
+    return kv + layer + logits, f"{rows} sequences x {S} tokens: 2 KV caches + one layer's tensors + tail logits"
+
+
+def _oar_g_pass(shape: ModelShape, s: PlanSettings, o: Any) -> tuple[int, str]:
+    """OAR-G's largest chunk (see :func:`credit_terms`)."""
+    c, S, h = s.act_b, s.seq, shape.hidden_size
+    if o.chunk_size is not None:
+        rows = int(o.chunk_size) * int(o.draws)
+        tokens, what = rows * S, f"{o.chunk_size} responses x {o.draws} draws x {S} tokens"
+    else:
+        tokens = max(int(o.chunk_tokens), S * int(o.draws)) if o.chunk_tokens is not None else s.local_seqs * S
+        rows, what = max(1, tokens // S), f"{tokens} positions (chunk_tokens)"
+    per_layer = layer_activation_bytes(shape, act_bytes=c, seq=S, padded=True)
+    saved = tokens * shape.num_layers * per_layer
+    work = tokens * (2 * c * shape.intermediate_size + 4 * 4 * h) + 2 * tokens * h * 4
+    logits = 3 * rows * PROBE_TAIL_TOKENS * shape.vocab_size * 4
+    return saved + work + logits, (f"{what}: every layer's saved activations ({per_layer / 1024:.1f} KiB per "
+                                   f"token), no checkpointing (eval mode)")
+
+
+def _continuation_pass(shape: ModelShape, s: PlanSettings) -> tuple[int, str, bool]:
+    """``mc_value``'s continuations on the rollout engine (see :func:`credit_terms`)."""
+    if s.engine == "vllm":
+        return 0, "continuations in the vLLM engine's share (awake)", True
+    seqs = s.rollout_batch
+    kv = seqs * s.seq * shape.kv_bytes_per_token(s.act_b) + 3 * seqs * shape.vocab_size * 4
+    return kv, f"continuations: {seqs} sequences x {s.seq} tokens of K/V + last-token logits (engine hf)", False
+
+
 def plan(config: dict, world: int | None = None, *, padded: bool = True) -> PlanResult:
     """Plan ``config`` (validated, defaults filled) on ``world`` GPUs (default :func:`world_size`)."""
     shape = model_shape(config)
@@ -371,20 +500,33 @@ def plan(config: dict, world: int | None = None, *, padded: bool = True) -> Plan
     s = PlanSettings.from_config(config, world, shape)
     terms = _training_terms(shape, s, padded=padded)
     engine = _engine_terms(shape, s)
+    credit = _credit_terms(shape, s, config)
     gpu = int(s.gpu_gb * GiB)
     headroom = int(s.headroom * gpu)
     share = next((t for t in engine if t.name == "vLLM share"), None)
     totals = {}
     for ph in MEMORY_PHASES:
         totals[ph] = sum(t.bytes for t in terms if ph in t.phases) + headroom
-        if share is not None and ph in share.phases:
+        if share is not None and ph in share.phases and ph != "credit":  # credit: below
             totals[ph] += share.bytes
+    # the credit phase: its shared terms plus the largest pass (one method's at a time), with the
+    # engine's share when the engine stays awake for it (no sleep mode, or a pass that samples)
+    base_credit = totals["credit"]
+    awake = share is not None and "credit" in share.phases
+    credit_totals = {t.name: base_credit + t.bytes + (share.bytes if share is not None and (awake or t.engine) else 0)
+                     for t in credit}
+    totals["credit"] = max(credit_totals.values(), default=base_credit + (share.bytes if awake else 0))
     peak = max(MEMORY_PHASES, key=lambda ph: totals[ph])
     fits, breaker, message = True, None, ""
     if totals[peak] > gpu:
         fits = False
         live = [t for t in terms if peak in t.phases]
-        if share is not None and peak in share.phases:
+        if peak == "credit":
+            worst_pass = max(credit, key=lambda t: credit_totals[t.name], default=None)
+            live += [worst_pass] if worst_pass is not None else []
+            if share is not None and (awake or (worst_pass is not None and worst_pass.engine)):
+                live.append(share)
+        elif share is not None and peak in share.phases:
             live.append(share)
         worst = max(live, key=lambda t: t.bytes)
         breaker = worst.name
@@ -404,20 +546,4 @@ def plan(config: dict, world: int | None = None, *, padded: bool = True) -> Plan
                        f"({share.note}); raise rollout.vllm.gpu_memory_utilization or shorten rollout.max_new_tokens")
     return PlanResult(shape=shape, world_size=world, gpu_bytes=gpu, headroom_bytes=headroom, terms=terms,
                       engine=engine, phase_totals=totals, peak_phase=peak, fits=fits, breaker=breaker,
-                      message=message, settings=s, padded=padded,
-                      uncounted=uncounted_passes(config))
-
-
-def uncounted_passes(config: dict) -> list[tuple[str, list[str]]]:
-    """The passes of :data:`UNCOUNTED_PASSES` that ``config``'s methods run, in the order of the
-    methods: ``[(pass, [method, ...]), ...]`` (empty when no method runs one)."""
-    if not config.get("methods"):
-        return []
-    from oar.config import resolve_methods
-
-    out: dict[str, list[str]] = {}
-    for name, meth in resolve_methods(config).items():
-        what = UNCOUNTED_PASSES.get(meth.estimator)
-        if what is not None:
-            out.setdefault(what, []).append(name)
-    return list(out.items())
+                      message=message, settings=s, padded=padded, credit=credit, credit_totals=credit_totals)
