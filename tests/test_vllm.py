@@ -307,33 +307,36 @@ def _torchrun(args: list[str], tmp_path, timeout: int = 900):
 
 
 @pytest.mark.distributed
-def test_two_ranks_each_own_engine_synced_and_sampling(tiny_dir, tmp_path):
-    """``torchrun --nproc_per_node 2``: each rank builds its own training engine (vLLM's
-    external_launcher, vLLM rank = local rank = the process's rank, so on CUDA ``cuda:{LOCAL_RANK}``),
+def test_gpu_check_nproc_2_two_engines_each_synced_and_sampling(tmp_path):
+    """``benchmarks/gpu_check.py --nproc 2`` (torchrun): each rank builds its own training engine (vLLM's
+    external_launcher; vLLM rank = local rank = the process's rank, so on CUDA ``cuda:{LOCAL_RANK}``),
     moves its own policy by rank-specific steps, syncs its engine and samples from it: the log-prob
     gap to its own policy is at float rounding after its sync, and the two engines give one fixed
-    sequence different log-probs (each holds its own rank's weights)."""
+    sequence different log-probs (each holds its own rank's weights); then one oar train step of the
+    paper's settings on both ranks (FSDP2, one checkpoint shard each)."""
     import json
+    import os
+    import subprocess
+    import sys
 
     from helpers import ROOT
 
-    d, _, _ = tiny_dir
-    out = tmp_path / "out"
-    out.mkdir()
-    proc = _torchrun([str(ROOT / "tests" / "scripts" / "colocated_vllm.py"), str(d), str(out)], tmp_path)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]  # vLLM's teardown included
-    r = [json.loads((out / f"rank{k}.json").read_text()) for k in (0, 1)]
-    atol = _atol()
-    for k, v in enumerate(r):
-        assert (v["rank"], v["local_rank"], v["executor"], v["world"]) == (k, k, "external_launcher", 2), v
-        assert v["vllm_world_size"] == 1  # tensor parallelism 1: every rank an engine of its own
-        assert v["gap_start"] <= atol and v["gap_stale"] > 0.1 and v["gap_after"] <= atol, v
-    assert r[0]["pid"] != r[1]["pid"] and r[0]["engine_seed"] != r[1]["engine_seed"]
-    assert r[0]["policy_checksum"] != r[1]["policy_checksum"]
-    assert max(abs(a - b) for a, b in zip(r[0]["fixed_logprobs"], r[1]["fixed_logprobs"])) > 0.01
-    print(f"two engines: gaps after sync {r[0]['gap_after']:.1e} / {r[1]['gap_after']:.1e} (stale "
-          f"{r[0]['gap_stale']:.2f} / {r[1]['gap_stale']:.2f})")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--nproc", "2",
+                           "--threads", "1"], cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1"))
+    (tmp_path / "stderr.log").write_text(proc.stderr)
+    d = json.loads(proc.stdout.splitlines()[-1])
+    assert proc.returncode == 0 and d["ok"], (d, proc.stderr[-3000:])
+    ranks = d["engines"]["ranks"]
+    for k, v in enumerate(ranks):
+        assert (v["engine"], v["rank"], v["vllm_rank"], v["vllm_local_rank"]) == ("vllm", k, k, k), v
+        assert v["distributed_executor_backend"] == "external_launcher", v
+        assert v["gap_start"] <= v["atol"] and v["gap_stale"] > 0.1 and v["gap_after"] <= v["atol"], v
+    assert ranks[0]["seed"] != ranks[1]["seed"] and d["engines"]["engines_differ_after_own_sync"]
+    t = d["train_step"]
+    assert t["steps"] == 1 and t["processes"] == 2 and t["checkpoint_shards"] == 2 and t["approx_kl"][0] < 1e-5
+    print(f"two engines: gaps after sync {ranks[0]['gap_after']:.1e} / {ranks[1]['gap_after']:.1e} (stale "
+          f"{ranks[0]['gap_stale']:.2f} / {ranks[1]['gap_stale']:.2f})")
 
 
 @pytest.mark.distributed
