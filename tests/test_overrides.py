@@ -336,3 +336,39 @@ def test_snakemake_config_set_bad_value_names_the_command_line(tmp_path):
     assert proc.returncode != 0
     assert "command line: --config set=train.lr=abc: key train.lr: 'abc' is not of type 'number'" in text
     assert "smoke.yaml" not in text.split("command line:")[0].splitlines()[-1]
+
+
+@needs_snakemake
+@pytest.mark.slow  # two snakemake dry runs of one training job's chain: a few seconds each
+def test_snakemake_several_set_entries_apply_in_order_like_the_cli(tmp_path):
+    """``--config set="train.lr=1e-3" set="train.steps=3"`` keeps both (Snakemake's config holds only the
+    last; the raw --config arguments hold all): the fingerprint is the one of both assignments, as the
+    oar CLI's repeated --set gives, and a later entry wins over an earlier one for the same key."""
+    target = f"{tmp_path}/smoke/grpo/seed0/train_summary.json"
+
+    def shell_of(*entries: str) -> str:
+        proc = _snakemake("-n", "-p", target, "--configfile", "config/smoke.yaml", "--config", *entries,
+                          f"results_dir={tmp_path}")
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return next(ln for ln in proc.stdout.splitlines() if "reset_if_changed.sh" in ln)
+
+    both = _grpo_fingerprint(tmp_path, ["train.lr=1e-3", "train.steps=3"])
+    assert both != _grpo_fingerprint(tmp_path, ["train.steps=3"])
+    assert f" {both}-$(cat " in shell_of("set=train.lr=1e-3", "set=train.steps=3")
+    later = _grpo_fingerprint(tmp_path, ["train.lr=1e-2"])
+    assert f" {later}-$(cat " in shell_of("set=train.lr=1e-3", "set=train.lr=1e-2")
+
+
+def test_workflow_config_merges_every_set_argument_in_order(tmp_path):
+    from oar.config import workflow_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text(CONFIG.read_text())
+    raw = ["set=train.lr=1e-3 rollout.n=4", "set=train.steps=3 rollout.n=2"]
+    given = yaml.safe_load(path.read_text())  # what Snakemake read from --configfile
+    cfg, _ = workflow_config(given, configfiles=[path], default_configfile=path,
+                             cli_config={"set": "train.steps=3 rollout.n=2"}, config_args=raw)
+    assert (cfg["train"]["lr"], cfg["train"]["steps"], cfg["rollout"]["n"]) == (1e-3, 3, 2)
+    one, _ = workflow_config(given, configfiles=[path], default_configfile=path, cli_config={"set": "train.steps=3"},
+                             config_args=["set=train.steps=3"])
+    assert one["train"]["steps"] == 3 and one["train"]["lr"] != 1e-3

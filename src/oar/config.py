@@ -746,7 +746,8 @@ def _show(value: Any) -> str:
 
 
 def workflow_config(given: dict, *, configfiles: Sequence[str | Path], default_configfile: str | Path,
-                    cli_config: Mapping[str, Any]) -> tuple[dict, ConfigSource]:
+                    cli_config: Mapping[str, Any],
+                    config_args: Sequence[str] | None = None) -> tuple[dict, ConfigSource]:
     """The config the workflow runs, before validation, and where its values came from.
 
     ``given`` is Snakemake's ``config``. Without ``--configfile`` it is merged onto the embedded
@@ -755,7 +756,10 @@ def workflow_config(given: dict, *, configfiles: Sequence[str | Path], default_c
     changes to that file (:func:`resolve_extends`). The mapping and list values of ``--config
     KEY=VALUE`` (``cli_config``) are merged on top with their scalars typed (:func:`typed_override`),
     then the dotted assignments of ``--config set="train.lr=1e-3 rollout.n=4"`` (:data:`SET_KEY`,
-    :func:`parse_set_option`) are applied; the ``set`` key itself is dropped.
+    :func:`parse_set_option`) are applied; the ``set`` key itself is dropped. ``config_args``: the
+    raw ``--config`` arguments (Snakemake's ``config_settings.config_args``), where several ``set=``
+    entries are all kept (Snakemake's ``config`` holds only the last): they apply in order, as the
+    ``oar`` command's repeated ``--set``.
 
     Returns:
         ``(config, source)``: ``str(source)`` is the config file(s) (the default's name without
@@ -782,7 +786,10 @@ def workflow_config(given: dict, *, configfiles: Sequence[str | Path], default_c
             data, lines = _read_yaml_lines(path)
             layers += _extends_layers(data, path, lines) if configfiles else [Layer(data, str(path), "", lines)]
     source = ConfigSource(", ".join(map(str, configfiles)) or str(default_configfile), layers)
-    assignments = parse_set_option(cli_config[SET_KEY]) if SET_KEY in cli_config else []
+    set_values = [a.split("=", 1)[1] for a in config_args or () if a.startswith(f"{SET_KEY}=")]
+    if len(set_values) < 2:  # one (or none): Snakemake's own parsed value
+        set_values = [cli_config[SET_KEY]] if SET_KEY in cli_config else []
+    assignments = [a for value in set_values for a in parse_set_option(value)]
     if SET_KEY in cli_config:
         config.pop(SET_KEY, None)
     for key, value in cli_config.items():
@@ -823,6 +830,9 @@ class ResolvedMethod:
         label: display name for tables.
         takes_norm_by_std: whether the estimator is passed the recipe's ``norm_by_std`` (every
             built-in is; a user estimator only when it takes that keyword).
+        credit_source: a user estimator's source files, their hash and git state
+            (:class:`oar.credit.user.EstimatorSource`, as a dict); part of the run's identity, so an
+            edit retrains the runs that use it. None for a built-in (its code is the commit's).
     """
 
     name: str
@@ -833,6 +843,7 @@ class ResolvedMethod:
     estimator: str = "grpo"
     label: str = ""
     takes_norm_by_std: bool = True
+    credit_source: dict[str, Any] | None = None
 
     def estimator_options(self) -> dict[str, Any]:
         """Options for the registered estimator: the credit options plus ``norm_by_std`` (when the
@@ -845,6 +856,8 @@ class ResolvedMethod:
         out = {"method": self.name, "recipe": self.recipe_name, "credit": self.credit, "estimator": self.estimator}
         out.update({f"recipe.{k}": v for k, v in self.recipe.items()})
         out.update({f"credit.{k}": v for k, v in self.credit_options.items()})
+        if self.credit_source is not None:
+            out["credit_source.sha256"] = self.credit_source["sha256"]
         return out
 
 
@@ -937,6 +950,7 @@ def resolve_method(config: dict, name: str, *, source: str | ConfigSource = "<co
         estimator=estimator,
         label=flat.get("label", name),
         takes_norm_by_std=user is None or user.takes("norm_by_std"),
+        credit_source=user.source.as_dict() if user is not None and user.source is not None else None,
     )
 
 

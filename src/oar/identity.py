@@ -206,11 +206,15 @@ def start_key(config: Mapping[str, Any], *, sft: bool) -> str:
 def method_fingerprint(config: Mapping[str, Any], method: ResolvedMethod, *, sft: bool) -> str:
     """The fingerprint of a training run's settings: the model, task, sft, rollout, train (without
     :data:`RESUMABLE_TRAIN_KEYS_ADDED_LATER`) and reward sections, the method's recipe, credit and
-    credit options, and whether it starts from the SFT. The inner part of :func:`run_key`."""
+    credit options, a user estimator's source hash (``ResolvedMethod.credit_source``), and whether
+    it starts from the SFT. The inner part of :func:`run_key`."""
     sections = config_sections(config, "model", "task", "sft", "rollout", "train", "reward")
     sections["train"] = {k: v for k, v in sections["train"].items() if k not in RESUMABLE_TRAIN_KEYS_ADDED_LATER}
+    # a user estimator's source (its hash) joins, so an edit retrains its runs; a built-in has none
+    # (its code is the commit's), so their fingerprints are as they were before sources counted
+    source = {"source": method.credit_source["sha256"]} if method.credit_source else {}
     return fingerprint(sections, {"recipe": method.recipe, "credit": method.credit, "options": method.credit_options,
-                                  "sft": sft})
+                                  "sft": sft, **source})
 
 
 def run_key(config: Mapping[str, Any], method: ResolvedMethod, *, sft: bool) -> str:

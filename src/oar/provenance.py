@@ -17,7 +17,9 @@ Keys of :func:`provenance`:
   e.g. ``AVX2``, ``AVX512``; CPU results differ in the last bits between them), ``gpu`` (the CUDA
   device's name; None on CPU), ``hostname``;
 - ``argv``: the command line (``sys.argv``); ``start_time`` and, after :func:`with_end_time`,
-  ``end_time`` (ISO 8601, UTC, seconds).
+  ``end_time`` (ISO 8601, UTC, seconds);
+- ``credit_source`` (a training run of a user estimator only): the estimator's source files, their
+  hash and their git state (``oar.credit.user.EstimatorSource.as_dict``); :func:`describe` names it.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ __all__ = [
     "DESCRIBED_KEYS",
     "GIT_TIMEOUT_S",
     "git_state",
+    "path_git_state",
     "cpu_model",
     "provenance",
     "with_end_time",
@@ -92,6 +95,22 @@ def git_state(path: str | os.PathLike | None = None) -> tuple[str | None, bool |
         return None, None
     status = _git(folder, "status", "--porcelain", "--untracked-files=no")
     return commit.strip(), (None if status is None else bool(status.strip()))
+
+
+def path_git_state(path: str | os.PathLike) -> str | None:
+    """The git state of one file: ``clean`` (tracked, as committed), ``modified`` (tracked, changed),
+    ``untracked`` (inside a checkout, not tracked; an ignored file too), or None (no checkout holds
+    it, or git is absent)."""
+    target = Path(path).resolve()
+    folder = target.parent
+    if _git(folder, "rev-parse", "--is-inside-work-tree") is None:
+        return None
+    if _git(folder, "ls-files", "--error-unmatch", "--", str(target)) is None:
+        return "untracked"
+    status = _git(folder, "status", "--porcelain", "--", str(target))
+    if status is None:
+        return None
+    return "modified" if status.strip() else "clean"
 
 
 def cpu_model() -> str | None:
@@ -153,7 +172,8 @@ def _gpu_name(torch: Any) -> str | None:
 
 
 def provenance(*, device: str | None = None, started: datetime | None = None,
-               root: str | os.PathLike | None = None, argv: Sequence[str] | None = None) -> dict[str, Any]:
+               root: str | os.PathLike | None = None, argv: Sequence[str] | None = None,
+               credit_source: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The provenance of the calling process (keys: see the module docstring).
 
     Args:
@@ -162,9 +182,11 @@ def provenance(*, device: str | None = None, started: datetime | None = None,
         started: the start time (default: now).
         root: the path whose git checkout is recorded (default: the ``oar`` package).
         argv: the command line (default: ``sys.argv``).
+        credit_source: a user estimator's source (recorded only when given).
     """
     commit, dirty = git_state(root)
     device, capability, gpu = _torch_facts(device)
+    extra = {"credit_source": dict(credit_source)} if credit_source else {}
     return {
         "git_commit": commit,
         "git_dirty": dirty,
@@ -177,6 +199,7 @@ def provenance(*, device: str | None = None, started: datetime | None = None,
         "hostname": socket.gethostname(),
         "argv": list(sys.argv if argv is None else argv),
         "start_time": _now_iso(started),
+        **extra,
     }
 
 
@@ -242,6 +265,16 @@ def describe(provs: Iterable[Mapping[str, Any] | None], *, what: str | None = No
         else:
             listed = ", ".join(f"{v} x {n}" for v, n in counts.most_common())
             parts.append(f"{len(counts)} {plural}: {listed}")
+    sources = Counter(_source_text(p["credit_source"]) for p in known if p.get("credit_source"))
+    if sources:
+        parts.append("user estimator source" + ("s" if len(sources) > 1 else "") + ": "
+                     + ", ".join(f"{v} x {n}" for v, n in sources.most_common()))
     missing = len(provs) - len(known)
     tail = f"; {missing} of them without a recorded provenance" if missing else ""
     return f"Provenance of {what or f'the {len(provs)} results'}: " + "; ".join(parts) + tail + "."
+
+
+def _source_text(src: Mapping[str, Any]) -> str:
+    """``my_credit:fn sha256 3f2a...(16) (my_credit.py untracked, helpers.py clean)``."""
+    files = ", ".join(f"{f} {st or 'not in git'}" for f, st in (src.get("git") or {}).items())
+    return f"{src.get('name')} sha256 {src.get('sha256')} ({files})"

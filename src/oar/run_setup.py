@@ -161,7 +161,7 @@ def setup_run(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder
                          colocated=True)
     if saved is not None:  # the engine starts from the start model's weights
         refresh_engine(engine, strategy, model)
-    prov = provenance(device=strategy.device.type, started=started)
+    prov = provenance(device=strategy.device.type, started=started, credit_source=method.credit_source)
     tracker = _tracker(config, method, seed, folder, strategy, state, prov)
     # held-out accuracy of the start model (or of the resume point), then every train.heldout.every steps
     heldout = HeldoutEval(config, engine=engine, tokenizer=tokenizer, strategy=strategy, model=model, tracker=tracker,
@@ -204,4 +204,9 @@ def _tracker(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder,
     folder.record_mlflow_run(tracker.run_id)
     state["run_id"] = tracker.run_id
     tracker.log_params({"config": config, **method.as_params(), "seed": seed})
+    if method.credit_source is not None:  # a user estimator's source files, as they were for this run
+        root = Path(method.credit_source["root"])
+        for rel in method.credit_source["files"]:
+            folder = Path(rel).parent.as_posix()
+            tracker.log_artifact(root / rel, "credit_source" if folder == "." else f"credit_source/{folder}")
     return tracker

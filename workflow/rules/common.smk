@@ -31,7 +31,8 @@ from oar.layout import STORE_DIR, LayoutError, link_views, store_entries
 try:
     _resolved, CONFIG_SOURCE = workflow_config(
         dict(config), configfiles=list(workflow.overwrite_configfiles), default_configfile="config/config.yaml",
-        cli_config=dict(workflow.config_settings.config))
+        cli_config=dict(workflow.config_settings.config),
+        config_args=list(workflow.config_settings.config_args or ()))
     validate_config(_resolved, source=CONFIG_SOURCE)
 except ConfigError as e:
     raise WorkflowError(str(e))

@@ -25,6 +25,7 @@ module and :mod:`oar.credit`'s registry import without torch.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib
 import inspect
 import os
@@ -41,6 +42,8 @@ from oar.credit import CreditResult, register_function, estimator_flags
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "EstimatorSource",
+    "estimator_source",
     "EstimatorSpecError",
     "UnknownEstimatorError",
     "UserEstimator",
@@ -78,6 +81,8 @@ class UserEstimator:
             its source binds it otherwise than by ``def``).
         required: the options without a default (a config must set them).
         types: the options annotated ``bool`` / ``int`` / ``float`` / ``str``, with that type.
+        source: its source files and their hash (:func:`estimator_source`); None when it has no
+            ``.py`` source.
     """
 
     name: str
@@ -86,6 +91,7 @@ class UserEstimator:
     options: frozenset[str] | None
     required: frozenset[str] = frozenset()
     types: Mapping[str, type] = field(default_factory=dict)
+    source: "EstimatorSource | None" = None
 
     def takes(self, option: str) -> bool:
         """Whether the function takes the keyword ``option`` (by name or through ``**options``)."""
@@ -103,6 +109,141 @@ class UserEstimator:
             ok = isinstance(value, int if tp is int else (int, float)) and not isinstance(value, bool)
         return None if ok else (f"{value!r} is not of type {_SIMPLE_TYPES[tp]!r} (annotated {tp.__name__} in "
                                 f"{self.name})")
+
+
+@dataclass(frozen=True)
+class EstimatorSource:
+    """The source of a user estimator, which is part of the identity of every run that uses it
+    (:func:`oar.identity.method_fingerprint`): an edit of any of ``files`` gives another ``sha256``,
+    another store key, and the workflow retrains exactly those runs.
+
+    Attributes:
+        name: the config's ``credit``.
+        root: the folder the files are relative to (the one that holds the estimator's top-level
+            module or package).
+        files: the estimator's module first, then every module of the user's tree it imports,
+            directly or through another (paths relative to ``root``, sorted after the first).
+        sha256: the first 16 hex digits of the SHA-256 over ``(path, content)`` of every file.
+        git: each file's git state (:func:`oar.provenance.path_git_state`: clean, modified,
+            untracked, or None outside a checkout).
+    """
+
+    name: str
+    root: str
+    files: tuple[str, ...]
+    sha256: str
+    git: Mapping[str, str | None] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "root": self.root, "files": list(self.files), "sha256": self.sha256,
+                "git": dict(self.git)}
+
+    def paths(self) -> list[Path]:
+        return [Path(self.root) / f for f in self.files]
+
+
+def _module_spec(module_name: str) -> tuple[Any, str]:
+    """The import spec of ``module_name`` found by the import system's finders without running any
+    module (a package's ``__init__`` is not run), and the dotted name that was not found (when the
+    spec is None)."""
+    parts = module_name.split(".")
+    path: Any = None
+    spec: Any = None
+    for i in range(len(parts)):
+        full = ".".join(parts[: i + 1])
+        if i and path is None:  # the parent is a module, not a package
+            return None, full
+        loaded = sys.modules.get(full)
+        spec = getattr(loaded, "__spec__", None) if loaded is not None else None
+        if spec is None:
+            try:
+                spec = next((s for f in sys.meta_path if hasattr(f, "find_spec")
+                             for s in [f.find_spec(full, path)] if s is not None), None)
+            except (ImportError, ValueError):
+                spec = None
+        if spec is None:
+            return None, full
+        path = spec.submodule_search_locations
+    return spec, ""
+
+
+def _py_origin(spec: Any) -> Path | None:
+    origin = getattr(spec, "origin", None)
+    return Path(origin).resolve() if origin and origin.endswith(".py") and os.path.isfile(origin) else None
+
+
+def _not_users(path: Path) -> bool:
+    """A file of the installed software (the interpreter's prefixes, site-packages) or of oar itself
+    (covered by the commit and dirty state of :mod:`oar.provenance`), not of the user's tree."""
+    import oar
+
+    text = str(path)
+    prefixes = {sys.prefix, sys.base_prefix, sys.exec_prefix, str(Path(oar.__file__).resolve().parent)}
+    return "site-packages" in path.parts or "dist-packages" in path.parts or any(
+        text.startswith(str(Path(p).resolve()) + os.sep) for p in prefixes if p)
+
+
+def _imported_names(tree: ast.AST, module_name: str, is_package: bool) -> list[str]:
+    """The absolute names of the modules a module's source imports (relative imports resolved; for
+    ``from x import y`` both ``x`` and ``x.y``, as ``y`` may be a submodule)."""
+    package = module_name if is_package else module_name.rpartition(".")[0]
+    out: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base_parts = package.split(".") if package else []
+                base_parts = base_parts[: len(base_parts) - (node.level - 1)] if node.level > 1 else base_parts
+                base = ".".join(base_parts + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            if base:
+                out.append(base)
+            out += [f"{base}.{a.name}" if base else a.name for a in node.names if a.name != "*"]
+    return out
+
+
+def estimator_source(name: str, module_name: str) -> EstimatorSource | None:
+    """The source of the user estimator ``name`` in ``module_name`` (:class:`EstimatorSource`): the
+    module's file and, followed through their imports without running them, every module of the
+    user's tree (files under the folder that holds the top-level module or package, outside the
+    installed software and oar) it imports. None when the module has no ``.py`` source."""
+    import hashlib
+
+    from oar.provenance import path_git_state
+
+    _cwd_on_path()
+    spec, _ = _module_spec(module_name)
+    first = _py_origin(spec) if spec is not None else None
+    if first is None:
+        return None
+    depth = module_name.count(".") + (1 if first.name == "__init__.py" else 0)
+    root = first.parents[depth]
+    seen: dict[Path, None] = {}
+    todo = [(module_name, first)]
+    while todo:
+        mod, path = todo.pop()
+        if path in seen:
+            continue
+        seen[path] = None
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        except (OSError, SyntaxError, ValueError):
+            continue
+        for imported in _imported_names(tree, mod, path.name == "__init__.py"):
+            sub, _ = _module_spec(imported)
+            file = _py_origin(sub) if sub is not None else None
+            if file is not None and file not in seen and root in file.parents and not _not_users(file):
+                todo.append((imported, file))
+    files = [first] + sorted(p for p in seen if p != first)
+    digest = hashlib.sha256()
+    for f in files:
+        rel = f.relative_to(root).as_posix()
+        digest.update(rel.encode() + b"\0" + f.read_bytes() + b"\0")
+    rels = tuple(f.relative_to(root).as_posix() for f in files)
+    return EstimatorSource(name=name, root=str(root), files=rels, sha256=digest.hexdigest()[:16],
+                           git={r: path_git_state(f) for r, f in zip(rels, files)})
 
 
 def is_reference(name: str) -> bool:
@@ -153,7 +294,7 @@ def user_estimator(name: str, *, load: bool = True) -> UserEstimator:
         hints = typing.get_type_hints(fn)
     except Exception:  # unresolvable annotations: no type checks
         hints = {}
-    est = _options(name, origin, params, hints, fn)
+    est = dataclasses.replace(_options(name, origin, params, hints, fn), source=estimator_source(name, module_name))
     needs_model, needs_continuations = estimator_flags(fn)
     register_function(name, fn, needs_model=needs_model, needs_continuations=needs_continuations)
     return est
@@ -237,23 +378,12 @@ def _read(name: str, module_name: str, attr: str) -> UserEstimator:
     of ``attr`` read. A module without a ``.py`` source, a dotted ``attr``, or a name bound by an
     import, an assignment or a class takes any option here (the jobs load it and check)."""
     cwd = _cwd_on_path()
-    parts = module_name.split(".")
-    path: Any = None
-    spec: Any = None
-    for i in range(len(parts)):
-        full = ".".join(parts[: i + 1])
-        if i and path is None:  # the parent is a module, not a package
-            raise EstimatorSpecError(_not_found(module_name, full, name, cwd))
-        loaded = sys.modules.get(full)
-        spec = getattr(loaded, "__spec__", None) if loaded is not None else None
-        if spec is None:
-            spec = next((s for f in sys.meta_path if hasattr(f, "find_spec")
-                         for s in [f.find_spec(full, path)] if s is not None), None)
-        if spec is None:
-            raise EstimatorSpecError(_not_found(module_name, full, name, cwd))
-        path = spec.submodule_search_locations
+    spec, missing = _module_spec(module_name)
+    if spec is None:
+        raise EstimatorSpecError(_not_found(module_name, missing, name, cwd))
     origin = spec.origin if spec.origin and spec.origin.endswith(".py") and os.path.isfile(spec.origin) else None
-    unchecked = UserEstimator(name=name, fn=None, origin=origin or module_name, options=None)
+    source = estimator_source(name, module_name) if origin else None
+    unchecked = UserEstimator(name=name, fn=None, origin=origin or module_name, options=None, source=source)
     if origin is None or "." in attr:
         return unchecked
     try:
@@ -270,7 +400,7 @@ def _read(name: str, module_name: str, attr: str) -> UserEstimator:
     if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return unchecked
     params, hints = _ast_parameters(node.args)
-    return _options(name, origin, params, hints, None)
+    return dataclasses.replace(_options(name, origin, params, hints, None), source=source)
 
 
 def _top_level_binding(body: list[ast.stmt], attr: str) -> tuple[ast.stmt | None, dict[str, ast.stmt]]:
