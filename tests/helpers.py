@@ -269,3 +269,23 @@ def hang_for_test(response: str, gold: str, *, seconds: float = 3600.0) -> bool:
     from oar.reward import score_one
 
     return score_one(response, gold)
+
+
+def copy_repository(base: Path) -> Path:
+    """The repository's files (tracked and new, not ignored) copied to ``base/repo``, with ``../shared``
+    beside it when the checkout has one (the paper config reads data from there). Returns the copy."""
+    import shutil
+    import subprocess
+
+    dest = base / "repo"
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, check=True,
+                           capture_output=True, text=True).stdout.split("\0")
+    for rel in filter(None, files):
+        src = ROOT / rel
+        if src.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+    shared = ROOT.parent / "shared"
+    if shared.is_dir():
+        (base / "shared").symlink_to(shared)
+    return dest

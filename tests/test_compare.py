@@ -72,3 +72,37 @@ def test_a_bad_reference_or_an_unfinished_run_is_one_line(tmp_path, capsys):
                  "--save"]) == 2
     err = capsys.readouterr().err
     assert "main.csv: no such file" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_one_seed_run_compares_with_its_own_reference(tmp_path, capsys):
+    """A one-seed main.csv's per_seed column holds bare numbers, which pandas reads as floats: the
+    reference still carries every value, and the run reproduces itself."""
+    rec = _run(tmp_path / "rec", {"grpo": [55.0], "dapo": [57.25]})
+    assert pd.read_csv(rec / "tables" / "main.csv")["per_seed"].dtype.kind == "f"  # what pandas makes of it
+    assert main(["compare", "--results", str(rec), "--reference", str(tmp_path / "r.json"), "--save"]) == 0
+    values = load_reference(tmp_path / "r.json")["values"]
+    assert values["main|grpo|avg@k|synthetic-test"] == [55.0] and all(len(v) == 1 for v in values.values())
+    capsys.readouterr()
+    assert main(["compare", "--results", str(rec), "--reference", str(tmp_path / "r.json")]) == 0
+    out = capsys.readouterr().out
+    assert "REPRODUCED" in out and "missing" not in out
+
+
+def test_a_reference_of_another_config_is_refused_naming_what_differs(tmp_path, capsys):
+    import yaml
+
+    rec = _run(tmp_path / "rec", {"grpo": [55.0, 54.0, 56.3]})
+    cfg = {"model": {"source": "tiny"}, "train": {"lr": 1e-4, "steps": 20}, "seeds": [0, 1, 2]}
+    (rec / "config.yaml").write_text(yaml.safe_dump(cfg))
+    save_reference(rec, tmp_path / "r.json")
+    assert load_reference(tmp_path / "r.json")["config_identity"]["train"]
+    longer = _run(tmp_path / "longer", {"grpo": [55.0, 54.0, 56.3]})  # only a resumable key differs: same config
+    (longer / "config.yaml").write_text(yaml.safe_dump({**cfg, "train": {"lr": 1e-4, "steps": 40}}))
+    assert main(["compare", "--results", str(longer), "--reference", str(tmp_path / "r.json")]) == 0
+    other = _run(tmp_path / "other", {"grpo": [55.0, 54.0, 56.3]})
+    (other / "config.yaml").write_text(yaml.safe_dump({**cfg, "train": {"lr": 1e-3, "steps": 20}}))
+    capsys.readouterr()
+    assert main(["compare", "--results", str(other), "--reference", str(tmp_path / "r.json")]) == 2
+    assert capsys.readouterr().err == (f"oar compare: error: {tmp_path / 'r.json'}: a run of another config "
+                                       f"({other}/config.yaml differs in train); compare a run with a reference of its "
+                                       "own config\n")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT
+from helpers import ROOT, copy_repository
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("git") is None, reason="needs git")]
 
@@ -87,21 +87,8 @@ def doc_commands() -> list[DocCommand]:
 # ------------------------------------------------------------------------------------- the copy
 @pytest.fixture(scope="module")
 def repo_copy(tmp_path_factory) -> Path:
-    """The repository's files (tracked and new, not ignored) copied to a temporary folder, with
-    ``../shared`` beside it when the checkout has one (the paper config reads data from there)."""
-    base = tmp_path_factory.mktemp("doc")
-    dest = base / "repo"
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, check=True,
-                           capture_output=True, text=True).stdout.split("\0")
-    for rel in filter(None, files):
-        src = ROOT / rel
-        if src.is_file():
-            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dest / rel)
-    shared = ROOT.parent / "shared"
-    if shared.is_dir():
-        (base / "shared").symlink_to(shared)
-    return dest
+    """The repository copied to a temporary folder (:func:`helpers.copy_repository`)."""
+    return copy_repository(tmp_path_factory.mktemp("doc"))
 
 
 def _env() -> dict:

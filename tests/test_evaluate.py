@@ -204,3 +204,61 @@ def test_heldout_hook_logs_step0_every_k_and_last_and_resumes_without_duplicates
     assert not [r for r in rows(off) if "heldout_acc" in r]
     wa, wb = load_file(str(full / "model" / "model.safetensors")), load_file(str(off / "model" / "model.safetensors"))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_two_evaluations_into_one_folder_the_second_stops_naming_the_first(tmp_path, capsys):
+    """evaluate takes the trainer's lock (oar.io.exclusive_lock): a second one into the same folder
+    exits 2 at once with one line naming the holder, and writes nothing."""
+    import yaml
+
+    from oar.cli import main
+    from oar.io import exclusive_lock
+
+    over = small_overrides(tmp_path, eval={"benchmarks": [{"name": "synthetic-test", "n": 2}], "samples": 0,
+                                           "max_new_tokens": 8})
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(load_config(ROOT / "config" / "config.yaml", over)))
+    out = tmp_path / "eval"
+    with exclusive_lock(out, purpose="oar evaluate the first one"):
+        assert main(["evaluate", "--config", str(path), "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"oar evaluate: error: {out} is in use by pid ") and "(oar evaluate the first one)" in err
+    assert err.count("\n") == 1 and sorted(p.name for p in out.iterdir()) == [".lock"]
+    assert main(["evaluate", "--config", str(path), "--output", str(out)]) == 0  # free again: it runs
+
+
+def test_a_full_disk_while_evaluating_is_one_line_and_keeps_the_finished_benchmarks(tmp_path, capsys, monkeypatch):
+    """ENOSPC while writing the second benchmark's rows: one line naming the file (exit 2), the first
+    benchmark's finished files kept; run again with space, it carries on (the first is not redone)."""
+    import errno
+
+    import yaml
+
+    import oar.evaluate as ev
+    from oar.cli import main
+
+    over = small_overrides(tmp_path, eval={"benchmarks": [{"name": "synthetic-test", "n": 2},
+                                                          {"name": "synthetic-ood", "n": 2}],
+                                           "samples": 0, "max_new_tokens": 8})
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(load_config(ROOT / "config" / "config.yaml", over)))
+    out = tmp_path / "eval"
+    real = ev.atomic_write_jsonl
+
+    def full(target, rows):
+        if "synthetic-ood" in str(target):
+            raise OSError(errno.ENOSPC, "No space left on device", str(target))
+        return real(target, rows)
+
+    monkeypatch.setattr(ev, "atomic_write_jsonl", full)
+    assert main(["evaluate", "--config", str(path), "--output", str(out)]) == 2
+    from helpers import one_error_line
+
+    line = one_error_line(capsys.readouterr().err, "evaluate")  # besides the progress bars
+    assert line == (f"oar evaluate: error: the disk is full (No space left on device) writing {out}/synthetic-ood.jsonl:"
+                    " free space there and run the same command again (what it finished is kept; it carries on from "
+                    "there)")
+    stamp = (out / "synthetic-test.json").stat().st_mtime_ns
+    monkeypatch.setattr(ev, "atomic_write_jsonl", real)
+    assert main(["evaluate", "--config", str(path), "--output", str(out)]) == 0
+    assert (out / "synthetic-test.json").stat().st_mtime_ns == stamp and (out / "summary.json").exists()

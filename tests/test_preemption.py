@@ -23,6 +23,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -810,3 +811,36 @@ def test_keep_checkpoints_keeps_the_newest_and_prunes_after_a_newer_one_is_compl
 def _same_weights_files(a: Path, b: Path) -> bool:
     wa, wb = _weights(a), _weights(b)
     return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_a_command_under_a_shell_that_ignores_sigterm_ends_on_sigterm(tmp_path):
+    """A rule's shell ignores SIGTERM (oar.launch.SHELL_PREFIX) and its children inherit that; every
+    oar command but the trainer gives SIGTERM its default action back, so an evaluation under
+    Snakemake ends on SLURM's SIGTERM (or scancel) at once instead of at the SIGKILL."""
+    import subprocess
+    import sys
+
+    from oar.launch import SHELL_PREFIX
+    from oar.preemption import restore_ignored_signals
+
+    code = ("import signal, sys, time\n"
+            "assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN  # inherited from the shell\n"
+            "from oar.preemption import restore_ignored_signals\n"
+            "print(restore_ignored_signals(), flush=True)\n"
+            "time.sleep(60)\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    proc = subprocess.Popen(["bash", "-c", f"{SHELL_PREFIX}{sys.executable} -c {shlex.quote(code)}"], env=env,
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert proc.stdout.readline().strip() == "['SIGTERM']"
+    t0 = time.monotonic()
+    os.killpg(proc.pid, signal.SIGTERM)  # SLURM signals every process of the step
+    proc.wait(timeout=30)
+    assert time.monotonic() - t0 < 10  # ended on the SIGTERM, not on a later SIGKILL
+    assert restore_ignored_signals() == []  # nothing was ignored in this process
+    # the CLI does it for every command (it parses, restores, then runs the command)
+    cli = ("import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+           "from oar.cli import main\n"
+           "main(['methods', '--config', 'config/smoke.yaml'])\n"
+           "print('TERM', signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)\n")
+    out = subprocess.run([sys.executable, "-c", cli], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "TERM True" in out.stdout, out.stderr[-2000:]

@@ -995,3 +995,34 @@ def check_an_ablation_shares_the_smoke_run(tmp_path: Path, smoke: Path, smoke_ar
     assert (R / "grpo").resolve() == (S / "grpo").resolve() and (R / "sft").resolve() == (S / "sft").resolve()
     again = snakemake(*smoke_args, "-n")  # the smoke run is untouched by the other config
     assert "Nothing to be done" in again.stdout + again.stderr
+
+
+@pytest.mark.slow
+def test_a_job_whose_benchmark_file_cannot_be_written_keeps_its_finished_output(tmp_path):
+    """Snakemake writes a job's ``benchmark:`` file after the job; on a full disk that fails, the job
+    counts as failed and Snakemake would delete its complete outputs (an evaluation's summary.json).
+    The workflow's profiles keep them (keep-incomplete: every output is written atomically), and the
+    job reruns next time (rerun-incomplete)."""
+    import subprocess as sp
+
+    (tmp_path / "Snakefile").write_text('rule a:\n    output: "out.json"\n    benchmark: "full/bench.tsv"\n'
+                                        '    shell: "echo done > {output}"\n')
+    full = tmp_path / "full"
+    full.mkdir()
+    mounted = sp.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(full)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        sp.run(["dd", "if=/dev/zero", f"of={full}/fill", "bs=4k", "count=64"], capture_output=True)
+        runs = {}
+        for profile in ("none", "default"):
+            (tmp_path / "out.json").unlink(missing_ok=True)
+            args = ["--workflow-profile", str(ROOT / "workflow" / "profiles" / "default")] if profile == "default" else []
+            proc = sp.run([sys.executable, "-m", "snakemake", "--cores", "1", *args], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+            runs[profile] = (proc.returncode, (tmp_path / "out.json").exists(), proc.stdout + proc.stderr)
+        assert runs["none"][0] != 0 and not runs["none"][1]  # what Snakemake does by itself
+        assert runs["default"][0] != 0 and runs["default"][1], runs["default"][2][-2000:]
+        assert "No space left on device" in runs["default"][2]
+    finally:
+        sp.run(["umount", str(full)], capture_output=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -370,9 +371,14 @@ def _add_tool_commands(sub: "argparse._SubParsersAction[argparse.ArgumentParser]
 
 
 def main(argv: list[str] | None = None) -> int:
-    from oar.io import DiskFullError, FolderLockedError, OutputPathError, SharedWriteError
+    from oar.io import DISK_FULL_ERRNOS, DiskFullError, FolderLockedError, OutputPathError, SharedWriteError
 
     args = build_parser().parse_args(argv)
+    from oar.preemption import restore_ignored_signals
+
+    # a rule's shell ignores SIGTERM (oar.launch.SHELL_PREFIX): every command ends on it again (the
+    # trainer then catches it to stop after its step with a checkpoint)
+    restore_ignored_signals()
     try:
         return int(args.fn(args) or 0)
     # the user's files: ConfigError, oar.models.ModelLoadError, oar.tracking.TrackingStoreError and
@@ -380,6 +386,14 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError, KeyError, FolderLockedError, DiskFullError, SharedWriteError,
             OutputPathError) as e:
         print(f"oar {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a full disk where no writer named it (an evaluation's file, a figure)
+        if e.errno not in DISK_FULL_ERRNOS:
+            raise
+        where = e.filename or getattr(args, "output", None) or getattr(args, "results", None) or "the output"
+        print(f"oar {args.command}: error: the disk is full ({os.strerror(e.errno)}) writing {where}: free space "
+              "there and run the same command again (what it finished is kept; it carries on from there)",
+              file=sys.stderr)
         return 2
     except RuntimeError as e:  # a benchmark given as a hub id while the hub cannot be used
         from oar.data.benchmarks import HubUnavailableError

@@ -232,28 +232,39 @@ def evaluate_from_config(config: dict, model_dir: str | Path | None, output_dir:
 
     Raises:
         oar.io.OutputPathError: ``output_dir`` cannot be a folder this process writes.
+        oar.io.FolderLockedError: another evaluation (or training) writes into ``output_dir`` now.
         oar.models.ModelLoadError: a file of the model cannot be loaded.
         ValueError: ``transfer`` and ``eval.transfer.benchmarks`` is empty (all three before anything is
             written).
     """
     from datetime import datetime, timezone
 
-    from oar.identity import NEW_KEYS_AT_DEFAULT
-    from oar.io import check_output_folder
-    from oar.models import check_model_files, load_policy, model_identity
-    from oar.preflight import job_device
-    from oar.provenance import provenance, with_end_time
-    from oar.rollout import make_engine
+    from oar.io import check_output_folder, exclusive_lock
+    from oar.models import check_model_files
 
     started = datetime.now(timezone.utc)
-    ev = config["eval"]
     output_dir = Path(output_dir)
     spec = dict(config["model"], source=str(model_dir), gguf_file=None) if model_dir else config["model"]
     # the user's files first, before anything is written: a named error, and an existing folder as it was
     check_output_folder(output_dir, what="the evaluation folder (--output)")
     check_model_files(spec)
     benches = load_eval_benchmarks(config, transfer=transfer)
-    output_dir.mkdir(parents=True, exist_ok=True)
+    # the same lock as the trainer's: a second evaluation into this folder stops at once, naming this one
+    with exclusive_lock(output_dir, purpose=f"oar evaluate {model_dir or config['model']['source']}"):
+        return _evaluate_locked(config, benches, spec, output_dir, model_dir, seed=seed, progress=progress,
+                                started=started)
+
+
+def _evaluate_locked(config: dict, benches: dict[str, list[dict]], spec: dict, output_dir: Path,
+                     model_dir: str | Path | None, *, seed: int, progress: bool, started: Any) -> dict:
+    """The body of :func:`evaluate_from_config`, while it holds the folder's lock."""
+    from oar.identity import NEW_KEYS_AT_DEFAULT
+    from oar.models import load_policy, model_identity
+    from oar.preflight import job_device
+    from oar.provenance import provenance, with_end_time
+    from oar.rollout import make_engine
+
+    ev = config["eval"]
     # cached results are reused only for the same model content, generation and scoring settings
     settings = {k: ev[k] for k in ("greedy", "samples", "temperature", "top_p", "max_new_tokens", "chunk_size")}
     if ev["sampler"] != NEW_KEYS_AT_DEFAULT["eval"]["sampler"]:  # at its default, caches written before the key stay valid

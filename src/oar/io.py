@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import json
+import errno
 import os
 import shutil
 import tempfile
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 __all__ = [
+    "DISK_FULL_ERRNOS",
     "atomic_path",
     "commit_path",
     "recover_atomic_dir",
@@ -115,6 +117,10 @@ def recover_atomic_dir(path: str | os.PathLike) -> list[str]:
 
 class FolderLockedError(RuntimeError):
     """Another process holds the folder's lock (see :func:`exclusive_lock`); the message names it."""
+
+
+#: The errnos of a full file system (no space; the user's quota reached).
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
 class DiskFullError(OSError):

@@ -11,7 +11,9 @@ The trainer (:mod:`oar.preemption`) then finishes its step, writes a checkpoint 
 Snakemake's own process in the step waits for its job on SIGTERM; but bash dies of it, and once
 bash is gone Snakemake reports the job failed and exits, and SLURM kills what is left of the step,
 the trainer in the middle of its checkpoint. A rule's subshell inherits the ignored SIGTERM; the
-trainer and torchrun install their own handlers.
+trainer and torchrun install their own handlers, and every other ``oar`` command gives SIGTERM its
+default action back when it starts (:func:`oar.preemption.restore_ignored_signals`), so an
+evaluation ends on it instead of running on to SLURM's SIGKILL.
 """
 
 from __future__ import annotations

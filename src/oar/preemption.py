@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, Protocol
 
-__all__ = ["EXIT_INTERRUPTED", "STOP_SIGNALS", "StopSignal", "CheckpointSchedule", "StepDecision"]
+__all__ = ["EXIT_INTERRUPTED", "STOP_SIGNALS", "StopSignal", "CheckpointSchedule", "StepDecision",
+           "restore_ignored_signals"]
 
 #: Exit status of ``oar train`` stopped by a signal after writing its checkpoint: "interrupted,
 #: resumable; run the same command again". ``EX_TEMPFAIL`` of BSD's sysexits.h (a temporary
@@ -40,6 +41,21 @@ EXIT_INTERRUPTED = 75
 #: ``scancel`` (TERM), Ctrl-C (INT), and USR1, which batch scripts commonly ask for early
 #: (``sbatch --signal=B:USR1@N``) and forward.
 STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+
+def restore_ignored_signals(signals: tuple[signal.Signals, ...] = STOP_SIGNALS) -> list[str]:
+    """Give :data:`STOP_SIGNALS` that this process inherited as ignored their default action back
+    (a rule's shell ignores SIGTERM so that it outlives its job on SLURM: ``oar.launch.SHELL_PREFIX``;
+    a command that is not the trainer must still end on SLURM's SIGTERM and on scancel). Returns
+    the names restored. Only from the main thread (Python's rule)."""
+    if threading.current_thread() is not threading.main_thread():
+        return []
+    restored = []
+    for sig in signals:
+        if signal.getsignal(sig) is signal.SIG_IGN:
+            signal.signal(sig, signal.SIG_DFL)
+            restored.append(sig.name)
+    return restored
 
 
 class _Agrees(Protocol):

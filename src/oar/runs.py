@@ -41,8 +41,8 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 import torch
 
-from oar.io import (DiskFullError, atomic_path, atomic_write_json, atomic_write_jsonl, format_bytes, free_bytes,
-                    read_jsonl, recover_atomic_dir, safetensors_problem)
+from oar.io import (DISK_FULL_ERRNOS, DiskFullError, atomic_path, atomic_write_json, atomic_write_jsonl, format_bytes,
+                    free_bytes, read_jsonl, recover_atomic_dir, safetensors_problem)
 
 __all__ = [
     "RunFolder",
@@ -150,8 +150,6 @@ def check_checkpoint_files(folder: str | Path) -> dict[str, Any] | None:
 
 # ---------------------------------------------------------------------------------------- disk full
 
-#: errno values of a full file system (or a full quota).
-_DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 #: How writers say it when they do not raise an OSError (safetensors: "IoError(Os { code: 28, kind:
 #: StorageFull, message: \"No space left on device\" })").
 _DISK_FULL_TEXT = ("no space left on device", "disk quota exceeded", "storagefull")
@@ -179,7 +177,7 @@ def _exception_chain(exc: BaseException) -> Iterator[BaseException]:
 def is_disk_full(exc: BaseException, path: str | Path, needed: int) -> bool:
     """Whether ``exc``, raised while writing ``needed`` bytes under ``path``, means the disk is full."""
     for e in _exception_chain(exc):
-        if isinstance(e, OSError) and e.errno in _DISK_FULL_ERRNOS:
+        if isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS:
             return True
         text = str(e).lower()
         if any(t in text for t in _DISK_FULL_TEXT):

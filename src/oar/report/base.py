@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -89,7 +91,9 @@ def report_option(config: Mapping[str, Any], key: str, value: Any) -> Any:
 
 def per_seed_values(joined: Any) -> list[float]:
     """A table's ";"-joined per-seed column (``per_seed``, ``diff_per_seed``, ...) as floats; empty for
-    a missing value (NaN or "")."""
+    a missing value (NaN or ""). One seed's column holds a bare number, which pandas reads as one."""
+    if isinstance(joined, (int, float)) and not isinstance(joined, bool):
+        return [] if math.isnan(joined) else [float(joined)]
     if not isinstance(joined, str) or not joined:
         return []
     return [float(v) for v in joined.split(";")]

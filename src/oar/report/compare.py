@@ -26,11 +26,13 @@ import numpy as np
 from oar.markdown import markdown_table
 from oar.report.base import per_seed_values
 
-__all__ = ["REFERENCE_FORMAT", "Cell", "run_values", "save_reference", "load_reference", "compare_runs",
-           "compare_markdown"]
+__all__ = ["REFERENCE_FORMAT", "READABLE_FORMATS", "Cell", "run_values", "config_identity", "save_reference",
+           "load_reference", "compare_runs", "compare_markdown"]
 
-#: The reference file's format tag (its ``format`` key).
-REFERENCE_FORMAT = "oar-reference-1"
+#: The reference file's format tag (its ``format`` key). Format 2 adds ``config_identity``.
+REFERENCE_FORMAT = "oar-reference-2"
+#: Formats :func:`load_reference` reads (a format-1 file has no config identity to check).
+READABLE_FORMATS = ("oar-reference-1", REFERENCE_FORMAT)
 
 #: Provenance keys compared between the two runs, in the order printed.
 PROVENANCE_KEYS = ("git_commit", "git_dirty", "cpu_model", "torch_cpu_capability", "gpu_name", "device",
@@ -87,6 +89,32 @@ def _provenance_of(results: Path) -> dict[str, Any]:
     return {}
 
 
+def config_identity(results: str | Path) -> dict[str, str]:
+    """What defines the results of a run's config, section by section (:func:`oar.identity.fingerprint`
+    of its resolved ``config.yaml``: model, task, sft, rollout, the train keys a run cannot change and
+    continue, reward, the evaluated eval keys, recipes, methods and seeds); {} when the run has no
+    ``config.yaml``. Two runs compare only when these agree."""
+    import yaml
+
+    from oar.identity import EVAL_KEYS_NOT_EVALUATED, RESUMABLE_TRAIN_KEYS, fingerprint
+
+    path = Path(results) / "config.yaml"
+    try:
+        cfg = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return {}
+    if not isinstance(cfg, dict):
+        return {}
+    drop = {"train": RESUMABLE_TRAIN_KEYS, "eval": EVAL_KEYS_NOT_EVALUATED}
+    out = {}
+    for key in ("model", "task", "sft", "rollout", "train", "reward", "eval", "recipes", "methods", "seeds"):
+        value = cfg.get(key)
+        if isinstance(value, dict) and key in drop:
+            value = {k: v for k, v in value.items() if k not in drop[key]}
+        out[key] = fingerprint(value)
+    return out
+
+
 def save_reference(results: str | Path, path: str | Path, *, note: str = "") -> dict[str, Any]:
     """Write the reference file of the finished run ``results`` (per-seed values and provenance) to
     ``path`` (atomically); returns what was written."""
@@ -94,7 +122,8 @@ def save_reference(results: str | Path, path: str | Path, *, note: str = "") -> 
 
     results = Path(results)
     ref = {"format": REFERENCE_FORMAT, "note": note, "results": str(results),
-           "provenance": _provenance_of(results), "values": run_values(results)}
+           "config_identity": config_identity(results), "provenance": _provenance_of(results),
+           "values": run_values(results)}
     atomic_write_json(path, ref)
     return ref
 
@@ -113,8 +142,9 @@ def load_reference(path: str | Path) -> dict[str, Any]:
         ref = json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: not a reference file ({e}); write one with oar compare --save") from None
-    if not isinstance(ref, dict) or ref.get("format") != REFERENCE_FORMAT or not isinstance(ref.get("values"), dict):
+    if not isinstance(ref, dict) or ref.get("format") not in READABLE_FORMATS or not isinstance(ref.get("values"), dict):
         raise ValueError(f"{path}: not a reference file of format {REFERENCE_FORMAT}; write one with oar compare --save")
+    ref["path"] = str(path)
     return ref
 
 
@@ -159,8 +189,17 @@ def compare_runs(reference: Mapping[str, Any], results: str | Path, *, confidenc
     Returns:
         ``{"cells": [per-cell records: kind, row, metric, benchmark, recorded, fresh, diff, low, high,
         verdict], "provenance": [(key, recorded, fresh) that differ], "counts": {verdict: n}}``.
+
+    Raises:
+        ValueError: the reference records a config identity (:func:`config_identity`) other than the
+            run's, naming the sections that differ.
     """
     results = Path(results)
+    theirs, ours = reference.get("config_identity") or {}, config_identity(results)
+    differ = [k for k in theirs if ours and theirs[k] != ours.get(k)]
+    if differ:
+        raise ValueError(f"{reference.get('path', 'the reference')}: a run of another config ({results}/config.yaml "
+                         f"differs in {', '.join(differ)}); compare a run with a reference of its own config")
     fresh = run_values(results)
     recorded = {k: list(v) for k, v in reference["values"].items()}
     keys = list(dict.fromkeys([*recorded, *fresh]))
