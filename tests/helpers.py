@@ -196,15 +196,16 @@ def check_mlflow_stage_runs(R: Path, cfg: dict, *, attribution: bool) -> None:
                     if r.get(score) is None:
                         continue
                     key = metric_key("eval", bench, score)
-                    assert train.data.metrics[key] == pytest.approx(r[score]) == ev.data.metrics[key], (method, key)
+                    # MLflow in percent, as main.csv (per_seed in config order); summary.json in [0, 1]
+                    assert train.data.metrics[key] == pytest.approx(100 * r[score]) == ev.data.metrics[key], (method, key)
                     cell = main[(main["metric"] == score) & (main["row"] == method) & (main["benchmark"] == bench)]
-                    if len(cell):  # main.csv: percent; per_seed in config order
+                    if len(cell):
                         per_seed = [float(v) for v in str(cell["per_seed"].item()).split(";")]
-                        assert per_seed[seeds.index(seed)] == pytest.approx(100 * r[score], abs=1e-3), (method, key)
+                        assert per_seed[seeds.index(seed)] == pytest.approx(train.data.metrics[key], abs=1e-3), (method, key)
     base = one("evaluate", method="base")
     base_summary = json.loads((R / "base" / "eval" / "summary.json").read_text())
     for bench, r in base_summary["benchmarks"].items():
-        assert base.data.metrics[metric_key("eval", bench, "pass@1")] == pytest.approx(r["pass@1"])
+        assert base.data.metrics[metric_key("eval", bench, "pass@1")] == pytest.approx(100 * r["pass@1"])
     assert len(stage_runs(cfg, "evaluate")) == len(cfg["methods"]) * len(seeds) + 1
     assert len(stage_runs(cfg, "train")) == len(cfg["methods"]) * len(seeds)
 

@@ -68,6 +68,7 @@ def test_the_code_runs_on_the_schema_defaults_alone():
     from oar.attribution import AttributionSettings
     from oar.attribution.signals import signal_specs
     from oar.plan import PlanSettings, model_shape
+    from oar.plan.settings import memory_gb
     from oar.report import REPORT_DEFAULTS
 
     cfg = minimal_config()
@@ -81,7 +82,8 @@ def test_the_code_runs_on_the_schema_defaults_alone():
     tiny = cfg["model"]["tiny"]
     assert (shape.hidden_size, shape.num_layers) == (tiny["hidden_size"], tiny["num_layers"])
     s = PlanSettings.from_config(cfg, 1, shape)
-    assert s.gpu_gb == cfg["plan"]["gpu_memory_gb"] and s.strategy == cfg["train"]["strategy"]
+    assert cfg["plan"]["gpu_memory_gb"] is None  # the schema's: this machine's memory for a CPU config
+    assert (s.gpu_gb, s.memory_source) == memory_gb(cfg, on_gpu=False) and s.strategy == cfg["train"]["strategy"]
     assert s.batch.packing == cfg["train"]["packing"]
     assert s.prompt == min(cfg["plan"]["prompt_tokens"], tiny["max_position_embeddings"] - cfg["rollout"]["max_new_tokens"])
 

@@ -402,12 +402,27 @@ def test_the_credit_pass_grows_with_its_chunk_and_an_awake_engine_counts():
 
 
 def test_plan_of_a_cpu_config_speaks_of_host_memory_per_process():
+    """A CPU config is held to this machine's memory (shared by a node's processes) unless
+    plan.gpu_memory_gb says otherwise, and its footer names no SLURM signal."""
+    from oar.launch import preemption_summary
+    from oar.plan.settings import host_memory_gb
+
     cfg = load_config(DEFAULT)
     r = plan(cfg)
     text = format_plan(r)
+    host = host_memory_gb()
     assert cfg["device"] == "cpu" and "GPU" not in text.replace("GiB", "")
-    assert f"\npeak {r.peak_bytes / GiB:.2f} GiB of 80 GiB host memory per process: fits\n" in text
-    assert "training, per process" in text and "1 process(es) x 80 GiB host memory" in text
+    assert f"\npeak {r.peak_bytes / GiB:.2f} GiB of {host:.3g} GiB host memory per process: fits\n" in text
+    assert "training, per process" in text
+    assert f"1 process(es) x {host:.3g} GiB host memory (this machine's {host:.1f} GiB)" in text
+    two = plan(load_config(DEFAULT, {"resources": {"train": {"processes": 2}}}))
+    assert two.settings.gpu_gb == pytest.approx(host / 2)
+    given = plan(load_config(DEFAULT, {"plan": {"gpu_memory_gb": 12}}))
+    assert (given.settings.gpu_gb, given.settings.memory_source) == (12.0, "plan.gpu_memory_gb")
+    assert "SLURM" not in preemption_summary(cfg, r.shape, slurm=r.settings.on_gpu)
+    paper = plan(load_config(PAPER))
+    assert (paper.settings.gpu_gb, paper.settings.on_gpu) == (80.0, True)
+    assert "SLURM sends training SIGTERM" in preemption_summary(load_config(PAPER), paper.shape)
     assert "credit phase with the OAR-P perturbation passes: " in text and "credit phase with the OAR-G " in text
 
 

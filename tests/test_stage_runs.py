@@ -88,7 +88,7 @@ def _train_run(cfg: dict, run: Path, method: str, seed: int, *, record_id: bool 
 def test_metric_keys_are_valid_mlflow_names():
     assert metric_key("eval", "gsm8k", "avg@k") == "eval/gsm8k/avg_at_k"
     assert metric_key("eval", "a+b (x)", "pass@1") == "eval/a_b _x_/pass_at_1"
-    assert eval_metrics(_eval_summary(1.0))["eval/synthetic-ood/pass_at_1"] == 0.5
+    assert eval_metrics(_eval_summary(1.0))["eval/synthetic-ood/pass_at_1"] == 50.0  # percent, as the tables
 
 
 def test_store_location_of_a_view_and_outside_the_store(tmp_path):
@@ -120,11 +120,11 @@ def test_evaluation_run_is_a_child_of_its_training_run_and_adds_its_scores_to_it
     assert run.info.status == "FINISHED" and train.info.status == "FINISHED"  # the training run stays finished
     for bench, r in summary["benchmarks"].items():
         for k in EVAL_SCORES:
-            assert run.data.metrics[metric_key("eval", bench, k)] == pytest.approx(r[k])
-            assert train.data.metrics[metric_key("eval", bench, k)] == pytest.approx(r[k])
-        assert run.data.metrics[f"eval/{bench}/answered"] == 1.0
+            assert run.data.metrics[metric_key("eval", bench, k)] == pytest.approx(100 * r[k])  # percent
+            assert train.data.metrics[metric_key("eval", bench, k)] == pytest.approx(100 * r[k])
+        assert run.data.metrics[f"eval/{bench}/answered"] == 100.0
         assert f"eval/{bench}/answered" not in train.data.metrics  # only the scores go onto the training run
-    assert train.data.metrics["eval/average/avg_at_k"] == pytest.approx(summary["average"]["avg@k"])
+    assert train.data.metrics["eval/average/avg_at_k"] == pytest.approx(100 * summary["average"]["avg@k"])
     assert run.data.params["eval.samples"] == "2"
     names = {f.path for f in client.list_artifacts(eval_id)}
     assert {"summary.json", "synthetic-test.json", "synthetic-test.jsonl"} <= names
@@ -145,7 +145,7 @@ def test_training_run_found_by_tags_when_the_summary_names_no_run_of_this_store(
     client = _client(cfg)
     run = client.get_run(eval_id)
     assert run.data.tags[PARENT_RUN_TAG] == train_id
-    assert client.get_run(train_id).data.metrics["eval/synthetic-test/pass_at_1"] == pytest.approx(0.125)
+    assert client.get_run(train_id).data.metrics["eval/synthetic-test/pass_at_1"] == pytest.approx(12.5)
     assert "synthetic-test.jsonl" in run.data.tags["oar.artifacts_skipped"]  # over tracking.max_artifact_mb
     assert "synthetic-test.jsonl" not in {f.path for f in client.list_artifacts(eval_id)}
 
@@ -183,8 +183,9 @@ def test_transfer_evaluation_is_a_run_of_its_own_told_apart_by_its_tag(tmp_path)
     assert (train.data.tags["oar.eval_run_id"], train.data.tags["oar.transfer_run_id"]) == (eval_id, transfer_id)
     for bench, r in transfer["benchmarks"].items():
         key = metric_key("transfer", bench, "pass@1")
-        assert run.data.metrics[key] == pytest.approx(r["pass@1"]) == train.data.metrics[key]
-        assert train.data.metrics[metric_key("eval", bench, "pass@1")] == pytest.approx(main["benchmarks"][bench]["pass@1"])
+        assert run.data.metrics[key] == pytest.approx(100 * r["pass@1"]) == train.data.metrics[key]
+        assert train.data.metrics[metric_key("eval", bench, "pass@1")] == pytest.approx(
+            100 * main["benchmarks"][bench]["pass@1"])
     assert not [k for k in run.data.metrics if k.startswith("eval/")]
 
 
@@ -287,8 +288,23 @@ def test_a_stage_run_again_into_the_same_output_supersedes_its_earlier_run(tmp_p
     assert client.get_run(one).data.tags["oar.superseded_by"] == two
     assert [r.info.run_id for r in stage_runs(cfg, "evaluate")] == [two]
     assert {r.info.run_id for r in stage_runs(cfg, "evaluate", current=False)} == {one, two}
-    assert client.get_run(train_id).data.metrics["eval/synthetic-test/pass_at_1"] == pytest.approx(0.125)
+    assert client.get_run(train_id).data.metrics["eval/synthetic-test/pass_at_1"] == pytest.approx(12.5)
     other = tmp_path / "results" / "store" / "base" / "b" / "eval"  # another output: not superseded
     _write_eval(other, first)
     log_evaluation_run(cfg, None, other, first, seed=0)
     assert len(stage_runs(cfg, "evaluate")) == 2
+
+
+def test_a_run_says_whether_the_workflow_or_a_hand_launched_it(monkeypatch):
+    """The workflow's jobs carry OAR_LAUNCHED_BY=workflow (oar.launch.oar_env); a hand-run oar command
+    is tagged ``command line``, so the config's grid (filtered on workflow) has no row without an
+    evaluation."""
+    from oar.launch import oar_env
+    from oar.stage_runs import LAUNCHED_BY_ENV, stage_tags
+
+    cfg = {"name": "tiny"}
+    monkeypatch.delenv(LAUNCHED_BY_ENV, raising=False)
+    assert stage_tags(cfg, "train", method="grpo", seed=0)["oar.launched_by"] == "command line"
+    assert oar_env("/repo/src").startswith(f"{LAUNCHED_BY_ENV}=workflow ")
+    monkeypatch.setenv(LAUNCHED_BY_ENV, "workflow")
+    assert stage_tags(cfg, "train", method="grpo", seed=0)["oar.launched_by"] == "workflow"

@@ -217,3 +217,7 @@ def test_ddp_on_two_cpu_processes(tmp_path):
     summary = json.loads((out / "train_summary.json").read_text())
     assert summary["world_size"] == 2 and summary["strategy"] == "ddp"
     assert (out / "model" / "model.safetensors").exists()
+    # without a progress bar (every workflow job) the log has a line per step, from the main process only
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("oar train: grpo seed 0: step ")]
+    assert [ln.split(":")[2].split()[1] for ln in lines] == ["1/2", "2/2"], proc.stderr[-2000:]
+    assert all(" reward " in ln and " accuracy " in ln and ln.endswith(" s/step") for ln in lines)

@@ -252,7 +252,8 @@ def test_unknown_method_or_seed_target_is_rejected(tmp_path):
     for target in (f"{tmp_path}/tiny/nosuch/seed0/eval/summary.json", f"{tmp_path}/tiny/grpo/seed9/eval/summary.json"):
         proc = snakemake("-n", target, "--config", f"results_dir={tmp_path}", check=False)
         assert proc.returncode != 0
-        assert "MissingRuleException" in proc.stderr + proc.stdout or "No rule to produce" in proc.stderr + proc.stdout
+        # one line naming the target and the nearest name, not Snakemake's MissingRuleException
+        assert f"target {target}: " in proc.stderr + proc.stdout and "MissingRuleException" not in proc.stderr + proc.stdout
 
 
 @pytest.mark.slow
@@ -1026,3 +1027,29 @@ def test_a_job_whose_benchmark_file_cannot_be_written_keeps_its_finished_output(
         assert "No space left on device" in runs["default"][2]
     finally:
         sp.run(["umount", str(full)], capture_output=True)
+
+
+@pytest.mark.slow  # two snakemake processes that stop while reading the workflow: seconds each
+def test_a_target_of_an_unknown_method_or_seed_is_one_line_with_the_nearest_name(tmp_path):
+    method = snakemake("-n", f"{tmp_path}/smoke/oar_gg/seed0/eval/summary.json", "--configfile", "config/smoke.yaml",
+                       "--config", f"results_dir={tmp_path}", check=False)
+    text = method.stdout + method.stderr
+    assert method.returncode != 0 and "MissingRuleException" not in text
+    assert (f"target {tmp_path}/smoke/oar_gg/seed0/eval/summary.json: this config (smoke) has no method 'oar_gg'; "
+            "did you mean oar_g?") in text
+    seed = snakemake("-n", f"{tmp_path}/smoke/grpo/seed3/eval/summary.json", "--configfile", "config/smoke.yaml",
+                     "--config", f"results_dir={tmp_path}", check=False)
+    assert seed.returncode != 0 and ("'seed3' is not a seed of this config (smoke: seeds 0); name one of them, or add "
+                                     "it to seeds") in seed.stdout + seed.stderr
+
+
+def test_target_problems_leave_other_folders_and_reserved_names_alone():
+    from oar.layout import target_problems
+
+    kw = dict(results_dir="results", name="tiny", methods=["grpo", "oar_g"], seeds=[0, 1], reserved={"tables", "base"})
+    assert target_problems(["results/tiny/tables/main.md", "results/tiny/base/eval/summary.json",
+                            "results/other/x/seed9/a.json", "all", "results/tiny/oar_g/seed1/eval/summary.json"],
+                           **kw) == []
+    assert target_problems(["results/tiny/oar_g/seedx/eval/summary.json"], **kw) == [
+        "target results/tiny/oar_g/seedx/eval/summary.json: 'seedx' is not a seed of this config (tiny: seeds 0, 1); "
+        "name one of them, or add it to seeds"]

@@ -243,7 +243,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     config = _load(args)
     check_config(config, source=args.config)  # every path it names exists (oar.preflight)
     result = plan(config, args.gpus)
-    text = format_plan(result, source=args.config, footer=[preemption_summary(config, result.shape)])
+    text = format_plan(result, source=args.config,
+                       footer=[preemption_summary(config, result.shape, slurm=result.settings.on_gpu)])
     print(text, end="")
     if not result.fits:
         if config["plan"]["check"]:

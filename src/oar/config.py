@@ -29,6 +29,7 @@ __all__ = [
     "Layer",
     "Assignment",
     "SET_KEY",
+    "changed_settings",
     "REPLACE_KEY",
     "COMMAND_LINE",
     "SUGGEST_CUTOFF",
@@ -249,6 +250,20 @@ def section_defaults(section: str) -> dict:
     if sub is None:
         raise KeyError(f"oar.config.section_defaults: the schema has no section {section!r}")
     return _defaults_of(sub)
+
+
+def changed_settings(config: Mapping[str, Any]) -> dict[str, str]:
+    """The settings of a validated ``config`` that differ from the schema's defaults, flattened
+    (``{"train.lr": "0.002", ...}``, :func:`oar.tracking.flatten`): what a run's MLflow params show
+    (the whole resolved config is the run's artifact). ``methods`` and ``recipes`` are left out (a
+    training run logs its own method's settings)."""
+    from oar.tracking import flatten
+
+    props = schema()["properties"]
+    defaults = flatten({k: section_defaults(k) if props[k].get("properties") else props[k].get("default")
+                        for k in config if k in props and k not in ("methods", "recipes")})
+    given = flatten({k: v for k, v in config.items() if k in props and k not in ("methods", "recipes")})
+    return {k: v for k, v in given.items() if defaults.get(k) != v}
 
 
 def _defaults_of(sub: dict) -> dict:

@@ -141,12 +141,15 @@ def preemption_signal_seconds(config: Mapping[str, Any], shape: ModelShape | Non
     return math.ceil(float(p["step_seconds"]) + write_s + float(p["margin_seconds"]))
 
 
-def preemption_summary(config: Mapping[str, Any], shape: ModelShape | None = None) -> str:
-    """The line ``oar plan`` ends with: the checkpoint's size and when SLURM sends training SIGTERM
-    (:func:`preemption_signal_seconds`), with how that time is made up."""
+def preemption_summary(config: Mapping[str, Any], shape: ModelShape | None = None, *, slurm: bool = True) -> str:
+    """The line ``oar plan`` ends with: the checkpoint's size and, with ``slurm`` (a GPU config, the one a
+    cluster runs), when SLURM sends training SIGTERM (:func:`preemption_signal_seconds`), with how
+    that time is made up."""
     p = config["train"]["preemption"]
     ckpt = checkpoint_bytes(config, shape)
     size = gib(ckpt)
+    if not slurm:
+        return f"checkpoint {size} GiB (master weights + AdamW states, all processes)"
     how = ("train.preemption.signal_seconds" if p.get("signal_seconds") else
            f"step_seconds {p['step_seconds']:g} + {size} GiB at write_gb_per_s "
            f"{p['write_gb_per_s']:g} + margin_seconds {p['margin_seconds']:g}")
@@ -280,8 +283,11 @@ def oar_env(src_dir: str) -> str:
     (so the same code runs in a venv and in the conda env of --use-conda, whose files hold
     dependencies only). The user's PYTHONPATH follows it, and ``python -m`` puts the job's working
     directory (the workflow's) on ``sys.path``: a user estimator (``credit: mycredit:my_fn``,
-    :mod:`oar.credit.user`) importable where Snakemake was started is importable in every job."""
-    return f"PYTHONPATH={shlex.quote(src_dir)}${{PYTHONPATH:+:$PYTHONPATH}}"
+    :mod:`oar.credit.user`) importable where Snakemake was started is importable in every job. The
+    runs' MLflow tag ``oar.launched_by`` says ``workflow`` (:data:`oar.stage_runs.LAUNCHED_BY_ENV`)."""
+    from oar.stage_runs import LAUNCHED_BY_ENV
+
+    return f"{LAUNCHED_BY_ENV}=workflow PYTHONPATH={shlex.quote(src_dir)}${{PYTHONPATH:+:$PYTHONPATH}}"
 
 
 # torchrun on every node of a multi-node job (run by srun, one task per node): the rendezvous host

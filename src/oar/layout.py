@@ -40,6 +40,7 @@ __all__ = [
     "STORE_KINDS",
     "StoreLocation",
     "store_location",
+    "target_problems",
 ]
 
 #: The store's folder inside ``results_dir`` (so no config may be named so).
@@ -155,3 +156,34 @@ def store_location(path: str | os.PathLike) -> StoreLocation | None:
         if parts[i] == STORE_DIR and parts[i + 1] in STORE_KINDS:
             return StoreLocation(parts[i + 1], parts[i + 2], "/".join(parts[i + 3:]))
     return None
+
+
+def target_problems(targets: Iterable[str], *, results_dir: str, name: str, methods: Iterable[str],
+                    seeds: Iterable[int], reserved: Iterable[str]) -> list[str]:
+    """Why a Snakemake target under this config's folder ``<results_dir>/<name>/`` names nothing the
+    workflow makes: a method the config does not have (the nearest name suggested), a seed not in
+    ``seeds``; one sentence each (Snakemake itself only says ``MissingRuleException``). A target
+    elsewhere (another config's folder, a rule name) is left to Snakemake."""
+    from oar.config import suggest
+
+    root = Path(results_dir) / name
+    methods, seeds = list(methods), [int(s) for s in seeds]
+    out = []
+    for target in targets:
+        try:
+            parts = Path(os.path.normpath(target)).relative_to(os.path.normpath(root)).parts
+        except ValueError:
+            continue
+        if len(parts) < 2:  # a file of the config's folder itself (plan.txt, config.yaml)
+            continue
+        head = parts[0]
+        if head not in methods and head not in set(reserved):
+            near = suggest(head, methods)
+            hint = f"did you mean {near}?" if near else f"its methods: {', '.join(methods)}"
+            out.append(f"target {target}: this config ({name}) has no method {head!r}; {hint}")
+        elif head in methods and len(parts) > 1 and parts[1].startswith("seed"):
+            seed = parts[1][len("seed"):]
+            if not seed.isdigit() or int(seed) not in seeds:
+                out.append(f"target {target}: {parts[1]!r} is not a seed of this config ({name}: seeds "
+                           f"{', '.join(map(str, seeds))}); name one of them, or add it to seeds")
+    return out

@@ -14,9 +14,10 @@ from typing import Any
 
 import numpy as np
 import torch
+import yaml
 
 from oar.batch import PromptStream, resume_cursor
-from oar.config import ResolvedMethod
+from oar.config import ResolvedMethod, changed_settings
 from oar.data.records import training_records
 from oar.optim import make_scheduler
 from oar.preemption import CheckpointSchedule, StopSignal
@@ -203,7 +204,11 @@ def _tracker(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder,
         supersede_older_runs(uri, tr["experiment"], tags, tracker.run_id)
     folder.record_mlflow_run(tracker.run_id)
     state["run_id"] = tracker.run_id
-    tracker.log_params({"config": config, **method.as_params(), "seed": seed})
+    # the settings that differ from the schema's defaults, this method's and the seed (the whole
+    # resolved config is the artifact config.yaml)
+    tracker.log_params({**{f"config.{k}": v for k, v in changed_settings(config).items()}, "config.name": config["name"],
+                        **method.as_params(), "seed": seed})
+    tracker.log_text(yaml.safe_dump(config, sort_keys=False), "config.yaml")
     if method.credit_source is not None:  # a user estimator's source files, as they were for this run
         root = Path(method.credit_source["root"])
         for rel in method.credit_source["files"]:

@@ -8,7 +8,8 @@ config's name), ``oar.fingerprint`` (the key of the run's entry in the results s
 :func:`oar.layout.store_location`; for the attribution and the report, which live outside the
 store, their rules' fingerprints), ``oar.git_commit`` and the provenance of the result
 (``oar.provenance.<key>``, :mod:`oar.provenance`), ``oar.output`` (the folder given to the stage)
-and ``oar.current``: a stage run again into the same output (a job rerun, a run started over)
+``oar.launched_by`` (``workflow`` for the workflow's jobs, ``command line`` for an ``oar`` command run
+by hand: the method x seed grid of a config filters on ``workflow``), and ``oar.current``: a stage run again into the same output (a job rerun, a run started over)
 leaves its earlier runs in the store, tagged ``oar.current = false`` and ``oar.superseded_by``
 (:func:`supersede_older_runs`); filter ``tags.oar.current = 'true'`` for the results in force.
 
@@ -53,10 +54,12 @@ __all__ = [
     "STAGES",
     "BASE_METHOD",
     "CURRENT_TAG",
+    "LAUNCHED_BY_ENV",
     "IDENTITY_TAGS",
     "supersede_older_runs",
     "EVAL_SCORES",
     "EVAL_EXTRAS",
+    "PERCENT_KEYS",
     "EVAL_SET_TAG",
     "ATTRIBUTION_TABLES",
     "metric_key",
@@ -76,6 +79,9 @@ __all__ = [
 
 #: The values of the ``oar.stage`` tag.
 STAGES: tuple[str, ...] = ("sft", "train", "evaluate", "attribution", "report")
+#: The environment variable the workflow's jobs carry (:func:`oar.launch.oar_env`); a run's tag
+#: ``oar.launched_by`` is its value, ``command line`` for an ``oar`` command run by hand.
+LAUNCHED_BY_ENV = "OAR_LAUNCHED_BY"
 #: ``oar.method`` of the start model's runs (the report's base row).
 BASE_METHOD = "base"
 #: ``"true"`` on the newest run of each output (:data:`IDENTITY_TAGS`), ``"false"`` on the runs a
@@ -88,6 +94,8 @@ IDENTITY_TAGS: tuple[str, ...] = ("oar.stage", "oar.config", "oar.output")
 EVAL_SCORES: tuple[str, ...] = ("pass@1", "avg@k", "pass@k")
 #: Further numbers of a benchmark's summary, logged on the evaluation's own run only.
 EVAL_EXTRAS: tuple[str, ...] = ("answered", "mean_response_tokens", "n", "seconds")
+#: The shares an evaluation logs in percent (the tables' unit), not as the summary's fraction.
+PERCENT_KEYS: tuple[str, ...] = ("pass@1", "avg@k", "pass@k", "answered")
 #: The tag that tells an evaluation of ``eval.benchmarks`` (``main``) from the transfer evaluation
 #: (``transfer``, ``eval.transfer.benchmarks``); the value is also the prefix of the transfer's metrics.
 EVAL_SET_TAG = "oar.eval_set"
@@ -137,7 +145,8 @@ def stage_tags(config: Mapping[str, Any], stage: str, *, method: str | None = No
     prov = dict(provenance or {})
     tags = {"oar.stage": stage, "oar.config": str(config["name"]), "oar.method": method,
             "oar.seed": None if seed is None else str(int(seed)), "oar.fingerprint": fingerprint,
-            "oar.git_commit": prov.get("git_commit")}
+            "oar.git_commit": prov.get("git_commit"),
+            "oar.launched_by": os.environ.get(LAUNCHED_BY_ENV) or "command line"}
     out = {k: str(v) for k, v in tags.items() if v is not None}
     out.update(provenance_tags(prov))
     return out
@@ -222,17 +231,23 @@ def _number(v: Any) -> float | None:
 
 def eval_metrics(summary: Mapping[str, Any], keys: Sequence[str] = EVAL_SCORES, prefix: str = "eval") -> dict[str, float]:
     """``{"eval/<benchmark>/<key>": value}`` for each benchmark of an evaluation ``summary``
-    (``summary.json``) and ``eval/average/<key>`` for its average (values as in the file, in [0, 1]);
+    (``summary.json``) and ``eval/average/<key>`` for its average; the shares of
+    :data:`PERCENT_KEYS` in percent, as every table shows them (the file holds them in [0, 1]);
     ``prefix`` in place of ``eval`` (``transfer`` for the transfer evaluation)."""
     out: dict[str, float] = {}
+
+    def value(k: str, v: Any) -> float | None:
+        x = _number(v)
+        return None if x is None else (100.0 * x if k in PERCENT_KEYS else x)
+
     for bench, r in (summary.get("benchmarks") or {}).items():
         for k in keys:
-            v = _number(r.get(k))
+            v = value(k, r.get(k))
             if v is not None:
                 out[metric_key(prefix, bench, k)] = v
     for k, v in (summary.get("average") or {}).items():
-        if k in keys and _number(v) is not None:
-            out[metric_key(prefix, "average", k)] = float(v)
+        if k in keys and value(k, v) is not None:
+            out[metric_key(prefix, "average", k)] = value(k, v)
     return out
 
 

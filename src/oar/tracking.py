@@ -307,6 +307,11 @@ class Tracker:
             chunk = items[i : i + 10 * BATCH_SIZE]
             with_retry(lambda: self.client.log_batch(self.run_id, metrics=chunk))
 
+    def log_text(self, text: str, artifact_file: str) -> None:
+        """Write ``text`` as the run's artifact ``artifact_file`` (e.g. ``config.yaml``)."""
+        if self.client is not None:
+            with_retry(lambda: self.client.log_text(self.run_id, text, artifact_file))
+
     def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
         """Copy the file ``path`` into the run's artifacts (under ``artifact_path``)."""
         if self.client is not None:

@@ -175,6 +175,8 @@ def _steps(loop: TrainingRun, *, progress: bool, stop_after: int | None, stop: S
         last_metrics = _log(loop, step, metrics, nonfinite=nonfinite, losses=upd["loss"])  # 6. log, held-out
         bar.update(1)
         bar.set_postfix(reward=f"{metrics['reward']:.3f}", acc=f"{metrics['accuracy']:.3f}")
+        if not progress and strategy.is_main:
+            _progress_line(loop, metrics, steps)  # a log's per-step account, where no bar is drawn
         steps_this_call += 1
         if _checkpoint(loop):                                      # 7. checkpoint; stop on a signal
             bar.close()
@@ -184,6 +186,21 @@ def _steps(loop: TrainingRun, *, progress: bool, stop_after: int | None, stop: S
             return {"interrupted_at": loop.state["step"]}
     bar.close()
     return finish_run(loop, last_metrics)
+
+
+#: Lines a run without a progress bar (``--no-progress``, every workflow job) logs over its steps.
+PROGRESS_LINES = 50
+
+
+def _progress_line(loop: TrainingRun, metrics: dict[str, float], steps: int) -> None:
+    """One line to stderr every ``steps / PROGRESS_LINES`` steps and at the last: the step, reward,
+    accuracy, response length and seconds of the step (a job's log shows how its run goes)."""
+    done = loop.state["step"]
+    if done % max(1, steps // PROGRESS_LINES) and done != steps:
+        return
+    print(f"oar train: {loop.method.name} seed {loop.seed}: step {done}/{steps} reward {metrics['reward']:.3f} "
+          f"accuracy {metrics['accuracy']:.3f} length {metrics['response_length']:.1f} "
+          f"{metrics['time_step']:.2f} s/step", file=sys.stderr, flush=True)
 
 
 def _rollout(loop: TrainingRun, step: int, timings: dict[str, float]) -> "StepBatch":

@@ -21,7 +21,7 @@ from oar.launch import SHELL_PREFIX, LaunchError, conda_env_choice, disk_problem
 from oar.launch import train_launcher as _train_launcher, train_resources as _train_resources
 from oar.identity import (attribution_fingerprint, data_key, eval_fingerprint, fingerprint, plan_fingerprint,
                           report_fingerprint, resumable_train_values, run_key, sft_key, transfer_fingerprint)
-from oar.layout import STORE_DIR, LayoutError, link_views, store_entries
+from oar.layout import STORE_DIR, LayoutError, link_views, store_entries, target_problems
 
 
 # ---------------------------------------------------------------------------------------- config
@@ -65,6 +65,24 @@ if config["name"] == STORE_DIR:
     raise WorkflowError(f"{CONFIG_SOURCE}: key name: {STORE_DIR!r} is the results store's folder; choose another name")
 if not BENCHMARKS:
     raise WorkflowError(f"{CONFIG_SOURCE}: key eval.benchmarks: empty; the tables need at least one benchmark")
+# a target under results/<name>/ that names a method or seed this config lacks: one line with the
+# nearest name, before Snakemake's MissingRuleException (the targets are not known to the workflow
+# while it is read, so they are taken from the command line as Snakemake's own parser reads it)
+def _command_line_targets():
+    from snakemake.cli import get_argument_parser
+
+    try:
+        args, _ = get_argument_parser().parse_known_args(sys.argv[1:])
+    except SystemExit:  # not a snakemake command line (the API, a test harness)
+        return []
+    return list(getattr(args, "targets", None) or [])
+
+
+if not (getattr(workflow, "remote_exec", False) or getattr(workflow, "subprocess_exec", False)):
+    _target_problems = target_problems(_command_line_targets(), results_dir=config["results_dir"],
+                                       name=config["name"], methods=METHODS, seeds=SEEDS, reserved=RESERVED_NAMES)
+    if _target_problems:
+        raise WorkflowError("; ".join(_target_problems))
 
 # pre-flight (oar.preflight), at load so that a dry run stops too: every path the config names
 # exists, and the profile's resources hold no placeholder such as <your-account>; not in a job's

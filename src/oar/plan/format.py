@@ -24,7 +24,8 @@ def format_plan(result: PlanResult, *, source: str = "", footer: list[str] | Non
     s = result.settings
     shape = result.shape
     out = [f"oar plan{(' ' + source) if source else ''}: {shape.origin}", f"  {shape.describe()}",
-           f"  {result.world_size} process(es) x {s.gpu_gb:g} GiB{'' if s.on_gpu else ' host memory'}, "
+           f"  {result.world_size} process(es) x {s.gpu_gb:.3g} GiB{'' if s.on_gpu else ' host memory'} "
+           f"({s.memory_source}), "
            f"train.strategy {s.strategy}, compute "
            f"{s.compute}, master {s.master if s.master == 'float32' else s.model_dtype}, gradient "
            f"checkpointing {'on' if s.checkpointing else 'off'}"
@@ -59,7 +60,7 @@ def format_plan(result: PlanResult, *, source: str = "", footer: list[str] | Non
     out += _table(rows, ["phase", "GiB", "sum"], {1})
     out.append("")
     verdict = "fits" if result.fits else "DOES NOT FIT"
-    limit = f"{s.gpu_gb:g} GiB per GPU" if s.on_gpu else f"{s.gpu_gb:g} GiB host memory per process"
+    limit = f"{s.gpu_gb:.3g} GiB per GPU" if s.on_gpu else f"{s.gpu_gb:.3g} GiB host memory per process"
     out.append(f"peak {gib(result.peak_bytes)} GiB of {limit}: {verdict}")
     if not result.fits:
         out.append(result.message)

@@ -5,6 +5,7 @@ layout (``train.packing``, :mod:`oar.packing`) builds."""
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,34 @@ def train_layout(config: dict) -> tuple[int, int, int]:
     r = (config.get("resources") or {}).get("train") or {}
     nodes, gpu = int(r.get("nodes") or 1), int(r.get("gpu") or 0)
     return nodes, int(r.get("processes") or 0) or max(gpu, 1), gpu
+
+
+#: ``plan.gpu_memory_gb`` when the config leaves it null and runs on GPUs: one 80 GB GPU (A100 / H100).
+DEFAULT_GPU_GB = 80.0
+
+
+def host_memory_gb() -> float | None:
+    """This machine's memory in GiB (``MemTotal``), or None where it cannot be read."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 1024**3
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def memory_gb(config: dict, *, on_gpu: bool) -> tuple[float, str]:
+    """The memory the plan holds a process to, and where it comes from: ``plan.gpu_memory_gb`` when
+    set; else one GPU's :data:`DEFAULT_GPU_GB` for a GPU config, and for a CPU config this machine's
+    memory shared by a node's training processes (:func:`train_layout`)."""
+    given = config["plan"]["gpu_memory_gb"]
+    if given is not None:
+        return float(given), "plan.gpu_memory_gb"
+    if on_gpu:
+        return DEFAULT_GPU_GB, f"plan.gpu_memory_gb null: an {DEFAULT_GPU_GB:g} GiB GPU"
+    host = host_memory_gb()
+    if host is None:
+        return DEFAULT_GPU_GB, f"plan.gpu_memory_gb null and this machine's memory unreadable: {DEFAULT_GPU_GB:g} GiB"
+    procs = train_layout(config)[1]
+    return host / procs, f"this machine's {host:.1f} GiB" + (f" / {procs} processes" if procs > 1 else "")
 
 
 def world_size(config: dict) -> int:
@@ -139,6 +168,7 @@ class PlanSettings:
     kl_methods: list[str]
     device: str
     gpu_gb: float
+    memory_source: str  # where gpu_gb comes from (memory_gb)
     on_gpu: bool
     headroom: float
 
@@ -185,6 +215,8 @@ class PlanSettings:
         batch = micro_batch_shape(t["packing"], micro=micro, prompt=prompt, response=T, n=n,
                                   micro_batch_tokens=t["micro_batch_tokens"], pack_length=t["pack_length"],
                                   whole=mini >= local_seqs)
+        on_gpu = str(config["device"]).startswith("cuda") or train_layout(config)[2] > 0
+        gpu_gb, memory_source = memory_gb(config, on_gpu=on_gpu)
         kl_methods: list[str] = []
         if config.get("methods"):
             from oar.config import resolve_methods
@@ -198,6 +230,5 @@ class PlanSettings:
             micro_batches=math.ceil(mini / batch.sequences), prompt=prompt, response=T, n=n, local_seqs=local_seqs,
             engine=r["engine"], rollout_batch=min(int(r["batch_size"]), local_seqs),
             sleep_mode=bool(r["sleep_mode"]), vllm=dict(VLLM_DEFAULTS, **r["vllm"]), kl_methods=kl_methods,
-            device=str(config["device"]), gpu_gb=float(p["gpu_memory_gb"]),
-            on_gpu=str(config["device"]).startswith("cuda") or train_layout(config)[2] > 0,
+            device=str(config["device"]), gpu_gb=gpu_gb, memory_source=memory_source, on_gpu=on_gpu,
             headroom=float(p["headroom"]))
