@@ -10,7 +10,8 @@ layer fails. Layers, bottom to top (a module may import its own layer and those 
 3. configuration: config, preflight, identity (what identifies each result: fingerprints, store keys)
 4. training and measuring: rollout, loss, strategy, runs, evaluate, heldout, sft, train (with run_setup, batch, update,
    checkpoint, run_end), attribution,
-   optim (the schedule and weight-decay groups SFT and RL share), plan, launch, layout, stage_runs (the MLflow runs of every stage; the report's is oar.report.logged)
+   optim (the schedule and weight-decay groups SFT and RL share), plan, launch, layout, stage_runs (the MLflow runs of every stage; the report's is oar.report.logged),
+   integrations (oar's estimators inside verl and TRL)
 5. reports: report, learning_curves, regimes
 6. the command line: cli
 """
@@ -31,7 +32,7 @@ LAYERS: dict[str, int] = {
     **dict.fromkeys(["config", "preflight", "identity"], 3),
     **dict.fromkeys(["rollout", "loss", "strategy", "runs", "evaluate", "heldout", "sft", "train", "run_setup", "batch", "update", "checkpoint",
                      "run_end", "attribution",
-                     "plan", "launch", "layout", "stage_runs", "optim"], 4),
+                     "plan", "launch", "layout", "stage_runs", "optim", "integrations"], 4),
     **dict.fromkeys(["report", "learning_curves", "regimes"], 5),
     "cli": 6,
 }
