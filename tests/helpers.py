@@ -247,29 +247,44 @@ TEST_HANG_MARKER = "<<oar-test-hang>>"
 TEST_CRASH_MARKER = "<<oar-test-crash>>"
 #: ``<<oar-test-term:PATH>>``: the worker sends itself SIGTERM the first time (while PATH does not exist).
 TEST_TERM_MARKER = "<<oar-test-term:"
+#: ``<<oar-test-crash-once:PATH>>``: the worker exits at once the first time (while PATH does not exist).
+TEST_CRASH_ONCE_MARKER = "<<oar-test-crash-once:"
+#: ``<<oar-test-mv-timeout>>``: the check reports math-verify's own timeout (None) on every try.
+TEST_MV_TIMEOUT_MARKER = "<<oar-test-mv-timeout>>"
 
 
-def hang_for_test(response: str, gold: str, *, seconds: float = 3600.0) -> bool:
+def _first_time(response: str, marker: str) -> bool:
+    """Whether the flag file named after ``marker`` in ``response`` did not exist yet (it does now)."""
+    flag = response.split(marker, 1)[1].split(">>", 1)[0]
+    if os.path.exists(flag):
+        return False
+    open(flag, "w").close()
+    return True
+
+
+def hang_for_test(response: str, gold: str, *, parsing_timeout: int = 2, seconds: float = 3600.0) -> bool | None:
     """A reward pool's ``work_fn`` for the tests (importable by its workers, which get the parent's
-    ``sys.path``): like ``oar.reward.score_one``, but sleeps ``seconds`` in a loop
-    (ignoring signals, as C code would) when the response contains ``TEST_HANG_MARKER``, and
-    exits the process at once when it contains ``TEST_CRASH_MARKER``."""
+    ``sys.path``): like ``oar.reward.check_one``, but sleeps ``seconds`` in a loop
+    (ignoring signals, as C code would) when the response contains ``TEST_HANG_MARKER``,
+    exits the process at once when it contains ``TEST_CRASH_MARKER`` (``TEST_CRASH_ONCE_MARKER``:
+    the first time only), and reports math-verify's timeout (None) for ``TEST_MV_TIMEOUT_MARKER``."""
     if TEST_CRASH_MARKER in response:
         os._exit(3)
-    if TEST_TERM_MARKER in response:  # stopped from outside (preemption) while scoring this item
-        flag = response.split(TEST_TERM_MARKER, 1)[1].split(">>", 1)[0]
-        if not os.path.exists(flag):
-            open(flag, "w").close()
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(60)
+    if TEST_CRASH_ONCE_MARKER in response and _first_time(response, TEST_CRASH_ONCE_MARKER):
+        os._exit(3)
+    if TEST_TERM_MARKER in response and _first_time(response, TEST_TERM_MARKER):  # preempted while scoring it
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(60)
+    if TEST_MV_TIMEOUT_MARKER in response:
+        return None
     if TEST_HANG_MARKER in response:
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             time.sleep(0.05)
         return True  # a "correct" verdict that must never be seen: the parent kills us first
-    from oar.reward import score_one
+    from oar.reward import check_one
 
-    return score_one(response, gold)
+    return check_one(response, gold, parsing_timeout=parsing_timeout)
 
 
 def copy_repository(base: Path) -> Path:

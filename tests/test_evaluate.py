@@ -34,7 +34,8 @@ def test_evaluate_writes_rows_and_summary_and_resumes(tmp_path):
     greedy = [r for r in rows if r["sample"] == -1]
     assert summary["benchmarks"]["synthetic-test"]["pass@1"] == pytest.approx(sum(r["correct"] for r in greedy) / 6)
     assert set(summary["average"]) == {"pass@1", "avg@k", "pass@k"}
-    assert set(summary) == {"model", "model_identity", "benchmarks", "average", "provenance"}
+    assert set(summary) == {"model", "model_identity", "benchmarks", "average", "reward", "provenance"}
+    assert summary["reward"] == {"timeouts": 0, "crashes": 0, "retried": 0, "marked": 0}
     on_disk = json.loads((out / "summary.json").read_text())["provenance"]
     assert on_disk == summary["provenance"] and on_disk["device"] == "cpu" and on_disk["end_time"] >= on_disk["start_time"]
     sampled = {}
@@ -143,6 +144,65 @@ def test_evaluate_records_in_chunks_with_per_problem_counts():
     assert [c["prompts"] for c in engine.calls[5:]] == [1] * 10  # chunk_size 1: one problem per call at least
     with pytest.raises(ValueError, match="chunk_size"):
         evaluate_records(engine, tok, records, template="tiny", chunk_size=0)
+
+
+def test_evaluate_records_counts_the_reward_checks_that_timed_out():
+    """An answer whose check never ends (math-verify's comparison of 9^{9^{9^9}}): timed out, retried
+    under twice the limit, timed out again, marked; counted in the summary's reward entry."""
+    import oar.reward as R
+    from oar.data.prompts import render_prompt
+    from oar.evaluate import evaluate_records
+    from oar.models import build_tiny
+
+    _, tok = build_tiny(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
+    records = [{"id": f"p{i}", "question": f"{i} + 1", "answer": str(i + 1)} for i in range(4)]
+    engine = _FakeEngine({render_prompt("tiny", r["question"], tok): (r["answer"], i) for i, r in enumerate(records)})
+    real, first = engine.generate, render_prompt("tiny", records[0]["question"], tok)
+
+    def generate(prompts, **kw):  # problem 0's answer is the pathological one
+        ro = real(prompts, **kw)
+        if prompts[0] == first:
+            ro.texts[0] = "\\boxed{9^{9^{9^{9}}}}"
+        return ro
+
+    engine.generate = generate
+    try:
+        summary, rows = evaluate_records(engine, tok, records, template="tiny", samples=0, seed=5, workers=1,
+                                         timeout_s=1.0)
+        assert summary["reward"] == {"timeouts": 2, "crashes": 0, "retried": 1, "marked": 1}
+        assert [r["correct"] for r in rows] == [False, False, True, False]
+        clean, _ = evaluate_records(engine, tok, records[1:], template="tiny", samples=0, seed=5, workers=1,
+                                    timeout_s=1.0)
+        assert clean["reward"] == {"timeouts": 0, "crashes": 0, "retried": 0, "marked": 0}
+    finally:
+        R._close_default_pool()
+
+
+def test_evaluation_summary_sums_the_reward_counts_and_warns_when_answers_were_marked(tmp_path, monkeypatch, capsys):
+    import oar.reward as R
+
+    real = R.score_batch
+
+    def score_batch(texts, golds, *, stats=None, **kw):  # each chunk: one item timed out twice, marked
+        out = real(texts, golds, stats=stats, **kw)
+        stats.add(R.PoolStats(timeouts=2, retried=1, marked=1))
+        return out
+
+    monkeypatch.setattr(R, "score_batch", score_batch)
+    over = small_overrides(tmp_path, eval={"benchmarks": [{"name": "synthetic-test", "n": 2}, {"name": "synthetic-ood", "n": 2}],
+                                           "samples": 0, "max_new_tokens": 4})
+    cfg = load_config(ROOT / "config" / "config.yaml", over)
+    out = tmp_path / "eval"
+    summary = evaluate_from_config(cfg, None, out, progress=False)
+    assert summary["benchmarks"]["synthetic-test"]["reward"] == {"timeouts": 2, "crashes": 0, "retried": 1, "marked": 1}
+    assert summary["reward"] == {"timeouts": 4, "crashes": 0, "retried": 2, "marked": 2}
+    assert json.loads((out / "summary.json").read_text())["reward"] == summary["reward"]
+    err = capsys.readouterr().err.splitlines()
+    assert [line for line in err if "warning" in line] == [
+        f"oar evaluate: warning: 2 answer(s) scored wrong because their check timed out or crashed twice "
+        f"(reward.timeout_s = {cfg['reward']['timeout_s']:g} s; a busy machine or a pathological answer); "
+        f"counts in {out / 'summary.json'} under reward"]
+    R._close_default_pool()
 
 
 def test_heldout_records_are_the_test_split_not_training(tmp_path):

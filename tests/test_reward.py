@@ -9,8 +9,15 @@ import pytest
 import torch
 
 import oar.reward as R
-from helpers import TEST_CRASH_MARKER, TEST_HANG_MARKER, TEST_TERM_MARKER, hang_for_test
-from oar.reward import RewardPool, extracted_answer, overlong_penalty, score_batch, score_one
+from helpers import (
+    TEST_CRASH_MARKER,
+    TEST_CRASH_ONCE_MARKER,
+    TEST_HANG_MARKER,
+    TEST_MV_TIMEOUT_MARKER,
+    TEST_TERM_MARKER,
+    hang_for_test,
+)
+from oar.reward import PoolStats, RewardPool, check_one, extracted_answer, overlong_penalty, score_batch, score_one
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -122,23 +129,67 @@ def test_bad_input_errors(pool):
         RewardPool(start_method="fork")
 
 
-def test_hung_item_scores_wrong_and_pool_recovers():
-    with RewardPool(workers=1, timeout_s=0.5, work_fn=hang_for_test, chunk_size=8) as p:
+def test_limits_follow_timeout_s():
+    """math-verify's own limit in the worker is reward.timeout_s (whole seconds, rounded up), not a third
+    of it; the parent's guard per item allows every long math-verify call of an item, plus a margin."""
+    p = RewardPool(workers=1, timeout_s=5.0)
+    assert p.inner_timeout_s == 5
+    assert p.guard_s == R.CALLS_PER_ITEM * 5 + R.GUARD_MARGIN_S > p.inner_timeout_s
+    assert RewardPool(workers=1, timeout_s=0.5).inner_timeout_s == 1
+    assert RewardPool(workers=1, timeout_s=2.5, guard_s=0.5).guard_s == 0.5
+    with pytest.raises(ValueError, match="guard_s"):
+        RewardPool(workers=1, guard_s=0.0)
+
+
+def test_a_slow_correct_answer_scores_right_under_the_configured_limit():
+    """Issue 54: each of these answers needs about 1 s of math-verify's parse unloaded (the sum of 600
+    ones) or more (the product of 900 twos, about 1.4 s), past the 1 s the worker used to get out of
+    timeout_s=5; they scored wrong, and nothing counted it."""
+    slow = ["\\boxed{" + "+".join(["1"] * 600) + "-595}", "\\boxed{" + "\\cdot ".join(["2"] * 900) + "}"]
+    with RewardPool(workers=1, timeout_s=5.0) as p:
+        assert p.score(slow, ["5", "2^{900}"]) == [1.0, 1.0]
+        assert p.stats.timeouts == p.stats.retried == p.stats.marked == 0
+
+
+def test_check_one_tells_math_verify_timeouts_apart():
+    """math-verify's parse and verify return a failed parse / False on their own timeout; check_one
+    sees it (None) in both, score_one keeps a plain False."""
+    slow_parse = "\\boxed{" + "+".join(f"x_{{{i}}}" for i in range(600)) + "}"  # about 5 s to parse
+    slow_verify = "\\boxed{9^{9^{9^{9}}}}"  # parses at once; the comparison never ends
+    assert check_one(slow_parse, "5", parsing_timeout=1) is None
+    assert check_one(slow_verify, "5", parsing_timeout=1) is None
+    assert score_one(slow_verify, "5", parsing_timeout=1) is False
+    assert check_one("\\boxed{4}", "5", parsing_timeout=1) is False
+
+
+def test_hung_item_is_retried_then_marked_and_pool_recovers():
+    with RewardPool(workers=1, timeout_s=0.5, guard_s=0.5, work_fn=hang_for_test, chunk_size=8) as p:
         responses = ["\\boxed{3}", TEST_HANG_MARKER + " \\boxed{3}", "\\boxed{3}", "\\boxed{2}"]
         # the hung item would score "correct" if its verdict were ever read
         assert p.score(responses, ["3"] * 4) == [1.0, 0.0, 1.0, 0.0]
-        assert p.stats.timeouts == 1
-        assert p.stats.restarts == 1
+        # killed at the guard, retried on a new worker under twice the guard, killed again: marked
+        assert (p.stats.timeouts, p.stats.retried, p.stats.marked, p.stats.crashes) == (2, 1, 1, 0)
+        assert p.stats.restarts == 2
         assert p.score(["\\boxed{7}", "\\boxed{8}"], ["7", "7"]) == [1.0, 0.0]
-        assert p.stats.timeouts == 1
+        assert p.stats.timeouts == 2
 
 
-def test_crashed_worker_scores_wrong_and_pool_recovers():
+def test_math_verify_timeout_is_retried_then_marked():
+    with RewardPool(workers=1, timeout_s=1.0, work_fn=hang_for_test) as p:
+        assert p.score(["\\boxed{1}", TEST_MV_TIMEOUT_MARKER + "\\boxed{1}"], ["1", "1"]) == [1.0, 0.0]
+        assert (p.stats.timeouts, p.stats.retried, p.stats.marked, p.stats.restarts) == (2, 1, 1, 0)
+
+
+def test_crashed_worker_is_counted_and_its_item_retried_on_a_new_worker(tmp_path):
     with RewardPool(workers=2, timeout_s=5.0, work_fn=hang_for_test) as p:
-        responses = ["\\boxed{1}", TEST_CRASH_MARKER, "\\boxed{1}"]
-        assert p.score(responses, ["1"] * 3) == [1.0, 0.0, 1.0]
-        assert p.stats.crashes == 1
-        assert p.stats.timeouts == 0
+        once = f"{TEST_CRASH_ONCE_MARKER}{tmp_path / 'crashed'}>> \\boxed{{1}}"
+        responses = ["\\boxed{1}", once, "\\boxed{1}", "\\boxed{2}"]
+        assert p.score(responses, ["1"] * 4) == [1.0, 1.0, 1.0, 0.0]  # the retry scores it right
+        assert (tmp_path / "crashed").exists()
+        assert (p.stats.crashes, p.stats.retried, p.stats.marked, p.stats.timeouts) == (1, 1, 0, 0)
+        # a worker that dies on every try: counted twice, then marked
+        assert p.score(["\\boxed{1}", TEST_CRASH_MARKER, "\\boxed{1}"], ["1"] * 3) == [1.0, 0.0, 1.0]
+        assert (p.stats.crashes, p.stats.retried, p.stats.marked, p.stats.timeouts) == (3, 2, 1, 0)
         assert p.score(["\\boxed{2}"], ["2"]) == [1.0]
 
 
@@ -159,7 +210,7 @@ def test_a_worker_stopped_from_outside_is_replaced_and_its_items_scored_again(tm
         assert p.stats.crashes == 0 and p.stats.timeouts == 0
 
 
-def test_pathological_inputs_score_wrong(pool):
+def test_pathological_inputs_score_wrong():
     responses = [
         "\\boxed{" + "{" * 5000,
         "\\boxed{9^{9^{9^{9}}}}",
@@ -167,7 +218,9 @@ def test_pathological_inputs_score_wrong(pool):
         "x" * 200_000 + " \\boxed{5}",
         "\\boxed{5}",
     ]
-    assert pool.score(responses, ["5"] * 5) == [0.0, 0.0, 0.0, 1.0, 1.0]
+    with RewardPool(workers=2, timeout_s=1.0) as p:  # 1 s, then 2 s on the retry: the powers never finish
+        assert p.score(responses, ["5"] * 5) == [0.0, 0.0, 0.0, 1.0, 1.0]
+        assert (p.stats.timeouts, p.stats.retried, p.stats.marked) == (4, 2, 2)
 
 
 def test_score_batch_reuses_one_module_pool():
@@ -183,12 +236,25 @@ def test_score_batch_reuses_one_module_pool():
     assert R._default_pool is None
 
 
+def test_score_batch_adds_its_counts_to_stats():
+    stats = PoolStats(timeouts=1)
+    assert score_batch(["\\boxed{2}", "\\boxed{2}", None], ["2", "3", "2"], workers=1, stats=stats) == [1.0, 0.0, 0.0]
+    assert stats == PoolStats(items=3, scored=2, timeouts=1)
+    # the counts of the call only, not the pool's since it was created
+    assert score_batch(["\\boxed{9^{9^{9^{9}}}}"], ["5"], workers=1, timeout_s=1.0) == [0.0]
+    stats = PoolStats()
+    assert score_batch(["\\boxed{9^{9^{9^{9}}}}", "\\boxed{5}"], ["5", "5"], workers=1, timeout_s=1.0,
+                       stats=stats) == [0.0, 1.0]
+    assert (stats.timeouts, stats.retried, stats.marked, stats.crashes, stats.items) == (2, 1, 1, 0, 2)
+    R._close_default_pool()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["forkserver", "spawn"])
 def test_multiprocessing_start_methods(method):
-    with RewardPool(workers=1, timeout_s=0.5, start_method=method, work_fn=hang_for_test) as p:
+    with RewardPool(workers=1, timeout_s=0.5, guard_s=0.5, start_method=method, work_fn=hang_for_test) as p:
         assert p.score(["\\boxed{1}", TEST_HANG_MARKER, "\\boxed{2}"], ["1", "1", "1"]) == [1.0, 0.0, 0.0]
-        assert p.stats.timeouts == 1
+        assert p.stats.timeouts == 2 and p.stats.marked == 1
         assert p.score(["\\boxed{2}"], ["2"]) == [1.0]
 
 

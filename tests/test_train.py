@@ -67,6 +67,61 @@ def test_policy_forward_matches_left_padding_invariance():
     assert a[0, 2] == 0 and ent[0, 2] == 0 and (ent[0, :2] > 0).all()
 
 
+class _TextEngine:
+    """A rollout engine that answers each prompt's ``n`` samples with fixed texts (``answers[prompt]``)."""
+
+    def __init__(self, answers: dict[str, list[str]]) -> None:
+        self.answers = answers
+
+    def generate(self, prompts, *, n, seed, temperature, top_p, max_new_tokens):
+        from oar.rollout import Rollout
+
+        texts = [t for p in prompts for t in self.answers[p][:n]]
+        N = len(texts)
+        return Rollout(prompt_ids=torch.zeros(N, 1, dtype=torch.long), prompt_mask=torch.ones(N, 1, dtype=torch.long),
+                       response_ids=torch.zeros(N, 3, dtype=torch.long), response_mask=torch.ones(N, 3, dtype=torch.long),
+                       logprobs=torch.zeros(N, 3), texts=texts,
+                       prompt_index=torch.arange(len(prompts)).repeat_interleave(n),
+                       truncated=torch.zeros(N, dtype=torch.bool))
+
+
+def test_step_metrics_count_the_steps_reward_timeouts_and_crashes():
+    """A step's metrics carry its reward checks that timed out, crashed and were marked (collect_batch's
+    StepBatch.reward_stats, through score_batch's stats); a step without any shows zeros."""
+    import oar.reward as R
+    from oar.batch import PromptStream, collect_batch
+    from oar.credit import CreditResult
+    from oar.train import step_metrics
+
+    huge = "\\boxed{9^{9^{9^{9}}}}"  # math-verify's comparison never ends: timed out, retried, marked
+    records = [{"answer": "5"}, {"answer": "7"}]
+    engine = _TextEngine({"p0": ["\\boxed{5}", huge], "p1": ["\\boxed{7}", "\\boxed{8}"]})
+    config = {"train": {"prompts_per_step": 2},
+              "rollout": {"n": 2, "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 3, "batch_invariant": False},
+              "reward": {"timeout_s": 1.0, "workers": 1}}
+    recipe = {"correct": 1.0, "wrong": 0.0, "overlong_buffer": 0, "dynamic_sampling": False, "max_num_gen_batches": 1}
+    upd = {k: [0.0] for k in ("entropy", "kl_ref", "approx_kl", "clipfrac", "loss", "pg_loss", "grad_norm")}
+    upd.update(tokens_real=[1.0], tokens_computed=[1.0])
+
+    def metrics(answers):
+        engine.answers.update(answers)
+        batch = collect_batch(engine, PromptStream(2, seed=0), ["p0", "p1"], records, config=config, recipe=recipe,
+                              seed=0, step=0, rank=0, world=1, local_prompts=2, pad_id=0,
+                              timings={"rollout": 0.0, "reward": 0.0})
+        credit = CreditResult(token_advantages=torch.zeros(4, 3), seq_advantages=torch.zeros(4))
+        return batch, step_metrics(batch, credit, upd, 0, lr=1.0, timings={}, step_seconds=0.0)
+
+    try:
+        batch, m = metrics({})
+        assert batch.rewards.sum() == 2.0
+        assert (m["reward_timeouts"], m["reward_crashes"], m["reward_marked"]) == (2.0, 0.0, 1.0)
+        assert batch.reward_stats.retried == 1
+        _, m = metrics({"p0": ["\\boxed{5}", "\\boxed{6}"]})  # the next step: its own counts only
+        assert (m["reward_timeouts"], m["reward_crashes"], m["reward_marked"]) == (0.0, 0.0, 0.0)
+    finally:
+        R._close_default_pool()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["grpo", "drgrpo", "dapo", "grpo_ktae", "dapo_ktae", "oar_p", "oar_p_tied", "oar_g",
                                     "oar_g_q50", "oar_g_nomass", "oar_g_ig", "dapo_oar_g"])

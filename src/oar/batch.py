@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from oar.reward import PoolStats
 from oar.rollout import Rollout, generate_per_prompt
 from oar.seeds import step_seed, stream_seed
 
@@ -54,6 +55,9 @@ class StepBatch:
     n_gen_batches: int
     kept_fraction: float
     record_index: torch.Tensor  # (N,) long: the training record (prompt, gold answer) of each row
+    #: the step's reward checks: timeouts, crashes, retried and marked items (oar.reward.PoolStats), over
+    #: every round of dynamic sampling and mc_value's continuations (continuation_context adds theirs)
+    reward_stats: PoolStats = field(default_factory=PoolStats)
 
 
 def dynamic_sampling_keep(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
@@ -75,12 +79,14 @@ def collect_batch(engine: Any, stream: PromptStream, prompts_all: list[str], rec
                    pad_id: int, timings: dict[str, float]) -> StepBatch:
     """Steps 1-2 of the loop: sample ``n`` responses for this process's share of the next prompts and
     score them; with DAPO's dynamic sampling, regenerate until ``local_prompts`` groups have mixed
-    rewards (at most ``max_num_gen_batches`` rounds). Adds to ``timings["rollout"]``/``["reward"]``."""
+    rewards (at most ``max_num_gen_batches`` rounds). Adds to ``timings["rollout"]``/``["reward"]``; the
+    batch's ``reward_stats`` count the reward pool's timeouts, crashes and retries over the rounds."""
     from oar.reward import overlong_penalty, score_batch
 
     tcfg, rcfg, n = config["train"], config["rollout"], config["rollout"]["n"]
     kept: list[StepBatch] = []
     n_kept_groups, rounds, gen_total = 0, 0, 0
+    reward_stats = PoolStats()
     max_rounds = recipe["max_num_gen_batches"] if recipe["dynamic_sampling"] else 1
     positions = torch.arange(tcfg["prompts_per_step"])[rank::world]  # this process's prompts' places in the step
     while True:
@@ -98,7 +104,8 @@ def collect_batch(engine: Any, stream: PromptStream, prompts_all: list[str], rec
         golds = [records[idx[i]]["answer"] for i in ro.prompt_index.tolist()]
         scores = torch.tensor(score_batch(ro.texts, golds, correct=recipe["correct"], wrong=recipe["wrong"],
                                           timeout_s=config["reward"]["timeout_s"],
-                                          workers=config["reward"]["workers"]), dtype=torch.float32)
+                                          workers=config["reward"]["workers"], stats=reward_stats),
+                              dtype=torch.float32)
         correct = scores == recipe["correct"]
         rewards = scores.clone()
         if recipe["overlong_buffer"] > 0:
@@ -131,6 +138,7 @@ def collect_batch(engine: Any, stream: PromptStream, prompts_all: list[str], rec
         rows = torch.nonzero(torch.isin(batch.group_ids, first)).squeeze(1)
         batch = StepBatch(batch.rollout.select(rows), batch.rewards[rows], batch.correct[rows],
                           batch.group_ids[rows], rounds, n_kept_groups / max(1, gen_total), batch.record_index[rows])
+    batch.reward_stats = reward_stats
     return batch
 
 
@@ -138,7 +146,8 @@ def continuation_context(engine: Any, batch: StepBatch, prompts_all: list[str], 
                    recipe: dict, seed: int) -> Any:
     """What an estimator that samples continuations of the responses needs (``mc_value``): the
     engine, each row's prompt and gold answer, the rollout's reward and sampling settings. Built
-    by :func:`_credit` only for estimators registered with ``needs_continuations``."""
+    by :func:`_credit` only for estimators registered with ``needs_continuations``. The continuations'
+    reward checks are counted in ``batch.reward_stats``, with the step's."""
     from functools import partial
 
     from oar.credit.mc_value import ContinuationContext
@@ -146,7 +155,8 @@ def continuation_context(engine: Any, batch: StepBatch, prompts_all: list[str], 
 
     rcfg, rows = config["rollout"], batch.record_index.tolist()
     score = partial(score_batch, correct=recipe["correct"], wrong=recipe["wrong"],
-                    timeout_s=config["reward"]["timeout_s"], workers=config["reward"]["workers"])
+                    timeout_s=config["reward"]["timeout_s"], workers=config["reward"]["workers"],
+                    stats=batch.reward_stats)
     return ContinuationContext(engine=engine, prompts=[prompts_all[i] for i in rows],
                                golds=[records[i]["answer"] for i in rows], score=score,
                                temperature=rcfg["temperature"], top_p=rcfg["top_p"],

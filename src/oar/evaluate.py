@@ -7,7 +7,9 @@ pass@k (share of problems with at least one correct sample). Answers are generat
 Writes, per benchmark, ``<bench>.jsonl`` (one row per answer: id, question, response, extracted
 answer, gold, correct, sample; ``sample = -1`` is the greedy answer) and ``<bench>.json`` (its
 summary), and ``summary.json`` over all benchmarks. A benchmark whose summary already exists with
-the same settings is not evaluated again (resumable).
+the same settings is not evaluated again (resumable). Each summary counts the reward checks that
+timed out, crashed their worker, were retried, and were scored wrong for it after the retry
+(``reward``: :data:`REWARD_COUNTS`; :mod:`oar.reward`), with one line on stderr when any was.
 
 The transfer evaluation (``transfer=True``, ``oar evaluate --transfer``) is the same evaluation of
 ``eval.transfer.benchmarks`` instead of ``eval.benchmarks``, with the same settings; the workflow
@@ -16,14 +18,22 @@ runs it on the start model and on the methods of ``eval.transfer.methods`` only.
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from oar.io import atomic_write_json, atomic_write_jsonl
 from oar.seeds import stream_seed
 
+if TYPE_CHECKING:
+    from oar.reward import PoolStats
+
 __all__ = ["load_benchmark_entry", "load_eval_benchmarks", "evaluate_records", "evaluate_from_config", "records_digest"]
+
+#: The reward pool's counts in a summary's ``reward`` entry (:class:`oar.reward.PoolStats`): checks
+#: that timed out, whose worker died, items retried, and items scored wrong after their retry failed too.
+REWARD_COUNTS: tuple[str, ...] = ("timeouts", "crashes", "retried", "marked")
 
 
 def load_benchmark_entry(config: dict, entry: dict, *, key: str = "eval.benchmarks") -> list[dict]:
@@ -93,11 +103,13 @@ def evaluate_records(
         (share of problems with at least one correct sample), ``k`` (None when ``samples`` is 0),
         ``answered`` (share of all answers with a final answer the reward can read, correct or not:
         a format check, e.g. a model that never writes ``\\boxed{}`` scores 0 everywhere),
-        ``mean_response_tokens`` and ``seconds``; rows are per answer (``sample = -1``: greedy).
+        ``mean_response_tokens``, ``seconds`` and ``reward`` (the reward checks' counts,
+        :data:`REWARD_COUNTS`); rows are per answer (``sample = -1``: greedy).
     """
     from tqdm.auto import tqdm
 
     from oar.data.prompts import render_prompt
+    from oar.reward import PoolStats
     from oar.stats import pass_at_k
 
     if chunk_size < 1:
@@ -109,6 +121,7 @@ def evaluate_records(
     summary: dict[str, Any] = {"n": len(records), "pass@1": None, "avg@k": None, "pass@k": None, "k": samples or None}
     n_answered = 0
     lengths: list[float] = []
+    reward_stats = PoolStats()
     passes = []
     if greedy:
         passes.append(("greedy", 1, dict(n=1, greedy=True)))
@@ -121,7 +134,8 @@ def evaluate_records(
             total, n_correct, answered = _evaluate_pass(
                 engine, records, prompts, golds, kind=kind, step=max(1, chunk_size // per), generate_kw=kw,
                 temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed,
-                timeout_s=timeout_s, workers=workers, keep_text=keep_text, rows=rows, lengths=lengths, bar=bar)
+                timeout_s=timeout_s, workers=workers, keep_text=keep_text, rows=rows, lengths=lengths, bar=bar,
+                reward_stats=reward_stats)
             n_answered += answered
             acc = total / max(1, len(records) * per)
             if kind == "greedy":
@@ -134,6 +148,7 @@ def evaluate_records(
     summary["answered"] = n_answered / len(rows) if rows else None
     summary["mean_response_tokens"] = float(sum(lengths) / max(1, len(lengths)))
     summary["seconds"] = time.perf_counter() - t0
+    summary["reward"] = {k: getattr(reward_stats, k) for k in REWARD_COUNTS}
     return summary, rows
 
 
@@ -156,13 +171,14 @@ def _evaluate_pass(
     rows: list[dict],
     lengths: list[float],
     bar: Any,
+    reward_stats: PoolStats | None = None,
 ) -> tuple[float, list[int], int]:
     """One pass of :func:`evaluate_records` (``kind`` ``greedy`` or ``sampled``), ``step`` problems per
     ``engine.generate`` call (``generate_kw``: its ``n`` and ``greedy``; chunk ``c`` seeded
     ``stream_seed(seed, c)``), each chunk scored at once.
 
-    Appends a row per answer to ``rows`` and each answer's response length to ``lengths``, and
-    advances ``bar`` by the answers of each chunk.
+    Appends a row per answer to ``rows`` and each answer's response length to ``lengths``, adds the
+    reward pool's counts to ``reward_stats`` (when given), and advances ``bar`` by the answers of each chunk.
 
     Returns:
         ``(total, n_correct, n_answered)``: the summed score of the pass's answers, the correct
@@ -181,7 +197,7 @@ def _evaluate_pass(
                              seed=None if seed is None else stream_seed(seed, c), **generate_kw)
         idx = [chunk[j] for j in ro.prompt_index.tolist()]
         scores = score_batch(ro.texts, [golds[i] for i in idx], correct=1.0, wrong=0.0, timeout_s=timeout_s,
-                             workers=workers)
+                             workers=workers, stats=reward_stats)
         counter: dict[int, int] = {}
         for i, text, s in zip(idx, ro.texts, scores):
             found = extracted_answer(text)
@@ -227,7 +243,9 @@ def evaluate_from_config(config: dict, model_dir: str | Path | None, output_dir:
     (``transfer``: on ``eval.transfer.benchmarks``, with the same settings).
 
     Writes ``<output_dir>/<bench>.jsonl``, ``<output_dir>/<bench>.json`` and ``<output_dir>/summary.json``
-    (``model``, ``model_identity``, ``benchmarks``, ``average`` and ``provenance``: this call's,
+    (``model``, ``model_identity``, ``benchmarks``, ``average``, ``reward``: the reward checks' counts
+    (:data:`REWARD_COUNTS`) summed over the benchmarks, a cached one's from when it was scored, with one
+    line on stderr when an answer was marked; and ``provenance``: this call's,
     :func:`oar.provenance.provenance`, also when every benchmark came from the folder's cache).
 
     Raises:
@@ -297,7 +315,17 @@ def _evaluate_locked(config: dict, benches: dict[str, list[dict]], spec: dict, o
         results[name] = summary
     keys = [k for k in ("pass@1", "avg@k", "pass@k") if results and all(r.get(k) is not None for r in results.values())]
     average = {k: sum(r[k] for r in results.values()) / len(results) for k in keys if results}
+    reward = {k: sum(int(r.get("reward", {}).get(k, 0)) for r in results.values()) for k in REWARD_COUNTS}
     out = {"model": model_path, "model_identity": settings["model_identity"], "benchmarks": results, "average": average,
-           "provenance": with_end_time(provenance(device=str(config["device"]), started=started))}
+           "reward": reward, "provenance": with_end_time(provenance(device=str(config["device"]), started=started))}
     atomic_write_json(output_dir / "summary.json", out)
+    _warn_marked(reward, config["reward"]["timeout_s"], output_dir / "summary.json")
     return out
+
+
+def _warn_marked(reward: dict[str, int], timeout_s: float, where: Path) -> None:
+    """One line on stderr when answers were scored wrong without a verdict (``reward["marked"]`` > 0)."""
+    if reward.get("marked", 0) > 0:
+        print(f"oar evaluate: warning: {reward['marked']} answer(s) scored wrong because their check timed out or "
+              f"crashed twice (reward.timeout_s = {timeout_s:g} s; a busy machine or a pathological answer); "
+              f"counts in {where} under reward", file=sys.stderr)

@@ -5,6 +5,7 @@ Public API
 - :func:`score_batch` -- one reward per response (``correct`` or ``wrong``), scored in a
   module-level :class:`RewardPool` that is created on first use, reused and closed at exit.
 - :class:`RewardPool` -- the persistent pool of worker processes; also a context manager.
+- :class:`PoolStats` -- what a pool counted: timeouts, crashes, retries, items scored wrong for them.
 - :func:`overlong_penalty` -- DAPO overlong reward shaping (docs/methods.md, 2 DAPO).
 - :func:`extracted_answer` -- the answer that was read from a response, for logging.
 
@@ -34,13 +35,41 @@ Safety model
 Model outputs are untrusted and sympy can run for a very long time (huge powers, deep nesting),
 also inside C code where no Python signal handler runs. So parsing happens in separate worker
 PROCESSES. Each worker scores its items in its own main thread, so math-verify's own
-``signal.alarm`` timeouts work (``inner_timeout_s`` per parse/verify call). On top, the parent
-enforces a wall-clock limit of ``timeout_s`` per item: a worker that has not answered an item in
-time is killed (SIGKILL) and replaced, that item scores ``wrong``, and the rest of its chunk goes
-back to the queue. A worker that crashes is handled the same way. A worker stopped by a signal from
-outside (SIGTERM, SIGINT or SIGHUP: SLURM's ``--signal`` and ``scancel`` reach every process of a
-job, the workers too) is replaced as well, but its unanswered items are scored again by the new
-worker: the item did not fail, and a preempted training step must not record it as wrong.
+``signal.alarm`` timeouts work.
+
+Limits and what is counted (:class:`PoolStats`)
+-----------------------------------------------
+*The limit.* ``timeout_s`` (config ``reward.timeout_s``) is math-verify's own limit per
+parse/verify call inside the worker (``inner_timeout_s``: ``timeout_s`` rounded up to whole
+seconds, as ``signal.alarm`` counts). An item makes at most :data:`CALLS_PER_ITEM` such calls
+that can take long (the response's parse, the gold's parse, the symbolic comparison), so the
+parent's wall-clock guard per item is ``guard_s = CALLS_PER_ITEM * inner_timeout_s +
+GUARD_MARGIN_S``: math-verify gives up by itself first, and the parent kills (SIGKILL) and
+replaces a worker only when an item is stuck where no signal handler runs.
+
+*Timeouts.* math-verify reports its own timeout by raising ``TimeoutException`` (a
+``BaseException``) inside ``parse``/``verify``, which return a failed parse (``[]``) or
+``False`` unless called with ``raise_on_error=True``; the worker calls them so and reports the
+item as timed out (``None``, not ``False``). Both that and the parent's kill count in
+``timeouts``. An answer is not scored wrong because the machine was busy: a timed-out item is
+retried once with :data:`RETRY_FACTOR` times the limit (and the guard for it); only when the
+retry runs out of time too is it *marked*: scored ``wrong`` and counted in ``marked``.
+
+*Crashes.* A worker that dies while scoring an item (killed, crashed) counts in ``crashes``, is
+replaced, and the item is retried once on the replacement (marked when it dies again); the rest
+of its chunk goes back to the queue. A retry after the parent's kill also goes to the
+replacement worker; a retry after math-verify's own timeout to the next free worker (its worker
+is intact). ``retried`` counts the items tried a second time.
+
+*Preemption.* A worker stopped by a signal from outside (SIGTERM, SIGINT or SIGHUP: SLURM's
+``--signal`` and ``scancel`` reach every process of a job, the workers too) is replaced as well,
+but its unanswered items are scored again by the new worker without counting as a retry: the
+item did not fail, and a preempted training step must not record it as wrong.
+
+:func:`score_batch` adds a call's counts to a caller's :class:`PoolStats` (``stats=``): a
+training step's metrics carry ``reward_timeouts``, ``reward_crashes`` and ``reward_marked``
+(:mod:`oar.batch`, :func:`oar.train.step_metrics`), an evaluation's ``summary.json`` a ``reward``
+entry (:mod:`oar.evaluate`).
 
 How workers start (``start_method``). ``fork`` is never used: the parent has torch (threads)
 loaded. The default ``"subprocess"`` runs ``python -c "...oar.reward._subprocess_main..."`` with
@@ -54,8 +83,8 @@ script needs an ``if __name__ == "__main__":`` guard. A killed worker is replace
 
 Speed: benchmarks/bench_reward.py (its numbers in benchmarks/README.md, "Measured numbers").
 
-Scores that hit a timeout depend on machine load, so under heavy load the same input can score
-differently in two runs; :attr:`RewardPool.stats` counts the timeouts so they can be logged.
+Only marked items (a timeout or crash on both tries) can score differently from one run to the
+next with the machine's load; :attr:`RewardPool.stats` counts them so they can be logged.
 """
 
 from __future__ import annotations
@@ -83,8 +112,13 @@ if TYPE_CHECKING:  # torch is imported lazily so that worker processes never loa
     import torch
 
 __all__ = [
+    "CALLS_PER_ITEM",
     "DEFAULT_MAX_WORKERS",
+    "GUARD_MARGIN_S",
+    "PoolStats",
+    "RETRY_FACTOR",
     "RewardPool",
+    "check_one",
     "extracted_answer",
     "overlong_penalty",
     "score_batch",
@@ -96,8 +130,21 @@ logger = logging.getLogger(__name__)
 #: ``workers=None`` means: the number of usable CPUs, but at most this many.
 DEFAULT_MAX_WORKERS: int = 4
 
-#: What a worker (and the test hook) is called with: ``(response, gold) -> is_correct``.
-WorkFn = Callable[[str, str], bool]
+#: math-verify calls of one item that can take long, each under its own limit: the response's
+#: parse, the gold's parse (cached per worker after the first) and the symbolic comparison (the
+#: string comparisons math-verify also makes are instant). The parent's guard per item allows them all.
+CALLS_PER_ITEM: int = 3
+#: Seconds the parent's guard per item allows beyond math-verify's limits: reading the box,
+#: sending the item and its answer, a worker's scheduling on a busy machine.
+GUARD_MARGIN_S: float = 1.0
+#: A timed-out item's one retry runs under this many times the limit (and the guard).
+RETRY_FACTOR: int = 2
+
+#: A check's outcome: True (correct), False (wrong) or None (ran out of math-verify's time limit).
+Verdict = bool | None
+#: What a worker (and the test hook) is called with: ``(response, gold, parsing_timeout=n) -> Verdict``,
+#: ``n`` being math-verify's limit per parse/verify call in whole seconds.
+WorkFn = Callable[..., Verdict]
 
 
 # --------------------------------------------------------------------------------------------
@@ -111,68 +158,133 @@ def _extraction_config() -> list[Any]:
     return [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
 
 
-@functools.lru_cache(maxsize=4096)
-def _parse_gold(gold: str, parsing_timeout: int) -> list[Any]:
+def _threaded_error(e: Exception) -> bool:
+    """Whether ``e`` is math-verify's "signal only works in the main thread" error (raised, not scored)."""
+    return isinstance(e, ValueError) and str(e).startswith("Math-Verify")
+
+
+def _parse(text: str, parsing_timeout: int, extraction_config: list[Any] | None = None) -> list[Any]:
+    """math-verify's ``parse`` (``[]`` when it fails), except that its timeout raises ``TimeoutException``.
+
+    ``parse(..., raise_on_error=False)`` turns a timeout into ``[]``, like any failure; with
+    ``raise_on_error=True`` it raises instead, and the other failures are turned into ``[]`` here.
+    """
     from math_verify import parse
 
+    kw = {} if extraction_config is None else {"extraction_config": extraction_config}
+    try:
+        return parse(text, parsing_timeout=parsing_timeout, raise_on_error=True, **kw)
+    except Exception as e:  # noqa: BLE001 - untrusted input: a failed parse (TimeoutException is a BaseException)
+        if _threaded_error(e):
+            raise
+        return []
+
+
+def _verify(gold: list[Any], pred: list[Any], timeout_seconds: int) -> Verdict:
+    """math-verify's ``verify(gold, pred)``, with None where it is False and a comparison timed out.
+
+    ``verify`` returns whether any (gold, pred) pair compares equal, a pair that fails or times
+    out counting as unequal; it is called here pair by pair in its own order, with
+    ``raise_on_error=True`` so that a timeout is seen, and a failure is unequal as there.
+    """
+    from itertools import product
+
+    from math_verify import verify
+    from math_verify.errors import TimeoutException
+
+    timed_out = False
+    for g, t in product(gold, pred):
+        try:
+            if verify(g, t, timeout_seconds=timeout_seconds, raise_on_error=True):
+                return True
+        except TimeoutException:
+            timed_out = True
+        except Exception as e:  # noqa: BLE001 - untrusted input: this pair is unequal
+            if _threaded_error(e):
+                raise
+    return None if timed_out else False
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_gold(gold: str, parsing_timeout: int) -> list[Any]:
+    """The parsed gold (cached; a timeout raises ``TimeoutException`` and is not cached)."""
     inner = extract_boxed(gold)
     text = inner if inner is not None else gold
-    parsed = parse("\\boxed{" + text + "}", extraction_config=_extraction_config(), parsing_timeout=parsing_timeout)
+    parsed = _parse("\\boxed{" + text + "}", parsing_timeout, _extraction_config())
     if not parsed:
         logger.warning("oar.reward: gold answer %r could not be parsed; every response to it scores wrong", gold[:200])
     return parsed
+
+
+def check_one(response: str | None, gold: str, *, parsing_timeout: int = 2, require_boxed: bool = False) -> Verdict:
+    """Like :func:`score_one`, but None where the check ran out of math-verify's time limit
+    (``parsing_timeout`` per parse/verify call) before it found the answer correct."""
+    if not response or response.isspace():
+        return False
+    from math_verify.errors import TimeoutException
+
+    try:
+        box = extract_boxed(response)
+        if box is not None:
+            pred = _parse("\\boxed{" + box + "}", parsing_timeout, _extraction_config())
+        elif require_boxed:
+            return False
+        else:
+            pred = _parse(response, parsing_timeout)
+        if not pred:
+            return False
+        gold_parsed = _parse_gold(gold, parsing_timeout)
+        if not gold_parsed:
+            return False
+        return _verify(gold_parsed, pred, parsing_timeout)
+    except TimeoutException:
+        return None
 
 
 def score_one(response: str | None, gold: str, *, parsing_timeout: int = 2, require_boxed: bool = False) -> bool:
     """Whether ``response``'s final answer equals ``gold``, in THIS process (no pool, no wall clock).
 
     The reading rules are in the module docstring. ``parsing_timeout`` is math-verify's own
-    per-call limit (``signal.alarm``, whole seconds, main thread only). Never raises on odd
-    model output: anything that fails to parse is simply not correct. Use :func:`score_batch` for
-    untrusted text; this function can still hang in C code that ignores signals.
+    per-call limit (``signal.alarm``, whole seconds, main thread only); a check that runs out of
+    it is not correct (:func:`check_one` tells it apart). Never raises on odd model output:
+    anything that fails to parse is simply not correct. Use :func:`score_batch` for untrusted
+    text; this function can still hang in C code that ignores signals.
     """
-    if not response or response.isspace():
-        return False
-    from math_verify import parse, verify
-
-    box = extract_boxed(response)
-    if box is not None:
-        pred = parse("\\boxed{" + box + "}", extraction_config=_extraction_config(), parsing_timeout=parsing_timeout)
-    elif require_boxed:
-        return False
-    else:
-        pred = parse(response, parsing_timeout=parsing_timeout)
-    if not pred:
-        return False
-    gold_parsed = _parse_gold(gold, parsing_timeout)
-    if not gold_parsed:
-        return False
-    return bool(verify(gold_parsed, pred, timeout_seconds=parsing_timeout))
+    return check_one(response, gold, parsing_timeout=parsing_timeout, require_boxed=require_boxed) is True
 
 
 def _worker_main(conn: Connection, work_fn: WorkFn) -> None:
-    """Worker loop: receive a chunk ``[(key, response, gold), ...]``, answer ``(key, ok)`` per item.
+    """Worker loop: receive a chunk ``(limit, [(key, response, gold), ...])``, answer ``(key, verdict)``
+    per item, ``verdict`` being ``work_fn(response, gold, parsing_timeout=limit)``: True, False, or
+    None when the check ran out of math-verify's limit (also when ``work_fn`` lets math-verify's
+    ``TimeoutException`` through). Any other exception is a wrong answer (untrusted input).
 
     ``None`` (or a closed pipe) ends the loop. The first message is ``("ready", pid)`` after a
     warm-up item, so imports do not count against the first item's timeout.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # it logs whole inputs on timeouts
+    from math_verify.errors import TimeoutException
+
     try:
-        work_fn("\\boxed{1}", "1")
-    except Exception:  # noqa: BLE001 - a failing warm-up shows up on real items
+        work_fn("\\boxed{1}", "1", parsing_timeout=1)
+    except (Exception, TimeoutException):  # noqa: BLE001 - a failing warm-up shows up on real items
         pass
     conn.send(("ready", os.getpid()))
     while True:
         try:
-            chunk = conn.recv()
+            msg = conn.recv()
         except (EOFError, OSError):
             return
-        if chunk is None:
+        if msg is None:
             return
+        limit, chunk = msg
         for key, response, gold in chunk:
             try:
-                ok = bool(work_fn(response, gold))
+                out = work_fn(response, gold, parsing_timeout=limit)
+                ok: Verdict = None if out is None else bool(out)
+            except TimeoutException:
+                ok = None
             except Exception:  # noqa: BLE001 - untrusted input: any failure is "not correct"
                 ok = False
             conn.send((key, ok))
@@ -224,6 +336,10 @@ class _PopenProcess:
 # --------------------------------------------------------------------------------------------
 
 
+#: A chunk of work: the keys of its items and math-verify's limit for them (whole seconds).
+_Chunk = tuple[list[int], int]
+
+
 @dataclasses.dataclass
 class _Worker:
     proc: Any  # multiprocessing.process.BaseProcess
@@ -232,23 +348,33 @@ class _Worker:
     ready: bool = False
     chunk: list[int] | None = None  # keys in flight, in the order the worker handles them
     pos: int = 0  # how many of ``chunk`` have been answered
+    limit: int = 0  # math-verify's limit for the items of ``chunk``
     deadline: float = math.inf
+    pending: _Chunk | None = None  # a retry kept for this (new) worker: sent first when it is ready
 
 
 @dataclasses.dataclass
 class PoolStats:
-    """Counters since the pool was created (for logging)."""
+    """Counters since the pool was created (for logging); the limits and retries are in the module docstring."""
 
     items: int = 0  #: items passed to :meth:`RewardPool.score` (before deduplication)
     scored: int = 0  #: items sent to a worker (unique, non-empty)
-    timeouts: int = 0  #: items that ran past ``timeout_s`` (scored wrong, worker killed)
-    crashes: int = 0  #: items whose worker died while scoring them (scored wrong)
+    timeouts: int = 0  #: tries that ran out of time: math-verify's own limit, or the parent's guard (worker killed)
+    crashes: int = 0  #: tries whose worker died while scoring them (killed, crashed)
+    retried: int = 0  #: items tried a second time after a timeout or a crash
+    marked: int = 0  #: items scored wrong because their second try also timed out or crashed (no verdict)
     stopped: int = 0  #: workers stopped by a signal from outside (SIGTERM, SIGINT, SIGHUP): their items rescored
     restarts: int = 0  #: workers started to replace a killed or dead one
 
     def as_dict(self) -> dict[str, int]:
         """The counters as a plain dict (for a metrics logger)."""
         return dataclasses.asdict(self)
+
+    def add(self, after: PoolStats, before: PoolStats | None = None) -> None:
+        """Add ``after``'s counters (minus ``before``'s: what happened in between) to these."""
+        for f in dataclasses.fields(self):
+            delta = getattr(after, f.name) - (getattr(before, f.name) if before is not None else 0)
+            setattr(self, f.name, getattr(self, f.name) + delta)
 
 
 _START_METHODS = ("subprocess", "forkserver", "spawn")
@@ -272,18 +398,20 @@ class RewardPool:
 
     Args:
         workers: number of worker processes; None = usable CPUs, at most ``DEFAULT_MAX_WORKERS``.
-        timeout_s: wall-clock limit per item, enforced by the parent (kill and replace).
-        inner_timeout_s: math-verify's own per-call limit inside the worker, whole seconds >= 1;
-            None = ``max(1, int(timeout_s / 3))`` so that parse + verify normally give up by
-            themselves before the parent has to kill the worker.
+        timeout_s: the reward's limit (config ``reward.timeout_s``): math-verify's own limit per
+            parse/verify call inside the worker, rounded up to whole seconds.
+        inner_timeout_s: that limit in whole seconds >= 1, if not ``ceil(timeout_s)``.
+        guard_s: the parent's wall-clock limit per item on its first try (past it the worker is
+            killed and replaced); None = ``CALLS_PER_ITEM * inner_timeout_s + GUARD_MARGIN_S``, so
+            that math-verify gives up by itself first. A retry gets ``RETRY_FACTOR`` times both.
         require_boxed: responses without a complete ``\\boxed{}`` score wrong.
         chunk_size: most items sent to a worker in one message (fewer when a batch is small, so
             that all workers get work).
         start_method: ``"subprocess"`` (default), ``"forkserver"`` or ``"spawn"`` (see the
             module docstring); ``"fork"`` is refused because the parent may hold threads (torch).
         start_timeout_s: how long a new worker may take to import math-verify and report ready.
-        work_fn: a picklable module-level ``(response, gold) -> bool`` run instead of
-            :func:`score_one`.
+        work_fn: a picklable module-level ``(response, gold, parsing_timeout=n) -> bool | None``
+            run instead of :func:`check_one` (None: ran out of math-verify's limit ``n``; the test hook).
 
     Workers are started on first use (or by :meth:`start` / ``with``) and stay until
     :meth:`close`. Not thread-safe: use one pool per thread.
@@ -299,6 +427,7 @@ class RewardPool:
         timeout_s: float = 5.0,
         *,
         inner_timeout_s: int | None = None,
+        guard_s: float | None = None,
         require_boxed: bool = False,
         chunk_size: int = 16,
         start_method: str = "subprocess",
@@ -312,9 +441,13 @@ class RewardPool:
         if not timeout_s > 0:
             raise ValueError(f"oar.reward.RewardPool: timeout_s must be > 0, got {timeout_s!r}")
         if inner_timeout_s is None:
-            inner_timeout_s = max(1, int(timeout_s / 3))
+            inner_timeout_s = max(1, math.ceil(timeout_s))
         if not isinstance(inner_timeout_s, int) or inner_timeout_s < 1:
             raise ValueError(f"oar.reward.RewardPool: inner_timeout_s must be an int >= 1, got {inner_timeout_s!r}")
+        if guard_s is None:
+            guard_s = CALLS_PER_ITEM * inner_timeout_s + GUARD_MARGIN_S
+        if not guard_s > 0:
+            raise ValueError(f"oar.reward.RewardPool: guard_s must be > 0, got {guard_s!r}")
         if chunk_size < 1:
             raise ValueError(f"oar.reward.RewardPool: chunk_size must be >= 1, got {chunk_size!r}")
         if start_method not in _START_METHODS:
@@ -322,6 +455,7 @@ class RewardPool:
         self.workers = workers
         self.timeout_s = float(timeout_s)
         self.inner_timeout_s = inner_timeout_s
+        self.guard_s = float(guard_s)
         self.require_boxed = require_boxed
         self.chunk_size = chunk_size
         self.start_method = start_method
@@ -329,7 +463,7 @@ class RewardPool:
         self.work_fn: WorkFn = (
             work_fn
             if work_fn is not None
-            else functools.partial(score_one, parsing_timeout=inner_timeout_s, require_boxed=require_boxed)
+            else functools.partial(check_one, require_boxed=require_boxed)
         )
         self.stats = PoolStats()
         self._ctx: Any = None
@@ -447,40 +581,62 @@ class RewardPool:
         results = self._run(unique) if unique else []
         return [False if k is None else results[k] for k in keys]
 
+    def _guard(self, limit: int) -> float:
+        """The parent's wall-clock limit per item for items under math-verify's limit ``limit``."""
+        return self.guard_s * limit / self.inner_timeout_s
+
     def _run(self, items: list[tuple[str, str]]) -> list[bool]:
-        """Score unique items in the workers; the wall-clock rules are in the module docstring."""
+        """Score unique items in the workers; the limits and retries are in the module docstring."""
         self.start()
         self.stats.scored += len(items)
         n = len(items)
         verdict = [False] * n
+        retried: set[int] = set()  # the items that had their one retry
         size = max(1, min(self.chunk_size, math.ceil(n / (4 * self.workers))))
-        queue: deque[list[int]] = deque(list(range(s, min(s + size, n))) for s in range(0, n, size))
+        queue: deque[_Chunk] = deque(
+            (list(range(s, min(s + size, n))), self.inner_timeout_s) for s in range(0, n, size)
+        )
         try:
-            while queue or any(w.chunk is not None for w in self._workers):
+            while queue or any(w.chunk is not None or w.pending is not None for w in self._workers):
                 now = time.monotonic()
                 for w in self._workers:
-                    if w.ready and w.chunk is None and queue:
-                        chunk = queue.popleft()
-                        try:
-                            w.conn.send([(k, items[k][0], items[k][1]) for k in chunk])
-                        except OSError:  # died while idle: nothing was in flight
-                            queue.appendleft(chunk)
-                            w.deadline = -math.inf  # replaced below
-                            continue
-                        w.chunk, w.pos, w.deadline = chunk, 0, now + self.timeout_s
+                    if not w.ready or w.chunk is not None or (w.pending is None and not queue):
+                        continue
+                    job = w.pending if w.pending is not None else queue.popleft()
+                    w.pending = None
+                    keys, limit = job
+                    try:
+                        w.conn.send((limit, [(k, items[k][0], items[k][1]) for k in keys]))
+                    except OSError:  # died while idle: nothing was in flight
+                        queue.appendleft(job)
+                        w.deadline = -math.inf  # replaced below
+                        continue
+                    w.chunk, w.pos, w.limit, w.deadline = keys, 0, limit, now + self._guard(limit)
                 next_deadline = min(w.deadline for w in self._workers)
                 wait(
                     [w.conn for w in self._workers] + [w.proc.sentinel for w in self._workers if w.proc.sentinel is not None],
                     timeout=None if next_deadline == math.inf else max(0.0, next_deadline - time.monotonic()),
                 )
                 for idx, w in enumerate(self._workers):
-                    self._workers[idx] = self._service(w, verdict, queue)
+                    self._workers[idx] = self._service(w, verdict, queue, retried)
         except BaseException:
             # Interrupted (Ctrl-C) or broken: items may be in flight, so start over next time.
             self.close()
             self._closed = False
             raise
         return verdict
+
+    def _retry_or_mark(self, key: int, verdict: list[bool], retried: set[int], why: str) -> _Chunk | None:
+        """After item ``key``'s try failed (``why``: timed out or its worker died): the chunk of its one
+        retry (under ``RETRY_FACTOR`` times the limit), or None when that was the retry (marked: wrong)."""
+        if key in retried:
+            verdict[key] = False
+            self.stats.marked += 1
+            logger.warning("oar.reward: an item %s on its retry too; scored wrong without a verdict (marked)", why)
+            return None
+        retried.add(key)
+        self.stats.retried += 1
+        return [key], RETRY_FACTOR * self.inner_timeout_s
 
     def _stopped_from_outside(self, w: _Worker) -> bool:
         """Whether dead worker ``w`` was stopped by a signal from outside (not by its item); raises
@@ -494,8 +650,8 @@ class RewardPool:
                                "outside (SIGTERM / SIGINT / SIGHUP) before answering; giving up")
         return True
 
-    def _service(self, w: _Worker, verdict: list[bool], queue: deque[list[int]]) -> _Worker:
-        """Read what worker ``w`` sent; replace it if it died or ran past its deadline."""
+    def _service(self, w: _Worker, verdict: list[bool], queue: deque[_Chunk], retried: set[int]) -> _Worker:
+        """Read what worker ``w`` sent; retry what timed out; replace ``w`` if it died or ran past its guard."""
         dead = False
         try:
             while w.conn.poll():
@@ -507,22 +663,31 @@ class RewardPool:
                 key, ok = msg
                 if w.chunk is None or w.pos >= len(w.chunk) or w.chunk[w.pos] != key:
                     raise RuntimeError(f"oar.reward: worker answered item {key} out of order (bug)")
-                verdict[key] = ok
                 w.pos += 1
+                if ok is None:  # ran out of math-verify's own limit; the worker is intact
+                    self.stats.timeouts += 1
+                    retry = self._retry_or_mark(key, verdict, retried, f"ran out of math-verify's {w.limit} s limit")
+                    if retry is not None:
+                        queue.appendleft(retry)
+                else:
+                    verdict[key] = ok
                 if w.pos == len(w.chunk):
                     w.chunk, w.deadline = None, math.inf
                 else:
-                    w.deadline = time.monotonic() + self.timeout_s
+                    w.deadline = time.monotonic() + self._guard(w.limit)
         except (EOFError, OSError):
             dead = True
         dead = dead or not w.proc.is_alive()
         late = time.monotonic() > w.deadline
         if not (dead or late):
             return w
+        if w.pending is not None:  # a retry it never got: the next free worker takes it
+            queue.appendleft(w.pending)
+            w.pending = None
         if dead and not late and self._stopped_from_outside(w):
             # preempted, not broken: what it had not answered goes back to the queue, unscored
             if w.chunk is not None and w.pos < len(w.chunk):
-                queue.appendleft(w.chunk[w.pos:])
+                queue.appendleft((w.chunk[w.pos:], w.limit))
             self.stats.stopped += 1
             logger.warning("oar.reward: a worker was stopped by signal %d from outside; its items are scored again",
                            -w.proc.exitcode)
@@ -537,21 +702,25 @@ class RewardPool:
                 "math-verify and oar must be importable by a fresh interpreter; with start_method "
                 "forkserver/spawn the main script also needs an `if __name__ == '__main__':` guard."
             )
+        retry = None
         if w.chunk is not None:
-            lost = w.chunk[w.pos]
-            verdict[lost] = False
-            rest = w.chunk[w.pos + 1 :]
+            lost, rest = w.chunk[w.pos], w.chunk[w.pos + 1 :]
             if rest:
-                queue.appendleft(rest)
+                queue.appendleft((rest, w.limit))
             if dead:
                 self.stats.crashes += 1
-                logger.warning("oar.reward: a worker died while scoring an item; scored wrong")
+                why = f"killed its worker (exit code {w.proc.exitcode})"
             else:
                 self.stats.timeouts += 1
-                logger.warning("oar.reward: an item ran past %.3g s; scored wrong, worker replaced", self.timeout_s)
+                why = f"ran past the parent's {self._guard(w.limit):.3g} s guard (worker killed)"
+            retry = self._retry_or_mark(lost, verdict, retried, why)
+            if retry is not None:
+                logger.warning("oar.reward: an item %s; retried on a new worker", why)
         self._kill(w)
         self.stats.restarts += 1
-        return self._spawn()
+        new = self._spawn()
+        new.pending = retry  # the retry goes to the new worker
+        return new
 
 
 def _gold_str(g: object, i: int) -> str:
@@ -592,6 +761,7 @@ def score_batch(
     wrong: float = 0.0,
     timeout_s: float = 5.0,
     workers: int | None = None,
+    stats: PoolStats | None = None,
 ) -> list[float]:
     """Outcome reward per response: ``correct`` if its final answer equals the gold, else ``wrong``.
 
@@ -599,8 +769,12 @@ def score_batch(
         responses: (B,) model outputs; None or empty -> ``wrong``.
         golds: (B,) gold final answers (str; ints/floats are converted with ``str``).
         correct, wrong: reward values (GRPO: 1/0, DAPO: +1/-1; config ``reward.correct/wrong``).
-        timeout_s: wall-clock limit per item; past it the item scores ``wrong``.
+        timeout_s: the reward's limit: math-verify's per parse/verify call (the parent's guard per
+            item above it; see the module docstring). An item that runs out of time twice (its retry
+            has ``RETRY_FACTOR`` times the limit) scores ``wrong`` and is counted (``marked``).
         workers: worker processes (None: usable CPUs, at most ``DEFAULT_MAX_WORKERS``).
+        stats: a :class:`PoolStats` that this call's counts (timeouts, crashes, retries, marked
+            items, ...) are added to, e.g. over a training step; None: not kept.
 
     Returns:
         (B,) list of floats, in the order of ``responses``.
@@ -620,7 +794,11 @@ def score_batch(
             if pool is not None:
                 pool.close()
             pool = _default_pool = RewardPool(workers=want, timeout_s=timeout_s)
-        return pool.score(responses, golds, correct=correct, wrong=wrong)
+        before = dataclasses.replace(pool.stats)
+        out = pool.score(responses, golds, correct=correct, wrong=wrong)
+        if stats is not None:
+            stats.add(pool.stats, before)
+        return out
 
 
 def extracted_answer(response: str | None) -> str | None:

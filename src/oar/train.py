@@ -56,6 +56,10 @@ class TrainingError(RuntimeError):
     """Training cannot go on (e.g. several non-finite losses in a row); the last checkpoint is intact."""
 
 
+#: Step metrics that are counts: summed over the processes (the others are averaged).
+SUMMED_METRICS: tuple[str, ...] = ("reward_timeouts", "reward_crashes", "reward_marked")
+
+
 # ----------------------------------------------------------------------------------------------
 # pieces of the loop (plain functions, tested on their own)
 
@@ -259,7 +263,9 @@ def step_metrics(batch: "StepBatch", credit: Any, upd: dict[str, list[float]], n
     """Step 5: the metrics of a step (this process's): rewards and lengths of the batch, the update's
     losses and statistics, the credit's concentration, the share of responses with credit and its
     concentration against uniform credit, the estimator's own stats (``credit_*``), the phases' seconds
-    (``time_*``) and the whole step's (``time_step``)."""
+    (``time_*``) and the whole step's (``time_step``), and the step's reward checks that timed out, whose
+    worker died, and that were scored wrong for it after their retry (``reward_timeouts``,
+    ``reward_crashes``, ``reward_marked``: ``batch.reward_stats``, oar.reward's module docstring)."""
     ro = batch.rollout
     mask_f = ro.response_mask.float()
     token_adv = credit.token_advantages.float()
@@ -288,6 +294,9 @@ def step_metrics(batch: "StepBatch", credit: Any, upd: dict[str, list[float]], n
         "nonfinite_updates": float(nonfinite),
         "gen_batches": float(batch.n_gen_batches),
         "kept_groups": float(batch.kept_fraction),
+        "reward_timeouts": float(batch.reward_stats.timeouts),
+        "reward_crashes": float(batch.reward_stats.crashes),
+        "reward_marked": float(batch.reward_stats.marked),
         "lr": lr,
         **{f"time_{k}": v for k, v in timings.items()},
         "time_step": step_seconds,
@@ -296,12 +305,14 @@ def step_metrics(batch: "StepBatch", credit: Any, upd: dict[str, list[float]], n
 
 
 def _log(loop: TrainingRun, step: int, metrics: dict[str, float], *, nonfinite: int, losses: list[float]) -> dict[str, float]:
-    """Step 6: the metrics averaged over processes and logged; the non-finite guard; the step
-    counted; the held-out evaluation when due. Returns the logged metrics."""
+    """Step 6: the metrics averaged over processes (the counts of :data:`SUMMED_METRICS` summed) and
+    logged; the non-finite guard; the step counted; the held-out evaluation when due. Returns the
+    logged metrics."""
     strategy, state, folder = loop.strategy, loop.state, loop.folder
     state["nonfinite_streak"] = state["nonfinite_streak"] + 1 if nonfinite and not losses else 0
     if strategy.world > 1:
         metrics = dict(zip(metrics, strategy.mean_over_ranks(list(metrics.values()))))
+        metrics.update({k: metrics[k] * strategy.world for k in SUMMED_METRICS if k in metrics})
     intact = intact_sentence(folder, loop.intact)
     if loop.tracker is not None:  # a full disk here: one line, no half row (oar.io.append_jsonl)
         with disk_full_named(folder.metrics, f"the metrics of step {step}", len(json.dumps(metrics)), intact):
