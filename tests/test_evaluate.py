@@ -72,7 +72,8 @@ def test_cli_evaluate_transfer_scores_the_transfer_benchmarks_only(tmp_path, cap
     assert main(["evaluate", "--config", str(path), "--output", str(out), "--transfer"]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert list(summary["benchmarks"]) == ["synthetic-ood"] and summary["benchmarks"]["synthetic-ood"]["n"] == 3
-    assert sorted(p.name for p in out.iterdir()) == ["summary.json", "synthetic-ood.json", "synthetic-ood.jsonl"]
+    # and the lock file the evaluation held (oar.io.exclusive_lock; released with the process)
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "summary.json", "synthetic-ood.json", "synthetic-ood.jsonl"]
     rows = [json.loads(l) for l in (out / "synthetic-ood.jsonl").read_text().splitlines()]
     assert [r["sample"] for r in rows] == [-1] * 3  # greedy only: eval.samples is 0
     capsys.readouterr()

@@ -6,6 +6,7 @@ Subpackages and modules:
   the controls), registered by name.
 - :mod:`oar.rollout` -- rollout engines (``base``: the :class:`~oar.rollout.Rollout` batch and padding;
   ``lean``, ``hf``, ``vllm``) and :func:`~oar.rollout.make_engine`.
+- :mod:`oar.integrations` -- an oar estimator inside verl (``register_adv_est``) or TRL (a ``GRPOTrainer``).
 - :mod:`oar.attribution` -- the attribution benchmark (``oar attribution``): does a credit signal blame the mistake.
 - :mod:`oar.task` -- the synthetic task's grammar and token parsing, below the credit layer (its oracles, OAR-P's tie, the step splitter).
 - :mod:`oar.report` -- the comparison tables and figures of a results tree (``oar report``).

@@ -122,11 +122,7 @@ def evaluate_records(
     n_answered = 0
     lengths: list[float] = []
     reward_stats = PoolStats()
-    passes = []
-    if greedy:
-        passes.append(("greedy", 1, dict(n=1, greedy=True)))
-    if samples > 0:
-        passes.append(("sampled", samples, dict(n=samples, greedy=False)))
+    passes = _passes(greedy, samples)
     bar = tqdm(total=len(records) * sum(per for _, per, _ in passes), desc=desc, disable=not progress,
                dynamic_ncols=True, unit="answer")
     try:
@@ -150,6 +146,12 @@ def evaluate_records(
     summary["seconds"] = time.perf_counter() - t0
     summary["reward"] = {k: getattr(reward_stats, k) for k in REWARD_COUNTS}
     return summary, rows
+
+
+def _passes(greedy: bool, samples: int) -> list[tuple[str, int, dict]]:
+    """The passes of an evaluation: ``(kind, answers per problem, generate kwargs)``, greedy first."""
+    return ([("greedy", 1, dict(n=1, greedy=True))] if greedy else []) + (
+        [("sampled", samples, dict(n=samples, greedy=False))] if samples > 0 else [])
 
 
 def _evaluate_pass(
