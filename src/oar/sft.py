@@ -533,7 +533,8 @@ def sft_from_config(
     if model_spec.get("source") == "tiny":
         model_spec["tiny"] = {"seed": sft_seed, **dict(model_spec.get("tiny") or {})}
     model, tokenizer = load_policy(model_spec)
-    model.to(job_device(config))
+    device = job_device(config)
+    model.to(device)
 
     result = run_sft(model, tokenizer, train_records, **_run_sft_options(sft), seed=sft_seed,
                      micro_batch_size=sft.get("micro_batch_size"), template=template, progress=progress,
