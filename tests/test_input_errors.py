@@ -696,3 +696,55 @@ def test_check_store_accepts_a_missing_an_empty_and_a_real_store(tmp_path):
     ensure_experiment(uri, "x")
     check_store(uri)
     check_store("http://localhost:5000")  # not a file: not checked
+
+
+# -------------------------------------------------- 9. hostile inputs (issue 54, item 7)
+# A prompt longer than the model's context, a gold answer the reward cannot read, a tokenizer that
+# runs past the model's embeddings, a tokenizer.json that is not one, and a model folder without a
+# tokenizer: each is found by `oar data` / the pre-flight / the model's check, in one line naming the
+# file (and record), exit 2 (a warning for the golds), before any output is made.
+
+#: The room smoke.yaml's tiny model leaves for a prompt: 128 positions minus 48 new tokens.
+SMOKE_ROOM = SMOKE_TINY["max_position_embeddings"] - 48
+#: A 1 MB question (what issue 54 fed `oar data`).
+HUGE_QUESTION = "x" * 1_000_000
+
+
+def test_preflight_requires_a_tokenizer_beside_a_local_models_config(saved_model, tmp_path):
+    import shutil
+
+    from oar.config import load_config
+    from oar.preflight import path_problems
+
+    folder = tmp_path / "model"
+    shutil.copytree(saved_model, folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).unlink()
+    config = load_config(_smoke_config(tmp_path, {"model": {"source": str(folder)}, "train": {"init": str(folder)}}))
+    problems = path_problems(config, source="c.yaml")
+    assert [p.key for p in problems] == ["key model.source", "key train.init"]
+    assert str(problems[0]) == (f"c.yaml: key model.source: model folder {folder} has no tokenizer: none of "
+                                f"tokenizer.json, *.model, vocab.json, vocab.txt, *.tiktoken (save the tokenizer "
+                                f"beside the model: tokenizer.save_pretrained)")
+    trusted = load_config(_smoke_config(tmp_path, {"model": {"source": str(folder), "trust_remote_code": True}}))
+    assert path_problems(trusted, source="c.yaml") == []  # its code may load the tokenizer from elsewhere
+    (tmp_path / "gguf").mkdir()
+    (tmp_path / "gguf" / "m.gguf").write_bytes(GGUF_HEADER)  # a GGUF carries its tokenizer
+    gguf = load_config(_smoke_config(tmp_path, {"model": {"source": str(tmp_path / "gguf"), "gguf_file": "m.gguf"}}))
+    assert path_problems(gguf, source="c.yaml") == []
+    shutil.copy(saved_model / "tokenizer.json", folder)
+    assert path_problems(config, source="c.yaml") == []
+
+
+def test_a_model_folder_without_a_tokenizer_stops_oar_data_in_one_line(saved_model, tmp_path, capsys):
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(saved_model, folder, ignore=shutil.ignore_patterns("tokenizer*"))
+    cfg = _smoke_config(tmp_path, {"model": {"source": str(folder)}})
+    rc, err = _cli(["data", "--config", str(cfg), "--output", str(tmp_path / "manifest.json")], capsys)
+    assert rc == 2, err
+    assert _last_error_line(err, "data") == (f"oar data: error: {cfg}: key model.source: model folder {folder} has no "
+                                             f"tokenizer: none of tokenizer.json, *.model, vocab.json, vocab.txt, "
+                                             f"*.tiktoken (save the tokenizer beside the model: "
+                                             f"tokenizer.save_pretrained)")

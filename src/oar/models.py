@@ -28,6 +28,7 @@ from typing import Any, Mapping
 import torch
 
 from oar.fetch import HUB_MODEL_ID as _HUB_ID
+from oar.fetch import no_tokenizer_reason
 
 __all__ = [
     "TINY_SPECIAL_TOKENS",
@@ -83,9 +84,6 @@ GGUF_HEADER_BYTES = len(GGUF_MAGIC) + 4 + 8 + 8
 #: for them: one safetensors file, a sharded one (its index), a pickled one, a sharded pickled one.
 WEIGHT_FILES: tuple[str, ...] = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                                  "pytorch_model.bin.index.json")
-#: Files of which a tokenizer needs one (``fnmatch`` globs): the fast tokenizer's ``tokenizer.json``,
-#: a sentencepiece ``*.model``, a BPE/WordPiece vocabulary, a tiktoken file.
-TOKENIZER_VOCAB_FILES: tuple[str, ...] = ("tokenizer.json", "*.model", "vocab.json", "vocab.txt", "*.tiktoken")
 #: JSON files of a model folder that the loaders read when present; each must be a JSON object.
 MODEL_JSON_FILES: tuple[str, ...] = ("config.json", "generation_config.json", "tokenizer.json",
                                      "tokenizer_config.json", "special_tokens_map.json",
@@ -181,7 +179,7 @@ def check_model_files(spec: Mapping[str, Any] | str | os.PathLike) -> None:
     - a Hugging Face folder: every JSON file the loaders read (:data:`MODEL_JSON_FILES`, ``config.json``
       required) is a JSON object, the weights exist (:data:`WEIGHT_FILES`; a sharded index's every
       shard) and every safetensors file among them has a whole header and the size it describes,
-      and a tokenizer vocabulary exists (:data:`TOKENIZER_VOCAB_FILES`; not checked with
+      and a tokenizer vocabulary exists (:data:`oar.fetch.TOKENIZER_VOCAB_FILES`; not checked with
       ``trust_remote_code``, whose code may load it from elsewhere).
 
     ``"tiny"`` and a hub id are left to :func:`load_policy`.
@@ -192,8 +190,6 @@ def check_model_files(spec: Mapping[str, Any] | str | os.PathLike) -> None:
         ModelLoadError: naming the first file that cannot be loaded (the folder, for a missing
             file) and what to do.
     """
-    import fnmatch
-
     if isinstance(spec, (str, os.PathLike)):
         spec = {"source": os.fspath(spec)}
     source = resolve_source(os.fspath(spec.get("source") or ""))
@@ -218,10 +214,9 @@ def check_model_files(spec: Mapping[str, Any] | str | os.PathLike) -> None:
             _read_json_object(path / name)
     _check_weights(path)
     if not spec.get("trust_remote_code"):
-        names = [p.name for p in path.iterdir() if p.is_file()]
-        if not any(fnmatch.fnmatch(n, g) for n in names for g in TOKENIZER_VOCAB_FILES):
-            raise _model_error(path, f"no tokenizer: none of {', '.join(TOKENIZER_VOCAB_FILES)} "
-                                     f"(save the tokenizer beside the model: tokenizer.save_pretrained)")
+        reason = no_tokenizer_reason(path)
+        if reason is not None:
+            raise _model_error(path, reason)
 
 
 def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
