@@ -480,6 +480,13 @@ def _remove(name: str):
     return damage
 
 
+def _write(name: str, text: str):
+    def damage(folder: Path) -> Path:
+        (folder / name).write_text(text)
+        return folder
+    return damage
+
+
 def _gguf_file(content: bytes):
     def damage(folder: Path) -> Path:
         (folder / "model.gguf").write_bytes(content)
@@ -496,6 +503,10 @@ MODEL_DAMAGES = {
     "config.json not JSON": (_bad_config_json, "config.json", "not valid JSON"),
     "no weights": (_remove("model.safetensors"), ".", "no weights: none of model.safetensors"),
     "no tokenizer": (_remove("tokenizer.json"), ".", "no tokenizer: none of tokenizer.json"),
+    "tokenizer.json not a tokenizer": (_write("tokenizer.json", '{"foo": 1}'), "tokenizer.json",
+                                       "not a tokenizer file: it has no 'model' object"),
+    "tokenizer.json that does not load": (_write("tokenizer.json", '{"model": {"type": "NoSuchModel"}}'),
+                                          "tokenizer.json", "the tokenizer does not load ("),
     "not a GGUF": (_gguf_file(b"not a gguf file at all"), "model.gguf", "not a GGUF file"),
     "truncated GGUF": (_gguf_file(GGUF_HEADER[:8]), "model.gguf", "8 bytes, shorter than a GGUF header"),
 }
@@ -708,6 +719,66 @@ def test_check_store_accepts_a_missing_an_empty_and_a_real_store(tmp_path):
 SMOKE_ROOM = SMOKE_TINY["max_position_embeddings"] - 48
 #: A 1 MB question (what issue 54 fed `oar data`).
 HUGE_QUESTION = "x" * 1_000_000
+
+
+def _new_pad_token(saved_model: Path, tmp_path: Path) -> Path:
+    """``saved_model`` with a tokenizer that gained a pad token the model has no embedding row for."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "model"
+    shutil.copytree(saved_model, folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.add_special_tokens({"pad_token": "<newpad>"})
+    tok.save_pretrained(folder)
+    return folder
+
+
+def test_load_policy_refuses_a_tokenizer_past_the_models_embeddings(saved_model, tmp_path):
+    from oar.models import ModelLoadError, load_policy
+
+    folder = _new_pad_token(saved_model, tmp_path)
+    with pytest.raises(ModelLoadError) as info:
+        load_policy(folder)
+    message = str(info.value)
+    assert message.startswith(f"{folder / 'tokenizer.json'}: the tokenizer has 101 tokens (ids up to 100) but the "
+                              f"model ({folder / 'config.json'}, vocab_size 100) has 100 embedding rows"), message
+    assert "resize_token_embeddings" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("command", ["evaluate", "sft"])
+def test_a_tokenizer_past_the_embeddings_is_one_line_not_an_index_error(saved_model, tmp_path, capsys, monkeypatch,
+                                                                       command):
+    monkeypatch.chdir(tmp_path)
+    folder = _new_pad_token(saved_model, tmp_path)
+    out = tmp_path / "out"
+    if command == "evaluate":
+        argv = ["evaluate", "--config", str(SMOKE), "--model", str(folder), "--output", str(out)]
+    else:
+        cfg = _smoke_config(tmp_path, {"model": {"source": str(folder)}, "sft": {"steps": 1, "eval_size": 1}})
+        argv = ["sft", "--config", str(cfg), "--output", str(out)]
+    rc, err = _cli(argv, capsys)
+    assert rc == 2, err
+    line = _last_error_line(err, command)
+    assert line.startswith(f"oar {command}: error: {folder / 'tokenizer.json'}: the tokenizer has 101 tokens"), line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("command", ["evaluate", "train", "sft"])
+def test_a_tokenizer_json_that_is_not_one_is_named_and_makes_no_folder(saved_model, tmp_path, capsys, monkeypatch,
+                                                                      command):
+    monkeypatch.chdir(tmp_path)
+    source, named, says = _damaged_model(saved_model, tmp_path, "tokenizer.json not a tokenizer")
+    out = tmp_path / "out"
+    argv = {"evaluate": ["evaluate", "--config", str(SMOKE), "--model", str(source)],
+            "train": ["train", "--config", str(SMOKE), "--method", "grpo", "--init", str(source), "--no-progress"],
+            "sft": ["sft", "--config", str(_smoke_config(tmp_path, {"model": {"source": str(source)}}))]}[command]
+    rc, err = _cli([*argv, "--output", str(out)], capsys)
+    assert rc == 2, err
+    line = _last_error_line(err, command)
+    assert line.startswith(f"oar {command}: error: {named}: cannot load the model: {says}"), line
+    assert not out.exists()
 
 
 def test_preflight_requires_a_tokenizer_beside_a_local_models_config(saved_model, tmp_path):

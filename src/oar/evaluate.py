@@ -232,9 +232,10 @@ def evaluate_from_config(config: dict, model_dir: str | Path | None, output_dir:
 
     Raises:
         oar.io.OutputPathError: ``output_dir`` cannot be a folder this process writes.
-        oar.models.ModelLoadError: a file of the model cannot be loaded.
-        ValueError: ``transfer`` and ``eval.transfer.benchmarks`` is empty (all three before anything is
-            written).
+        oar.models.ModelLoadError: a file of the model cannot be loaded, or its tokenizer and its
+            embeddings disagree.
+        ValueError: ``transfer`` and ``eval.transfer.benchmarks`` is empty. All before anything is
+            written: ``output_dir`` is made only once the model has loaded.
     """
     from datetime import datetime, timezone
 
@@ -253,6 +254,8 @@ def evaluate_from_config(config: dict, model_dir: str | Path | None, output_dir:
     check_output_folder(output_dir, what="the evaluation folder (--output)")
     check_model_files(spec)
     benches = load_eval_benchmarks(config, transfer=transfer)
+    model_path = str(model_dir) if model_dir else config["model"]["source"]
+    model, tokenizer = load_policy(spec)  # a tokenizer that does not load: one line, and no folder made
     output_dir.mkdir(parents=True, exist_ok=True)
     # cached results are reused only for the same model content, generation and scoring settings
     settings = {k: ev[k] for k in ("greedy", "samples", "temperature", "top_p", "max_new_tokens", "chunk_size")}
@@ -260,8 +263,6 @@ def evaluate_from_config(config: dict, model_dir: str | Path | None, output_dir:
         settings["sampler"] = ev["sampler"]
     settings.update(model_identity=model_identity(spec), seed=seed, template=config["task"]["template"],
                     reward=config["reward"])
-    model_path = str(model_dir) if model_dir else config["model"]["source"]
-    model, tokenizer = load_policy(spec)
     model.to(job_device(config))
     engine = make_engine(ev["engine"], model, tokenizer, batch_size=ev["batch_size"], seed=seed,
                          model_path=model_path, vllm_kwargs=config["rollout"]["vllm"],
