@@ -23,29 +23,45 @@ from typing import Any, Sequence
 from oar.io import atomic_write_json, atomic_write_jsonl
 from oar.seeds import stream_seed
 
-__all__ = ["load_benchmark_entry", "load_eval_benchmarks", "evaluate_records", "evaluate_from_config", "records_digest"]
+__all__ = ["load_benchmark_entry", "load_benchmark_entry_located", "load_eval_benchmarks",
+           "load_eval_benchmarks_located", "evaluate_records", "evaluate_from_config", "records_digest"]
 
 
 def load_benchmark_entry(config: dict, entry: dict, *, key: str = "eval.benchmarks") -> list[dict]:
-    """The records of one benchmark entry ``{name, source, n, filters}`` (first ``n`` when ``n`` is set).
+    """The records of one benchmark entry ``{name, source, n, filters}`` (first ``n`` when ``n`` is set;
+    :func:`load_benchmark_entry_located` without the places)."""
+    return [rec for _, rec in load_benchmark_entry_located(config, entry, key=key)]
+
+
+def load_benchmark_entry_located(config: dict, entry: dict, *, key: str = "eval.benchmarks") -> list[tuple[str, dict]]:
+    """The records of one benchmark entry ``{name, source, n, filters}`` (first ``n`` when ``n`` is set),
+    each with where it was read (:func:`oar.data.benchmarks.load_benchmark_located`).
 
     Synthetic splits (``synthetic-test``, ``synthetic-ood``) are generated with the task's options and
     ``task.seed``, so every evaluation sees the same problems (and none of the training split's).
     """
-    from oar.data.benchmarks import load_benchmark
+    from oar.data.benchmarks import load_benchmark_located
 
     name = entry["name"]
     if name.startswith("synthetic-"):
         if entry.get("n") is None:
             raise ValueError(f"{key}.n: required for the generated benchmark {name!r}")
-        return load_benchmark(name, None, n=entry["n"], seed=config["task"]["seed"], **config["task"]["synthetic"])
-    recs = load_benchmark(name, entry.get("source"), **(entry.get("filters") or {}))
+        return load_benchmark_located(name, None, n=entry["n"], seed=config["task"]["seed"],
+                                      **config["task"]["synthetic"])
+    recs = load_benchmark_located(name, entry.get("source"), **(entry.get("filters") or {}))
     return recs[: entry["n"]] if entry.get("n") else recs
 
 
 def load_eval_benchmarks(config: dict, *, transfer: bool = False) -> dict[str, list[dict]]:
     """The config's ``eval.benchmarks`` (``transfer``: ``eval.transfer.benchmarks``) as ``{name: records}``
-    (see :func:`load_benchmark_entry`).
+    (:func:`load_eval_benchmarks_located` without the places)."""
+    return {name: [rec for _, rec in located]
+            for name, located in load_eval_benchmarks_located(config, transfer=transfer).items()}
+
+
+def load_eval_benchmarks_located(config: dict, *, transfer: bool = False) -> dict[str, list[tuple[str, dict]]]:
+    """The config's ``eval.benchmarks`` (``transfer``: ``eval.transfer.benchmarks``) as
+    ``{name: [(where, record), ...]}`` (see :func:`load_benchmark_entry_located`).
 
     Raises:
         ValueError: ``transfer`` and the config has no transfer benchmark.
@@ -54,7 +70,7 @@ def load_eval_benchmarks(config: dict, *, transfer: bool = False) -> dict[str, l
     key = "eval.transfer.benchmarks" if transfer else "eval.benchmarks"
     if transfer and not entries:
         raise ValueError(f"{key}: empty; name the transfer benchmarks to evaluate")
-    return {b["name"]: load_benchmark_entry(config, b, key=f"{key}.{i}") for i, b in enumerate(entries)}
+    return {b["name"]: load_benchmark_entry_located(config, b, key=f"{key}.{i}") for i, b in enumerate(entries)}
 
 
 def evaluate_records(
