@@ -721,6 +721,119 @@ SMOKE_ROOM = SMOKE_TINY["max_position_embeddings"] - 48
 HUGE_QUESTION = "x" * 1_000_000
 
 
+def _bench_file(path: Path, questions_and_golds: list[tuple[str, str]]) -> Path:
+    """An aime24-style .jsonl file, one record per line (ids 1, 2, ...)."""
+    path.write_text("".join(json.dumps({"id": i, "problem": q, "answer": a}) + "\n"
+                            for i, (q, a) in enumerate(questions_and_golds, 1)))
+    return path
+
+
+def test_oar_data_refuses_a_prompt_longer_than_the_context_naming_file_and_line(tmp_path, capsys):
+    bench = _bench_file(tmp_path / "aime24.jsonl", [("1+1?", "2"), (HUGE_QUESTION, "3"), ("2+2?", "4")])
+    cfg = _smoke_config(tmp_path, {"eval": {"benchmarks": [{"name": "aime24", "source": str(bench)}]}})
+    manifest = tmp_path / "data" / "manifest.json"
+    rc, err = _cli(["data", "--config", str(cfg), "--output", str(manifest)], capsys)
+    assert rc == 2, err
+    line = _last_error_line(err, "data")
+    assert line.startswith(f"oar data: error: {bench}:2: eval.benchmarks.0 (aime24): the prompt is 1000001 tokens "
+                           f"(tiny template), more than the {SMOKE_ROOM} the model's context leaves for it "
+                           f"(model.tiny: max_position_embeddings 128 minus eval.max_new_tokens 48); "), line
+    assert "shorten or drop the record" in line and "lower eval.max_new_tokens" in line
+    assert not manifest.parent.exists()  # no manifest, no folder for it
+
+
+def test_oar_data_refuses_a_training_prompt_that_leaves_no_room_for_the_rollout(tmp_path, capsys):
+    src = tmp_path / "train.jsonl"
+    src.write_text("".join(json.dumps({"problem": q, "answer": "1", "difficulty": 3.0}) + "\n"
+                           for q in ("1+1?", "2+2?", "y" * SMOKE_ROOM, "3+3?", "z" * 500)))
+    cfg = _smoke_config(tmp_path, {"task": {"kind": "benchmark", "benchmark": {"name": "math_train", "source": str(src)}}})
+    rc, err = _cli(["data", "--config", str(cfg), "--output", str(tmp_path / "manifest.json")], capsys)
+    assert rc == 2, err
+    line = _last_error_line(err, "data")
+    # "y" * room plus the template's newline is one token too many
+    assert line.startswith(f"oar data: error: {src}:3: task.benchmark (training set): the prompt is {SMOKE_ROOM + 1} "
+                           f"tokens"), line
+    assert f"minus rollout.max_new_tokens 48); 1 more records do not fit either: {src}:5; shorten or drop the " \
+           f"records" in line, line
+    assert not (tmp_path / "manifest.json").exists()
+
+
+def test_oar_data_checks_prompts_against_a_local_model_folder(saved_model, tmp_path):
+    from oar.config import load_config
+    from oar.data.checks import prompt_model
+
+    config = load_config(_smoke_config(tmp_path, {"model": {"source": str(saved_model)}}))
+    model = prompt_model(config)
+    assert model.max_positions == 128 and model.origin == str(saved_model / "config.json")
+    assert len(model.tokenizer) == 100
+
+
+def test_oar_data_skips_the_prompt_check_for_a_hub_model_not_fetched(offline, tmp_path, capsys):
+    cfg = _smoke_config(tmp_path, {"model": {"source": "Qwen/Qwen2.5-Math-1.5B"}})
+    manifest = tmp_path / "manifest.json"
+    rc, err = _cli(["data", "--config", str(cfg), "--output", str(manifest)], capsys)
+    assert rc == 0, err
+    (note,) = [ln for ln in err.splitlines() if ln.startswith("oar data: note: ")]
+    assert "'Qwen/Qwen2.5-Math-1.5B' is a hub id that is not fetched yet" in note
+    assert json.loads(manifest.read_text())["checks"]["prompts"]["skipped"] in note
+
+
+def test_evaluate_checks_the_prompts_again_before_it_makes_its_folder(tmp_path, capsys, monkeypatch):
+    """A benchmark changed after `oar data` passed it: `oar evaluate` stops before it generates."""
+    monkeypatch.chdir(tmp_path)
+    bench = _bench_file(tmp_path / "aime24.jsonl", [("1+1?", "2")])
+    cfg = _smoke_config(tmp_path, {"eval": {"benchmarks": [{"name": "aime24", "source": str(bench)}]}})
+    rc, err = _cli(["data", "--config", str(cfg), "--output", str(tmp_path / "manifest.json")], capsys)
+    assert rc == 0, err
+    _bench_file(bench, [("1+1?", "2"), (HUGE_QUESTION, "3")])
+    out = tmp_path / "eval"
+    rc, err = _cli(["evaluate", "--config", str(cfg), "--output", str(out)], capsys)
+    assert rc == 2, err
+    line = _last_error_line(err, "evaluate")
+    assert line.startswith(f"oar evaluate: error: {bench}:2: eval.benchmarks.0 (aime24): the prompt is 1000001 "
+                           f"tokens"), line
+    assert "minus eval.max_new_tokens 48" in line
+    assert not out.exists()
+
+
+def test_gold_readable_is_the_rewards_reading():
+    from oar.reward import gold_readable, score_one
+
+    for gold in ("42", "\\frac{1}{2}", "(3, 4)", "\\sqrt{51}", "27"):
+        assert gold_readable(gold, timeout_s=5.0), gold
+    for gold in ("???", "-1./3", ""):
+        assert not gold_readable(gold, timeout_s=5.0), gold
+    assert not score_one("The answer is \\boxed{3}", "???")  # what a correct-looking answer scores against it
+
+
+def test_oar_data_warns_about_gold_answers_the_reward_cannot_read(tmp_path, capsys):
+    bench = _bench_file(tmp_path / "aime24.jsonl", [("1+1?", "2"), ("2+2?", "???"), ("3+3?", "6")])
+    cfg = _smoke_config(tmp_path, {"eval": {"benchmarks": [{"name": "aime24", "source": str(bench)}]}})
+    manifest = tmp_path / "manifest.json"
+    rc, err = _cli(["data", "--config", str(cfg), "--output", str(manifest)], capsys)
+    assert rc == 0, err
+    (warning,) = [ln for ln in err.splitlines() if ln.startswith("oar data: warning: ")]
+    assert warning.startswith("oar data: warning: eval.benchmarks.0 (aime24): 1 of 3 gold answers do not read as "
+                              "math"), warning
+    assert f"{bench}:2 '???'" in warning and "fix or drop those records" in warning
+    entry = json.loads(manifest.read_text())["eval"][0]
+    assert entry["unreadable_golds"] == 1 and entry["unreadable_gold_records"] == [f"{bench}:2 '???'"]
+
+
+@pytest.mark.slow  # parses every gold of ../shared/data: 15-30 s
+@pytest.mark.skipif(not (ROOT.parent / "shared" / "data").is_dir(), reason="../shared/data not here")
+def test_the_shipped_benchmarks_hold_a_few_golds_the_reward_cannot_read():
+    """Why unreadable golds are a warning (oar.data.checks): refusing them would stop the shipped files."""
+    from oar.data.benchmarks import load_benchmark_located
+    from oar.data.checks import unreadable_golds
+
+    data = ROOT.parent / "shared" / "data"
+    counts = {name: len(unreadable_golds(load_benchmark_located(name, data / name), timeout_s=5.0))
+              for name in ("aime24", "amc23", "math500", "minerva_math", "olympiadbench", "gsm8k", "math_train")}
+    assert counts == {"aime24": 0, "amc23": 0, "math500": 0, "minerva_math": 5, "olympiadbench": 2, "gsm8k": 0,
+                      "math_train": 8}
+
+
 def _new_pad_token(saved_model: Path, tmp_path: Path) -> Path:
     """``saved_model`` with a tokenizer that gained a pad token the model has no embedding row for."""
     import shutil

@@ -237,6 +237,25 @@ def _read_cached(path: Path) -> dict | None:
     return prev if isinstance(prev, dict) else None
 
 
+def _check_eval_prompts(config: dict, model: Any, tokenizer: Any, located: dict[str, list[tuple[str, dict]]], *,
+                        model_path: str, transfer: bool) -> None:
+    """Every prompt of ``located`` (``{benchmark: [(where, record), ...]}``) fits the loaded ``model``'s
+    context with ``eval.max_new_tokens`` (:func:`oar.data.checks.check_prompts`): a benchmark changed
+    since ``oar data`` checked it is one line before anything is generated, not a failed generation
+    after hours. Nothing is checked when the model's config gives no context length."""
+    from oar.data.checks import EVAL_BUDGET_KEY, check_prompts, loaded_prompt_model
+
+    config_json = Path(model_path) / "config.json"
+    origin = "model.tiny" if model_path == "tiny" else str(config_json) if config_json.is_file() else model_path
+    fit = loaded_prompt_model(model, tokenizer, origin)
+    if fit is None:
+        return
+    key = "eval.transfer.benchmarks" if transfer else "eval.benchmarks"
+    for i, (name, pairs) in enumerate(located.items()):
+        check_prompts(pairs, template=config["task"]["template"], model=fit, budget=int(config["eval"]["max_new_tokens"]),
+                      budget_key=EVAL_BUDGET_KEY, what=f"{key}.{i} ({name})")
+
+
 def evaluate_from_config(config: dict, model_dir: str | Path | None, output_dir: str | Path, *, seed: int = 0,
                          progress: bool = True, transfer: bool = False) -> dict:
     """Evaluate the checkpoint ``model_dir`` (None: the config's ``model``) on ``eval.benchmarks``
@@ -250,8 +269,10 @@ def evaluate_from_config(config: dict, model_dir: str | Path | None, output_dir:
         oar.io.OutputPathError: ``output_dir`` cannot be a folder this process writes.
         oar.models.ModelLoadError: a file of the model cannot be loaded, or its tokenizer and its
             embeddings disagree.
-        ValueError: ``transfer`` and ``eval.transfer.benchmarks`` is empty. All before anything is
-            written: ``output_dir`` is made only once the model has loaded.
+        ValueError: ``transfer`` and ``eval.transfer.benchmarks`` is empty; a prompt does not fit the
+            model's context with ``eval.max_new_tokens`` (:func:`oar.data.checks.check_prompts`). All
+            before anything is written: ``output_dir`` is made only once the model has loaded and
+            every prompt is checked.
     """
     from datetime import datetime, timezone
 
@@ -269,9 +290,11 @@ def evaluate_from_config(config: dict, model_dir: str | Path | None, output_dir:
     # the user's files first, before anything is written: a named error, and an existing folder as it was
     check_output_folder(output_dir, what="the evaluation folder (--output)")
     check_model_files(spec)
-    benches = load_eval_benchmarks(config, transfer=transfer)
+    located = load_eval_benchmarks_located(config, transfer=transfer)
+    benches = {name: [rec for _, rec in pairs] for name, pairs in located.items()}
     model_path = str(model_dir) if model_dir else config["model"]["source"]
-    model, tokenizer = load_policy(spec)  # a tokenizer that does not load: one line, and no folder made
+    model, tokenizer = load_policy(spec)
+    _check_eval_prompts(config, model, tokenizer, located, model_path=model_path, transfer=transfer)
     output_dir.mkdir(parents=True, exist_ok=True)
     # cached results are reused only for the same model content, generation and scoring settings
     settings = {k: ev[k] for k in ("greedy", "samples", "temperature", "top_p", "max_new_tokens", "chunk_size")}

@@ -7,6 +7,7 @@ Public API
 - :class:`RewardPool` -- the persistent pool of worker processes; also a context manager.
 - :func:`overlong_penalty` -- DAPO overlong reward shaping (docs/methods.md, 2 DAPO).
 - :func:`extracted_answer` -- the answer that was read from a response, for logging.
+- :func:`gold_readable` -- whether a gold answer reads as math (``oar data`` warns about those that do not).
 
 How answers are read (our choices; math-verify 0.9 API)
 -------------------------------------------------------
@@ -17,7 +18,9 @@ contains a ``\\boxed{}``, only the content of the last one is used. It is wrappe
 ExprExtractionConfig()]``: math-verify's LaTeX extraction needs a delimiter (``$..$`` or
 ``\\boxed``) and the bare string fails for some MATH answers (``\\sqrt{51}``, ``6 - 5i``,
 ``\\pi``, ...), while the boxed wrapping parses them, each verified against itself (counts:
-benchmarks/README.md, "Measured numbers"). Parsed golds are cached in every worker.
+benchmarks/README.md, "Measured numbers"). Parsed golds are cached in every worker. A gold that
+math-verify reads only as its text (``???``, ``-1./3``, ``30^\\circ.``) matches only a response that
+repeats that text; ``oar data`` counts such golds and warns (:func:`gold_readable`).
 
 *Response.* If the response has a complete ``\\boxed{...}`` (:func:`oar.answer.extract_boxed`),
 only the content of the LAST box is scored: it is wrapped and parsed exactly like the gold.
@@ -85,7 +88,9 @@ if TYPE_CHECKING:  # torch is imported lazily so that worker processes never loa
 __all__ = [
     "DEFAULT_MAX_WORKERS",
     "RewardPool",
+    "default_inner_timeout",
     "extracted_answer",
+    "gold_readable",
     "overlong_penalty",
     "score_batch",
     "score_one",
@@ -112,15 +117,33 @@ def _extraction_config() -> list[Any]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _parse_gold(gold: str, parsing_timeout: int) -> list[Any]:
+def _parse_gold(gold: str, parsing_timeout: int, *, warn: bool = True) -> list[Any]:
+    """The gold answer as the reward reads it (the module docstring, *Gold*): empty when it does not
+    parse, which ``warn`` logs (every response to it scores wrong)."""
     from math_verify import parse
 
     inner = extract_boxed(gold)
     text = inner if inner is not None else gold
     parsed = parse("\\boxed{" + text + "}", extraction_config=_extraction_config(), parsing_timeout=parsing_timeout)
-    if not parsed:
+    if not parsed and warn:
         logger.warning("oar.reward: gold answer %r could not be parsed; every response to it scores wrong", gold[:200])
     return parsed
+
+
+def default_inner_timeout(timeout_s: float) -> int:
+    """math-verify's own per-call limit (whole seconds) in a pool whose wall-clock limit per item is
+    ``timeout_s`` (:class:`RewardPool`'s ``inner_timeout_s`` default): a third of it, at least 1."""
+    return max(1, int(timeout_s / 3))
+
+
+def gold_readable(gold: str, *, timeout_s: float) -> bool:
+    """Whether the reward reads ``gold`` as math: :func:`_parse_gold` (in this process, the main thread,
+    with the per-call limit the reward's workers use under ``reward.timeout_s``:
+    :func:`default_inner_timeout`; its warning left to the caller) gives a math expression. False when
+    it gives nothing, or only the gold's text (``???``, ``-1./3``, ``30^\\circ.``): then a response scores
+    right only by repeating that text exactly, so in effect every response to it scores wrong."""
+    return any(not isinstance(item, str) for item in _parse_gold(str(gold), default_inner_timeout(timeout_s),
+                                                                 warn=False))
 
 
 def score_one(response: str | None, gold: str, *, parsing_timeout: int = 2, require_boxed: bool = False) -> bool:
@@ -312,7 +335,7 @@ class RewardPool:
         if not timeout_s > 0:
             raise ValueError(f"oar.reward.RewardPool: timeout_s must be > 0, got {timeout_s!r}")
         if inner_timeout_s is None:
-            inner_timeout_s = max(1, int(timeout_s / 3))
+            inner_timeout_s = default_inner_timeout(timeout_s)
         if not isinstance(inner_timeout_s, int) or inner_timeout_s < 1:
             raise ValueError(f"oar.reward.RewardPool: inner_timeout_s must be an int >= 1, got {inner_timeout_s!r}")
         if chunk_size < 1:
