@@ -480,6 +480,13 @@ def _remove(name: str):
     return damage
 
 
+def _write(name: str, text: str):
+    def damage(folder: Path) -> Path:
+        (folder / name).write_text(text)
+        return folder
+    return damage
+
+
 def _gguf_file(content: bytes):
     def damage(folder: Path) -> Path:
         (folder / "model.gguf").write_bytes(content)
@@ -496,6 +503,10 @@ MODEL_DAMAGES = {
     "config.json not JSON": (_bad_config_json, "config.json", "not valid JSON"),
     "no weights": (_remove("model.safetensors"), ".", "no weights: none of model.safetensors"),
     "no tokenizer": (_remove("tokenizer.json"), ".", "no tokenizer: none of tokenizer.json"),
+    "tokenizer.json not a tokenizer": (_write("tokenizer.json", '{"foo": 1}'), "tokenizer.json",
+                                       "not a tokenizer file: it has no 'model' object"),
+    "tokenizer.json that does not load": (_write("tokenizer.json", '{"model": {"type": "NoSuchModel"}}'),
+                                          "tokenizer.json", "the tokenizer does not load ("),
     "not a GGUF": (_gguf_file(b"not a gguf file at all"), "model.gguf", "not a GGUF file"),
     "truncated GGUF": (_gguf_file(GGUF_HEADER[:8]), "model.gguf", "8 bytes, shorter than a GGUF header"),
 }
@@ -696,3 +707,228 @@ def test_check_store_accepts_a_missing_an_empty_and_a_real_store(tmp_path):
     ensure_experiment(uri, "x")
     check_store(uri)
     check_store("http://localhost:5000")  # not a file: not checked
+
+
+# -------------------------------------------------- 9. hostile inputs (issue 54, item 7)
+# A prompt longer than the model's context, a gold answer the reward cannot read, a tokenizer that
+# runs past the model's embeddings, a tokenizer.json that is not one, and a model folder without a
+# tokenizer: each is found by `oar data` / the pre-flight / the model's check, in one line naming the
+# file (and record), exit 2 (a warning for the golds), before any output is made.
+
+#: The room smoke.yaml's tiny model leaves for a prompt: 128 positions minus 48 new tokens.
+SMOKE_ROOM = SMOKE_TINY["max_position_embeddings"] - 48
+#: A 1 MB question (what issue 54 fed `oar data`).
+HUGE_QUESTION = "x" * 1_000_000
+
+
+def _bench_file(path: Path, questions_and_golds: list[tuple[str, str]]) -> Path:
+    """An aime24-style .jsonl file, one record per line (ids 1, 2, ...)."""
+    path.write_text("".join(json.dumps({"id": i, "problem": q, "answer": a}) + "\n"
+                            for i, (q, a) in enumerate(questions_and_golds, 1)))
+    return path
+
+
+def test_oar_data_refuses_a_prompt_longer_than_the_context_naming_file_and_line(tmp_path, capsys):
+    bench = _bench_file(tmp_path / "aime24.jsonl", [("1+1?", "2"), (HUGE_QUESTION, "3"), ("2+2?", "4")])
+    cfg = _smoke_config(tmp_path, {"eval": {"benchmarks": [{"name": "aime24", "source": str(bench)}]}})
+    manifest = tmp_path / "data" / "manifest.json"
+    rc, err = _cli(["data", "--config", str(cfg), "--output", str(manifest)], capsys)
+    assert rc == 2, err
+    line = _last_error_line(err, "data")
+    assert line.startswith(f"oar data: error: {bench}:2: eval.benchmarks.0 (aime24): the prompt is 1000001 tokens "
+                           f"(tiny template), more than the {SMOKE_ROOM} the model's context leaves for it "
+                           f"(model.tiny: max_position_embeddings 128 minus eval.max_new_tokens 48); "), line
+    assert "shorten or drop the record" in line and "lower eval.max_new_tokens" in line
+    assert not manifest.parent.exists()  # no manifest, no folder for it
+
+
+def test_oar_data_refuses_a_training_prompt_that_leaves_no_room_for_the_rollout(tmp_path, capsys):
+    src = tmp_path / "train.jsonl"
+    src.write_text("".join(json.dumps({"problem": q, "answer": "1", "difficulty": 3.0}) + "\n"
+                           for q in ("1+1?", "2+2?", "y" * SMOKE_ROOM, "3+3?", "z" * 500)))
+    cfg = _smoke_config(tmp_path, {"task": {"kind": "benchmark", "benchmark": {"name": "math_train", "source": str(src)}}})
+    rc, err = _cli(["data", "--config", str(cfg), "--output", str(tmp_path / "manifest.json")], capsys)
+    assert rc == 2, err
+    line = _last_error_line(err, "data")
+    # "y" * room plus the template's newline is one token too many
+    assert line.startswith(f"oar data: error: {src}:3: task.benchmark (training set): the prompt is {SMOKE_ROOM + 1} "
+                           f"tokens"), line
+    assert f"minus rollout.max_new_tokens 48); 1 more records do not fit either: {src}:5; shorten or drop the " \
+           f"records" in line, line
+    assert not (tmp_path / "manifest.json").exists()
+
+
+def test_oar_data_checks_prompts_against_a_local_model_folder(saved_model, tmp_path):
+    from oar.config import load_config
+    from oar.data.checks import prompt_model
+
+    config = load_config(_smoke_config(tmp_path, {"model": {"source": str(saved_model)}}))
+    model = prompt_model(config)
+    assert model.max_positions == 128 and model.origin == str(saved_model / "config.json")
+    assert len(model.tokenizer) == 100
+
+
+def test_oar_data_skips_the_prompt_check_for_a_hub_model_not_fetched(offline, tmp_path, capsys):
+    cfg = _smoke_config(tmp_path, {"model": {"source": "Qwen/Qwen2.5-Math-1.5B"}})
+    manifest = tmp_path / "manifest.json"
+    rc, err = _cli(["data", "--config", str(cfg), "--output", str(manifest)], capsys)
+    assert rc == 0, err
+    (note,) = [ln for ln in err.splitlines() if ln.startswith("oar data: note: ")]
+    assert "'Qwen/Qwen2.5-Math-1.5B' is a hub id that is not fetched yet" in note
+    assert json.loads(manifest.read_text())["checks"]["prompts"]["skipped"] in note
+
+
+def test_evaluate_checks_the_prompts_again_before_it_makes_its_folder(tmp_path, capsys, monkeypatch):
+    """A benchmark changed after `oar data` passed it: `oar evaluate` stops before it generates."""
+    monkeypatch.chdir(tmp_path)
+    bench = _bench_file(tmp_path / "aime24.jsonl", [("1+1?", "2")])
+    cfg = _smoke_config(tmp_path, {"eval": {"benchmarks": [{"name": "aime24", "source": str(bench)}]}})
+    rc, err = _cli(["data", "--config", str(cfg), "--output", str(tmp_path / "manifest.json")], capsys)
+    assert rc == 0, err
+    _bench_file(bench, [("1+1?", "2"), (HUGE_QUESTION, "3")])
+    out = tmp_path / "eval"
+    rc, err = _cli(["evaluate", "--config", str(cfg), "--output", str(out)], capsys)
+    assert rc == 2, err
+    line = _last_error_line(err, "evaluate")
+    assert line.startswith(f"oar evaluate: error: {bench}:2: eval.benchmarks.0 (aime24): the prompt is 1000001 "
+                           f"tokens"), line
+    assert "minus eval.max_new_tokens 48" in line
+    assert not out.exists()
+
+
+def test_gold_readable_is_the_rewards_reading():
+    from oar.reward import gold_readable, score_one
+
+    for gold in ("42", "\\frac{1}{2}", "(3, 4)", "\\sqrt{51}", "27"):
+        assert gold_readable(gold, timeout_s=5.0), gold
+    for gold in ("???", "-1./3", ""):
+        assert not gold_readable(gold, timeout_s=5.0), gold
+    assert not score_one("The answer is \\boxed{3}", "???")  # what a correct-looking answer scores against it
+
+
+def test_oar_data_warns_about_gold_answers_the_reward_cannot_read(tmp_path, capsys):
+    bench = _bench_file(tmp_path / "aime24.jsonl", [("1+1?", "2"), ("2+2?", "???"), ("3+3?", "6")])
+    cfg = _smoke_config(tmp_path, {"eval": {"benchmarks": [{"name": "aime24", "source": str(bench)}]}})
+    manifest = tmp_path / "manifest.json"
+    rc, err = _cli(["data", "--config", str(cfg), "--output", str(manifest)], capsys)
+    assert rc == 0, err
+    (warning,) = [ln for ln in err.splitlines() if ln.startswith("oar data: warning: ")]
+    assert warning.startswith("oar data: warning: eval.benchmarks.0 (aime24): 1 of 3 gold answers do not read as "
+                              "math"), warning
+    assert f"{bench}:2 '???'" in warning and "fix or drop those records" in warning
+    entry = json.loads(manifest.read_text())["eval"][0]
+    assert entry["unreadable_golds"] == 1 and entry["unreadable_gold_records"] == [f"{bench}:2 '???'"]
+
+
+@pytest.mark.slow  # parses every gold of ../shared/data: 15-30 s
+@pytest.mark.skipif(not (ROOT.parent / "shared" / "data").is_dir(), reason="../shared/data not here")
+def test_the_shipped_benchmarks_hold_a_few_golds_the_reward_cannot_read():
+    """Why unreadable golds are a warning (oar.data.checks): refusing them would stop the shipped files."""
+    from oar.data.benchmarks import load_benchmark_located
+    from oar.data.checks import unreadable_golds
+
+    data = ROOT.parent / "shared" / "data"
+    counts = {name: len(unreadable_golds(load_benchmark_located(name, data / name), timeout_s=5.0))
+              for name in ("aime24", "amc23", "math500", "minerva_math", "olympiadbench", "gsm8k", "math_train")}
+    assert counts == {"aime24": 0, "amc23": 0, "math500": 0, "minerva_math": 5, "olympiadbench": 2, "gsm8k": 0,
+                      "math_train": 8}
+
+
+def _new_pad_token(saved_model: Path, tmp_path: Path) -> Path:
+    """``saved_model`` with a tokenizer that gained a pad token the model has no embedding row for."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "model"
+    shutil.copytree(saved_model, folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.add_special_tokens({"pad_token": "<newpad>"})
+    tok.save_pretrained(folder)
+    return folder
+
+
+def test_load_policy_refuses_a_tokenizer_past_the_models_embeddings(saved_model, tmp_path):
+    from oar.models import ModelLoadError, load_policy
+
+    folder = _new_pad_token(saved_model, tmp_path)
+    with pytest.raises(ModelLoadError) as info:
+        load_policy(folder)
+    message = str(info.value)
+    assert message.startswith(f"{folder / 'tokenizer.json'}: the tokenizer has 101 tokens (ids up to 100) but the "
+                              f"model ({folder / 'config.json'}, vocab_size 100) has 100 embedding rows"), message
+    assert "resize_token_embeddings" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("command", ["evaluate", "sft"])
+def test_a_tokenizer_past_the_embeddings_is_one_line_not_an_index_error(saved_model, tmp_path, capsys, monkeypatch,
+                                                                       command):
+    monkeypatch.chdir(tmp_path)
+    folder = _new_pad_token(saved_model, tmp_path)
+    out = tmp_path / "out"
+    if command == "evaluate":
+        argv = ["evaluate", "--config", str(SMOKE), "--model", str(folder), "--output", str(out)]
+    else:
+        cfg = _smoke_config(tmp_path, {"model": {"source": str(folder)}, "sft": {"steps": 1, "eval_size": 1}})
+        argv = ["sft", "--config", str(cfg), "--output", str(out)]
+    rc, err = _cli(argv, capsys)
+    assert rc == 2, err
+    line = _last_error_line(err, command)
+    assert line.startswith(f"oar {command}: error: {folder / 'tokenizer.json'}: the tokenizer has 101 tokens"), line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("command", ["evaluate", "train", "sft"])
+def test_a_tokenizer_json_that_is_not_one_is_named_and_makes_no_folder(saved_model, tmp_path, capsys, monkeypatch,
+                                                                      command):
+    monkeypatch.chdir(tmp_path)
+    source, named, says = _damaged_model(saved_model, tmp_path, "tokenizer.json not a tokenizer")
+    out = tmp_path / "out"
+    argv = {"evaluate": ["evaluate", "--config", str(SMOKE), "--model", str(source)],
+            "train": ["train", "--config", str(SMOKE), "--method", "grpo", "--init", str(source), "--no-progress"],
+            "sft": ["sft", "--config", str(_smoke_config(tmp_path, {"model": {"source": str(source)}}))]}[command]
+    rc, err = _cli([*argv, "--output", str(out)], capsys)
+    assert rc == 2, err
+    line = _last_error_line(err, command)
+    assert line.startswith(f"oar {command}: error: {named}: cannot load the model: {says}"), line
+    assert not out.exists()
+
+
+def test_preflight_requires_a_tokenizer_beside_a_local_models_config(saved_model, tmp_path):
+    import shutil
+
+    from oar.config import load_config
+    from oar.preflight import path_problems
+
+    folder = tmp_path / "model"
+    shutil.copytree(saved_model, folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).unlink()
+    config = load_config(_smoke_config(tmp_path, {"model": {"source": str(folder)}, "train": {"init": str(folder)}}))
+    problems = path_problems(config, source="c.yaml")
+    assert [p.key for p in problems] == ["key model.source", "key train.init"]
+    assert str(problems[0]) == (f"c.yaml: key model.source: model folder {folder} has no tokenizer: none of "
+                                f"tokenizer.json, *.model, vocab.json, vocab.txt, *.tiktoken (save the tokenizer "
+                                f"beside the model: tokenizer.save_pretrained)")
+    trusted = load_config(_smoke_config(tmp_path, {"model": {"source": str(folder), "trust_remote_code": True}}))
+    assert path_problems(trusted, source="c.yaml") == []  # its code may load the tokenizer from elsewhere
+    (tmp_path / "gguf").mkdir()
+    (tmp_path / "gguf" / "m.gguf").write_bytes(GGUF_HEADER)  # a GGUF carries its tokenizer
+    gguf = load_config(_smoke_config(tmp_path, {"model": {"source": str(tmp_path / "gguf"), "gguf_file": "m.gguf"}}))
+    assert path_problems(gguf, source="c.yaml") == []
+    shutil.copy(saved_model / "tokenizer.json", folder)
+    assert path_problems(config, source="c.yaml") == []
+
+
+def test_a_model_folder_without_a_tokenizer_stops_oar_data_in_one_line(saved_model, tmp_path, capsys):
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(saved_model, folder, ignore=shutil.ignore_patterns("tokenizer*"))
+    cfg = _smoke_config(tmp_path, {"model": {"source": str(folder)}})
+    rc, err = _cli(["data", "--config", str(cfg), "--output", str(tmp_path / "manifest.json")], capsys)
+    assert rc == 2, err
+    assert _last_error_line(err, "data") == (f"oar data: error: {cfg}: key model.source: model folder {folder} has no "
+                                             f"tokenizer: none of tokenizer.json, *.model, vocab.json, vocab.txt, "
+                                             f"*.tiktoken (save the tokenizer beside the model: "
+                                             f"tokenizer.save_pretrained)")

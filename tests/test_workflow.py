@@ -779,8 +779,9 @@ def test_dry_run_quotes_every_value_that_reaches_a_shell(tmp_path):
     cfg = _config("smoke.yaml")
     cfg["sft"]["enabled"] = False
     cfg["train"]["init"] = start = "my models/init $(touch PWNED)"
-    (tmp_path / start).mkdir(parents=True)  # a model folder (the pre-flight checks it is one)
+    (tmp_path / start).mkdir(parents=True)  # a model folder (the pre-flight checks it is one: config and tokenizer)
     (tmp_path / start / "config.json").write_text("{}")
+    (tmp_path / start / "tokenizer.json").write_text("{}")
     _write_config(tmp_path, cfg)
     cmds = shell_commands((p := snakemake(*base)).stdout + p.stderr)
     _check_quoted(cmds, "my models/init $(touch PWNED)")

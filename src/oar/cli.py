@@ -132,6 +132,11 @@ def _cmd_data(args: argparse.Namespace) -> int:
     check_config(config, source=args.config)  # every path it names exists (oar.preflight)
     manifest = write_data_manifest(config, args.output)
     print(json.dumps(manifest, indent=2, default=str))
+    skipped = manifest["checks"]["prompts"].get("skipped")
+    if skipped:
+        print(f"oar data: note: {skipped}", file=sys.stderr)
+    for warning in manifest["warnings"]:  # oar.data.checks: gold answers the reward cannot read
+        print(f"oar data: warning: {warning}", file=sys.stderr)
     return 0
 
 

@@ -29,7 +29,8 @@ from oar.seeds import stream_seed
 if TYPE_CHECKING:
     from oar.reward import PoolStats
 
-__all__ = ["load_benchmark_entry", "load_eval_benchmarks", "evaluate_records", "evaluate_from_config", "records_digest"]
+__all__ = ["load_benchmark_entry", "load_benchmark_entry_located", "load_eval_benchmarks",
+           "load_eval_benchmarks_located", "evaluate_records", "evaluate_from_config", "records_digest"]
 
 #: The reward pool's counts in a summary's ``reward`` entry (:class:`oar.reward.PoolStats`): checks
 #: that timed out, whose worker died, items retried, and items scored wrong after their retry failed too.
@@ -37,25 +38,40 @@ REWARD_COUNTS: tuple[str, ...] = ("timeouts", "crashes", "retried", "marked")
 
 
 def load_benchmark_entry(config: dict, entry: dict, *, key: str = "eval.benchmarks") -> list[dict]:
-    """The records of one benchmark entry ``{name, source, n, filters}`` (first ``n`` when ``n`` is set).
+    """The records of one benchmark entry ``{name, source, n, filters}`` (first ``n`` when ``n`` is set;
+    :func:`load_benchmark_entry_located` without the places)."""
+    return [rec for _, rec in load_benchmark_entry_located(config, entry, key=key)]
+
+
+def load_benchmark_entry_located(config: dict, entry: dict, *, key: str = "eval.benchmarks") -> list[tuple[str, dict]]:
+    """The records of one benchmark entry ``{name, source, n, filters}`` (first ``n`` when ``n`` is set),
+    each with where it was read (:func:`oar.data.benchmarks.load_benchmark_located`).
 
     Synthetic splits (``synthetic-test``, ``synthetic-ood``) are generated with the task's options and
     ``task.seed``, so every evaluation sees the same problems (and none of the training split's).
     """
-    from oar.data.benchmarks import load_benchmark
+    from oar.data.benchmarks import load_benchmark_located
 
     name = entry["name"]
     if name.startswith("synthetic-"):
         if entry.get("n") is None:
             raise ValueError(f"{key}.n: required for the generated benchmark {name!r}")
-        return load_benchmark(name, None, n=entry["n"], seed=config["task"]["seed"], **config["task"]["synthetic"])
-    recs = load_benchmark(name, entry.get("source"), **(entry.get("filters") or {}))
+        return load_benchmark_located(name, None, n=entry["n"], seed=config["task"]["seed"],
+                                      **config["task"]["synthetic"])
+    recs = load_benchmark_located(name, entry.get("source"), **(entry.get("filters") or {}))
     return recs[: entry["n"]] if entry.get("n") else recs
 
 
 def load_eval_benchmarks(config: dict, *, transfer: bool = False) -> dict[str, list[dict]]:
     """The config's ``eval.benchmarks`` (``transfer``: ``eval.transfer.benchmarks``) as ``{name: records}``
-    (see :func:`load_benchmark_entry`).
+    (:func:`load_eval_benchmarks_located` without the places)."""
+    return {name: [rec for _, rec in located]
+            for name, located in load_eval_benchmarks_located(config, transfer=transfer).items()}
+
+
+def load_eval_benchmarks_located(config: dict, *, transfer: bool = False) -> dict[str, list[tuple[str, dict]]]:
+    """The config's ``eval.benchmarks`` (``transfer``: ``eval.transfer.benchmarks``) as
+    ``{name: [(where, record), ...]}`` (see :func:`load_benchmark_entry_located`).
 
     Raises:
         ValueError: ``transfer`` and the config has no transfer benchmark.
@@ -64,7 +80,7 @@ def load_eval_benchmarks(config: dict, *, transfer: bool = False) -> dict[str, l
     key = "eval.transfer.benchmarks" if transfer else "eval.benchmarks"
     if transfer and not entries:
         raise ValueError(f"{key}: empty; name the transfer benchmarks to evaluate")
-    return {b["name"]: load_benchmark_entry(config, b, key=f"{key}.{i}") for i, b in enumerate(entries)}
+    return {b["name"]: load_benchmark_entry_located(config, b, key=f"{key}.{i}") for i, b in enumerate(entries)}
 
 
 def evaluate_records(
@@ -239,6 +255,25 @@ def _read_cached(path: Path) -> dict | None:
     return prev if isinstance(prev, dict) else None
 
 
+def _check_eval_prompts(config: dict, model: Any, tokenizer: Any, located: dict[str, list[tuple[str, dict]]], *,
+                        model_path: str, transfer: bool) -> None:
+    """Every prompt of ``located`` (``{benchmark: [(where, record), ...]}``) fits the loaded ``model``'s
+    context with ``eval.max_new_tokens`` (:func:`oar.data.checks.check_prompts`): a benchmark changed
+    since ``oar data`` checked it is one line before anything is generated, not a failed generation
+    after hours. Nothing is checked when the model's config gives no context length."""
+    from oar.data.checks import EVAL_BUDGET_KEY, check_prompts, loaded_prompt_model
+
+    config_json = Path(model_path) / "config.json"
+    origin = "model.tiny" if model_path == "tiny" else str(config_json) if config_json.is_file() else model_path
+    fit = loaded_prompt_model(model, tokenizer, origin)
+    if fit is None:
+        return
+    key = "eval.transfer.benchmarks" if transfer else "eval.benchmarks"
+    for i, (name, pairs) in enumerate(located.items()):
+        check_prompts(pairs, template=config["task"]["template"], model=fit, budget=int(config["eval"]["max_new_tokens"]),
+                      budget_key=EVAL_BUDGET_KEY, what=f"{key}.{i} ({name})")
+
+
 def evaluate_from_config(config: dict, model_dir: str | Path | None, output_dir: str | Path, *, seed: int = 0,
                          progress: bool = True, transfer: bool = False) -> dict:
     """Evaluate the checkpoint ``model_dir`` (None: the config's ``model``) on ``eval.benchmarks``
@@ -253,14 +288,17 @@ def evaluate_from_config(config: dict, model_dir: str | Path | None, output_dir:
     Raises:
         oar.io.OutputPathError: ``output_dir`` cannot be a folder this process writes.
         oar.io.FolderLockedError: another evaluation (or training) writes into ``output_dir`` now.
-        oar.models.ModelLoadError: a file of the model cannot be loaded.
-        ValueError: ``transfer`` and ``eval.transfer.benchmarks`` is empty (all three before anything is
-            written).
+        oar.models.ModelLoadError: a file of the model cannot be loaded, or its tokenizer and its
+            embeddings disagree.
+        ValueError: ``transfer`` and ``eval.transfer.benchmarks`` is empty; a prompt does not fit the
+            model's context with ``eval.max_new_tokens`` (:func:`oar.data.checks.check_prompts`). All
+            before anything is written: ``output_dir`` is made (and locked) only once the model has
+            loaded and every prompt is checked.
     """
     from datetime import datetime, timezone
 
     from oar.io import check_output_folder, exclusive_lock
-    from oar.models import check_model_files
+    from oar.models import check_model_files, load_policy
 
     started = datetime.now(timezone.utc)
     output_dir = Path(output_dir)
@@ -268,18 +306,22 @@ def evaluate_from_config(config: dict, model_dir: str | Path | None, output_dir:
     # the user's files first, before anything is written: a named error, and an existing folder as it was
     check_output_folder(output_dir, what="the evaluation folder (--output)")
     check_model_files(spec)
-    benches = load_eval_benchmarks(config, transfer=transfer)
+    located = load_eval_benchmarks_located(config, transfer=transfer)
+    benches = {name: [rec for _, rec in pairs] for name, pairs in located.items()}
+    model_path = str(model_dir) if model_dir else config["model"]["source"]
+    model, tokenizer = load_policy(spec)
+    _check_eval_prompts(config, model, tokenizer, located, model_path=model_path, transfer=transfer)
     # the same lock as the trainer's: a second evaluation into this folder stops at once, naming this one
-    with exclusive_lock(output_dir, purpose=f"oar evaluate {model_dir or config['model']['source']}"):
-        return _evaluate_locked(config, benches, spec, output_dir, model_dir, seed=seed, progress=progress,
-                                started=started)
+    with exclusive_lock(output_dir, purpose=f"oar evaluate {model_path}"):
+        return _evaluate_locked(config, benches, spec, output_dir, model, tokenizer, model_path=model_path,
+                                seed=seed, progress=progress, started=started)
 
 
-def _evaluate_locked(config: dict, benches: dict[str, list[dict]], spec: dict, output_dir: Path,
-                     model_dir: str | Path | None, *, seed: int, progress: bool, started: Any) -> dict:
+def _evaluate_locked(config: dict, benches: dict[str, list[dict]], spec: dict, output_dir: Path, model: Any,
+                     tokenizer: Any, *, model_path: str, seed: int, progress: bool, started: Any) -> dict:
     """The body of :func:`evaluate_from_config`, while it holds the folder's lock."""
     from oar.identity import NEW_KEYS_AT_DEFAULT
-    from oar.models import load_policy, model_identity
+    from oar.models import model_identity
     from oar.preflight import job_device
     from oar.provenance import provenance, with_end_time
     from oar.rollout import make_engine
@@ -291,8 +333,6 @@ def _evaluate_locked(config: dict, benches: dict[str, list[dict]], spec: dict, o
         settings["sampler"] = ev["sampler"]
     settings.update(model_identity=model_identity(spec), seed=seed, template=config["task"]["template"],
                     reward=config["reward"])
-    model_path = str(model_dir) if model_dir else config["model"]["source"]
-    model, tokenizer = load_policy(spec)
     model.to(job_device(config))
     engine = make_engine(ev["engine"], model, tokenizer, batch_size=ev["batch_size"], seed=seed,
                          model_path=model_path, vllm_kwargs=config["rollout"]["vllm"],

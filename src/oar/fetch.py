@@ -32,7 +32,10 @@ __all__ = [
     "MODELS_SUBDIR",
     "ModelFetchError",
     "HubModel",
+    "TOKENIZER_JSON",
+    "TOKENIZER_VOCAB_FILES",
     "is_hub_model_id",
+    "no_tokenizer_reason",
     "models_dir",
     "hub_model",
     "with_fetched_model",
@@ -43,6 +46,12 @@ __all__ = [
 HUB_MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 #: ``model.source`` values that name a builder or a packaged file (:func:`oar.models.resolve_source`).
 SYMBOLIC_SOURCES: tuple[str, ...] = ("tiny", "smollm2")
+#: The fast tokenizer's file (the ``tokenizers`` library's JSON).
+TOKENIZER_JSON = "tokenizer.json"
+#: Files of which a model folder's tokenizer needs one (``fnmatch`` globs): the fast tokenizer's
+#: ``tokenizer.json``, a sentencepiece ``*.model``, a BPE/WordPiece vocabulary, a tiktoken file (each
+#: beside ``tokenizer_config.json``, which says which tokenizer reads it). A GGUF file carries its own.
+TOKENIZER_VOCAB_FILES: tuple[str, ...] = (TOKENIZER_JSON, "*.model", "vocab.json", "vocab.txt", "*.tiktoken")
 #: The file that marks a fetched folder complete (the workflow's output of rule fetch_model).
 MARKER = "oar_fetch.json"
 #: The folder under ``results_dir`` that fetched models go to when ``models_dir`` is null.
@@ -56,6 +65,19 @@ class ModelFetchError(FileNotFoundError):
 def is_hub_model_id(source: str) -> bool:
     """Whether ``source`` reads as a hub id ``org/name`` rather than a path (``./x/y``, ``~/x``)."""
     return bool(HUB_MODEL_ID.match(source)) and not source.startswith((".", "~"))
+
+
+def no_tokenizer_reason(folder: str | os.PathLike) -> str | None:
+    """Why the Hugging Face model folder ``folder`` has no tokenizer to load (none of
+    :data:`TOKENIZER_VOCAB_FILES` in it) and what to do; None when it has one. The one rule that
+    :func:`oar.models.check_model_files` and the pre-flight (:mod:`oar.preflight`) apply."""
+    import fnmatch
+
+    names = [p.name for p in Path(folder).iterdir() if p.is_file()]
+    if any(fnmatch.fnmatch(n, g) for n in names for g in TOKENIZER_VOCAB_FILES):
+        return None
+    return (f"no tokenizer: none of {', '.join(TOKENIZER_VOCAB_FILES)} (save the tokenizer beside the model: "
+            f"tokenizer.save_pretrained)")
 
 
 @dataclass(frozen=True)

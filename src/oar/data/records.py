@@ -13,14 +13,21 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["TRAINING_SET_KEY", "training_records"]
+__all__ = ["TRAINING_SET_KEY", "training_records", "training_records_located"]
 
 #: The config key an empty or unreadable training set is reported under.
 TRAINING_SET_KEY = "task.benchmark (training set)"
 
 
 def training_records(task: Mapping[str, Any]) -> list[dict]:
-    """The training records of the ``task`` section of a validated config.
+    """The training records of the ``task`` section of a validated config
+    (:func:`training_records_located` without the places)."""
+    return [rec for _, rec in training_records_located(task)]
+
+
+def training_records_located(task: Mapping[str, Any]) -> list[tuple[str, dict]]:
+    """The training records of the ``task`` section of a validated config, each with where it was read
+    (``<file>:<line>``: :func:`oar.data.benchmarks.load_benchmark_located`).
 
     Returns:
         The synthetic ``train`` split, or the benchmark's records (after ``levels``), in file order.
@@ -33,14 +40,17 @@ def training_records(task: Mapping[str, Any]) -> list[dict]:
     if task["kind"] == "synthetic":
         from oar.data.synthetic import generate
 
-        return generate("train", task["train_size"], seed=task["seed"], **task["synthetic"])
-    from oar.data.benchmarks import load_benchmark, require_records
+        return [(f"synthetic-train record {i} (generated)", rec)
+                for i, rec in enumerate(generate("train", task["train_size"], seed=task["seed"], **task["synthetic"]))]
+    from oar.data.benchmarks import load_benchmark_located, require_records
 
     bench = task.get("benchmark") or {}
     if "name" not in bench:
         raise ValueError("config: task.benchmark.name is required when task.kind is 'benchmark'")
     levels = bench.get("levels") or None
     filters = {"levels": levels} if levels else {}
-    records = load_benchmark(bench["name"], bench.get("source"), **filters)
+    located = load_benchmark_located(bench["name"], bench.get("source"), **filters)
     # an empty training set: a clear error here, not a ZeroDivisionError in the prompt stream
-    return require_records(records, bench["name"], bench.get("source"), key=TRAINING_SET_KEY, levels=levels)
+    require_records([rec for _, rec in located], bench["name"], bench.get("source"), key=TRAINING_SET_KEY,
+                    levels=levels)
+    return located

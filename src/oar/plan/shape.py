@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
-__all__ = ["PlanError", "ModelShape", "KNOWN_MODELS", "TINY_VOCAB_SIZE", "dtype_bytes", "model_shape"]
+__all__ = ["PlanError", "ModelShape", "KNOWN_MODELS", "TINY_VOCAB_SIZE", "dtype_bytes", "model_shape", "source_shape"]
 
 _DTYPE_BYTES = {"float32": 4, "float": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
                 "half": 2}
@@ -184,9 +184,8 @@ def _shape_from_gguf(path: Path) -> ModelShape:
 
 
 def model_shape(config: dict) -> ModelShape:
-    """The architecture of ``config``'s model: ``plan.model`` when given, else ``model.tiny`` for
-    source ``tiny``, a local folder's ``config.json``, a GGUF file's metadata, or a known hub id
-    (:data:`KNOWN_MODELS`).
+    """The architecture of ``config``'s model: ``plan.model`` when given, else what
+    :func:`source_shape` reads of ``config["model"]``.
 
     Raises:
         PlanError: naming ``model.source`` when the shape is unknown.
@@ -194,7 +193,17 @@ def model_shape(config: dict) -> ModelShape:
     explicit = config["plan"]["model"]
     if explicit:
         return ModelShape(**{k: v for k, v in explicit.items() if v is not None}, origin="plan.model")
-    m = config["model"]
+    return source_shape(config["model"])
+
+
+def source_shape(m: Mapping[str, Any]) -> ModelShape:
+    """The architecture of the model a config ``model`` section (``source``, ``gguf_file``, ``tiny``)
+    names, read without loading it: ``model.tiny`` for source ``tiny``, a local folder's
+    ``config.json``, a GGUF file's metadata, or a known hub id (:data:`KNOWN_MODELS`).
+
+    Raises:
+        PlanError: naming ``model.source`` when the shape is unknown.
+    """
     source = str(m["source"])
     if source == "tiny":
         t = m["tiny"]
