@@ -258,9 +258,10 @@ def _read_cached(path: Path) -> dict | None:
 def _check_eval_prompts(config: dict, model: Any, tokenizer: Any, located: dict[str, list[tuple[str, dict]]], *,
                         model_path: str, transfer: bool) -> None:
     """Every prompt of ``located`` (``{benchmark: [(where, record), ...]}``) fits the loaded ``model``'s
-    context with ``eval.max_new_tokens`` (:func:`oar.data.checks.check_prompts`): a benchmark changed
-    since ``oar data`` checked it is one line before anything is generated, not a failed generation
-    after hours. Nothing is checked when the model's config gives no context length."""
+    context (:func:`oar.data.checks.check_prompts`): a benchmark changed since ``oar data`` checked it
+    is one line before anything is generated, not a failed generation after hours; prompts that leave
+    fewer than ``eval.max_new_tokens`` are one warning line. Nothing is checked when the model's config
+    gives no context length."""
     from oar.data.checks import EVAL_BUDGET_KEY, check_prompts, loaded_prompt_model
 
     config_json = Path(model_path) / "config.json"
@@ -270,8 +271,11 @@ def _check_eval_prompts(config: dict, model: Any, tokenizer: Any, located: dict[
         return
     key = "eval.transfer.benchmarks" if transfer else "eval.benchmarks"
     for i, (name, pairs) in enumerate(located.items()):
-        check_prompts(pairs, template=config["task"]["template"], model=fit, budget=int(config["eval"]["max_new_tokens"]),
-                      budget_key=EVAL_BUDGET_KEY, what=f"{key}.{i} ({name})")
+        _, tight = check_prompts(pairs, template=config["task"]["template"], model=fit,
+                                 budget=int(config["eval"]["max_new_tokens"]), budget_key=EVAL_BUDGET_KEY,
+                                 what=f"{key}.{i} ({name})")
+        if tight:
+            print(f"oar evaluate: warning: {tight}", file=sys.stderr)
 
 
 def evaluate_from_config(config: dict, model_dir: str | Path | None, output_dir: str | Path, *, seed: int = 0,

@@ -11,10 +11,13 @@ allocation); a gold answer math-verify cannot read scored every response wrong w
   downloaded). Otherwise it says why the check is skipped. The context length is what
   :func:`oar.plan.shape.source_shape` reads (``max_position_embeddings``).
 - :func:`check_prompts` -- every prompt, rendered with ``task.template`` and the model's tokenizer
-  (:func:`oar.data.prompts.render_prompt`, tokenized as the rollout engines do), fits the context
-  less the generation budget (:data:`TRAIN_BUDGET_KEY` for the training set, :data:`EVAL_BUDGET_KEY`
-  for the evaluation benchmarks); else a ValueError, one line naming the first record that does not
-  fit (``<file>:<line>``) and what to do.
+  (:func:`oar.data.prompts.render_prompt`, tokenized as the rollout engines do), is shorter than the
+  model's context (else a ValueError, one line naming the first record that is not, ``<file>:<line>``,
+  and what to do); a prompt that leaves less than the generation budget (:data:`TRAIN_BUDGET_KEY` for
+  the training set, :data:`EVAL_BUDGET_KEY` for the evaluation benchmarks) is counted in a warning
+  (config/paper.yaml's 4,096-token context leaves 1,096 tokens for a prompt beside 3,000 new ones,
+  and a few olympiadbench and MATH prompts are longer: their answers are cut short, as vLLM caps
+  them, rather than the run stopping).
 - :func:`unreadable_golds` -- the gold answers the reward cannot read as math
   (:func:`oar.reward.gold_readable`, the reward's own gold parser), which :func:`gold_warning` words.
   They are a warning, not an error: 15 of the 17,779 gold answers of the shipped benchmarks
@@ -121,46 +124,52 @@ def _shown(items: Sequence[str]) -> str:
 
 
 def check_prompts(located: Located, *, template: str, model: PromptModel, budget: int, budget_key: str,
-                  what: str) -> int:
-    """That every record's prompt fits ``model``'s context with ``budget`` new tokens after it.
+                  what: str) -> tuple[int, str | None]:
+    """Every record's prompt against ``model``'s context: a prompt as long as the whole context is
+    refused (nothing could be generated after it; a 1 MB question once made a ~1 TB allocation); a
+    prompt that leaves fewer than ``budget`` new tokens is counted in a warning (its answers may be
+    cut short at the context's end, as vLLM caps them at ``max_model_len``).
 
     Args:
         located: ``(where, record)`` pairs (:func:`oar.data.benchmarks.load_benchmark_located`).
         template: ``task.template``.
         budget, budget_key: the generation budget and the config key that sets it.
-        what: the set, for the message (``eval.benchmarks.0 (aime24)``).
+        what: the set, for the messages (``eval.benchmarks.0 (aime24)``).
 
     Returns:
-        The longest prompt's tokens (0 for no records).
+        ``(the longest prompt's tokens, the warning line or None)``.
 
     Raises:
-        ValueError: one line naming the first record whose prompt does not fit (and how many more do
-            not), its length, the room the context leaves and what to do; or naming ``budget_key`` when
-            the budget leaves no room at all.
+        ValueError: one line naming the first record whose prompt fills the context (and how many more
+            do), its length and what to do.
     """
-    room = model.max_positions - budget
-    if room < 1:
-        raise ValueError(f"{budget_key}: {budget} new tokens leave no room for a prompt in the model's context "
-                         f"({model.origin}: max_position_embeddings {model.max_positions}); lower {budget_key}")
     longest = 0
     too_long: list[tuple[str, int]] = []
+    tight: list[tuple[str, int]] = []
     for lo in range(0, len(located), PROMPT_CHUNK):
         chunk = located[lo:lo + PROMPT_CHUNK]
         lengths = prompt_lengths(model.tokenizer, template, [str(rec["question"]) for _, rec in chunk])
         for (where, _), n in zip(chunk, lengths):
             longest = max(longest, n)
-            if n > room:
+            if n >= model.max_positions:
                 too_long.append((where, n))
+            elif n > model.max_positions - budget:
+                tight.append((where, n))
+    context = f"{model.origin}: max_position_embeddings {model.max_positions}"
     if too_long:
         where, n = too_long[0]
         rest = [w for w, _ in too_long[1:]]
         more = f"; {len(rest)} more records do not fit either: {_shown(rest)}" if rest else ""
         raise ValueError(
-            f"{where}: {what}: the prompt is {n} tokens ({template} template), more than the {room} the model's "
-            f"context leaves for it ({model.origin}: max_position_embeddings {model.max_positions} minus "
-            f"{budget_key} {budget}){more}; shorten or drop the record{'s' if rest else ''}, or give the prompts "
-            f"more room: lower {budget_key} or use a model with a longer context")
-    return longest
+            f"{where}: {what}: the prompt is {n} tokens ({template} template), as long as the model's whole context "
+            f"or longer ({context}), so nothing can be generated after it{more}; shorten or drop the "
+            f"record{'s' if rest else ''}, or use a model with a longer context")
+    warning = None
+    if tight:
+        warning = (f"{what}: {len(tight)} of {len(located)} prompts leave fewer than {budget_key} {budget} new tokens in "
+                   f"the model's context ({context}), so their answers may be cut short: "
+                   f"{_shown([f'{w} ({n} tokens)' for w, n in tight])}; shorten them or lower {budget_key}")
+    return longest, warning
 
 
 def unreadable_golds(located: Located, *, timeout_s: float) -> list[tuple[str, str]]:

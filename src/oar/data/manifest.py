@@ -115,7 +115,7 @@ def _check_sets(config: Mapping[str, Any], sets: list[_Set]) -> dict[str, Any]:
     ``unreadable_golds``); returns the manifest's ``checks`` and ``warnings``.
 
     Raises:
-        ValueError: a prompt that does not fit.
+        ValueError: a prompt as long as the model's whole context.
     """
     from oar.data.checks import (EVAL_BUDGET_KEY, RECORDS_SHOWN, TRAIN_BUDGET_KEY, PromptModel, check_prompts,
                                  gold_warning, prompt_model, unreadable_golds)
@@ -127,12 +127,14 @@ def _check_sets(config: Mapping[str, Any], sets: list[_Set]) -> dict[str, Any]:
                               "template": template}}
         budgets = {TRAIN_BUDGET_KEY: int(config["rollout"]["max_new_tokens"]),
                    EVAL_BUDGET_KEY: int(config["eval"]["max_new_tokens"])}
-        for entry, what, located, key, _ in sets:
-            entry["prompt_tokens_max"] = check_prompts(located, template=template, model=model,
-                                                       budget=budgets[key], budget_key=key, what=what)
     else:
         checks = {"prompts": {"skipped": model}}
     warnings = []
+    if isinstance(model, PromptModel):
+        for entry, what, located, key, _ in sets:
+            entry["prompt_tokens_max"], tight = check_prompts(located, template=template, model=model,
+                                                              budget=budgets[key], budget_key=key, what=what)
+            warnings += [tight] if tight else []
     for entry, what, located, _, from_file in sets:
         if not from_file:
             continue  # generated: the generator writes its golds as numbers
