@@ -28,8 +28,13 @@ DOC = ROOT / "docs" / "adding-a-method.md"
 def sections() -> dict[str, str]:
     """The doc's ``## N. title`` sections by number (``"1"`` ...), each its text."""
     text = DOC.read_text()
-    parts = re.split(r"^## (\d+)\. .*$", text, flags=re.M)
-    return {parts[i]: parts[i + 1] for i in range(1, len(parts), 2)}
+    parts = re.split(r"^## (.*)$", text, flags=re.M)
+    out = {}
+    for i in range(1, len(parts), 2):
+        m = re.match(r"(\d+)\. ", parts[i])
+        if m:
+            out[m.group(1)] = parts[i + 1]
+    return out
 
 
 def blocks(section: str, lang: str) -> list[str]:
@@ -83,7 +88,7 @@ def test_the_walk_runs_as_written_and_an_edit_reruns_exactly_its_runs(tmp_path):
     name = re.search(r"^name: (\w+)", (repo / config).read_text(), re.M).group(1)
     main_md = (repo / "results" / name / "tables" / "main.md").read_text()
     # 4. where it appears: the row, its interval over the 2 seeds, the footer naming the source
-    diff_section = main_md.split("### Difference from GRPO (points), 95% interval over training seeds", 1)[1]
+    diff_section = main_md.split("### Difference from grpo (points), 95% interval over training seeds", 1)[1]
     row = next(ln for ln in diff_section.splitlines() if ln.startswith("| late_credit"))
     assert re.search(r"[-+]\d+\.\d \[[-+]\d+\.\d, [-+]\d+\.\d\]", row), row
     assert f"results/{name}/tables/main.md" in s["4"]  # the doc names the file it was read from
