@@ -180,3 +180,84 @@ def test_nulls_permute_and_invert_oar_g_scores():
     assert invert_scores(s, mask).tolist() == [[5.0, 4.0, 1.0, 9.0]]
     p = shuffle_scores(s, mask, torch.Generator().manual_seed(0))
     assert sorted(p[0, :3].tolist()) == [1.0, 2.0, 5.0] and p[0, 3] == 9.0
+
+
+# ------------------------------------------- what about the oracle pays: degraded oracles, the suffix control
+def test_labels_name_every_steps_result_and_the_mistakes_step():
+    from oar.credit.controls import oracle_labels
+
+    lab = oracle_labels(_batch(), fillers=TASK["synthetic"]["fillers"])
+    # row 1: step 1's result at 4 (the mistake), step 2's at 11; row 2: the mistake is its second step
+    assert lab.result_step[1].nonzero().flatten().tolist() == [4, 11]
+    assert lab.result_step[1, 4] == 1 and lab.result_step[1, 11] == 2
+    assert lab.mistake_step.tolist() == [-1, 0, 1, -1]
+
+
+@pytest.mark.parametrize("accuracy, moved", [(1.0, [False, False, False, False]), (0.0, [False, True, True, False])])
+def test_relocate_mistakes_moves_the_importance_to_another_step_of_the_same_response(accuracy, moved):
+    from oar.credit.controls import oracle_labels, relocate_mistakes
+
+    lab = oracle_labels(_batch(), fillers=TASK["synthetic"]["fillers"])
+    target, did = relocate_mistakes(lab, lab.located, accuracy, torch.Generator().manual_seed(0))
+    assert did.tolist() == moved
+    if accuracy == 0.0:  # the other step of each two-step response: row 1's second result, row 2's first
+        assert target[1].nonzero().flatten().tolist() == [11] and target[2].nonzero().flatten().tolist() == [4]
+    else:
+        assert torch.equal(target, lab.first_mistake)
+
+
+def test_relocate_mistakes_keeps_the_rate_and_leaves_one_step_responses():
+    from oar.credit.controls import OracleLabels, relocate_mistakes
+
+    B, T = 4000, 6
+    result_step = torch.tensor([[1, 0, 2, 0, 3, 0]] * (B - 1) + [[1, 0, 0, 0, 0, 0]])
+    first = (result_step == 2).float()
+    first[-1] = (result_step[-1] == 1).float()
+    mistake = torch.full((B,), 1)
+    mistake[-1] = 0
+    lab = OracleLabels(first_mistake=first, results=(result_step > 0).float(), progress=torch.zeros(B, T),
+                       reasoning=torch.ones(B, T), parsed=torch.ones(B, dtype=torch.bool),
+                       located=torch.ones(B, dtype=torch.bool), result_step=result_step, mistake_step=mistake)
+    target, moved = relocate_mistakes(lab, lab.located, 0.75, torch.Generator().manual_seed(1))
+    assert 0.22 < float(moved[:-1].float().mean()) < 0.28 and not moved[-1]
+    on = target[:-1].argmax(-1)[moved[:-1]]
+    assert set(on.tolist()) == {0, 4}  # steps 1 and 3, never the mistake's step 2
+    assert 0.45 < float((on == 0).float().mean()) < 0.55  # drawn uniformly
+
+
+def test_degraded_oracle_is_the_oracle_at_localisation_1_and_seeded():
+    b = _batch()
+    b.extras.update(seed=3, step=5)
+    full = get_estimator("oracle_first_mistake")(b)
+    same = get_estimator("oracle_first_mistake")(b, localisation=1.0)
+    assert torch.equal(full.token_advantages, same.token_advantages) and "relocated_fraction" not in same.stats
+    blind = get_estimator("oracle_first_mistake")(b, localisation=0.0)
+    again = get_estimator("oracle_first_mistake")(b, localisation=0.0)
+    assert torch.equal(blind.token_advantages, again.token_advantages)  # seeded by the run seed and the step
+    assert blind.stats["relocated_fraction"] == 0.5  # rows 1 and 2 of 4
+    assert _top(blind.weights[1]) == [11] and _top(full.weights[1]) == [4]
+    # the mass of each row's advantage is kept either way
+    m = b.response_mask.float()
+    assert torch.allclose((blind.token_advantages * m).sum(-1), (full.token_advantages * m).sum(-1), atol=1e-5)
+
+
+def test_oracle_suffix_spares_the_correct_prefix_and_spreads_the_penalty_from_the_mistake_on():
+    b = _batch()
+    res = get_estimator("oracle_suffix")(b)
+    A = res.seq_advantages
+    m = b.response_mask.float()
+    L = m.sum(-1)
+    # row 1: the mistake's result at 4: tokens 0-3 spared, 4.. carry A_1 x L / (L - 4)
+    assert res.token_advantages[1, :4].abs().sum() == 0
+    assert torch.allclose(res.token_advantages[1, 4:int(L[1])], A[1] * L[1] / (L[1] - 4))
+    # row 2: the mistake in the last step (its result at 14)
+    assert res.token_advantages[2, :14].abs().sum() == 0
+    # the penalty's total is kept; the correct row and the unparsed one keep GRPO's uniform credit
+    assert torch.allclose((res.token_advantages * m).sum(-1), A * L, atol=1e-5)
+    for r in (0, 3):
+        assert torch.allclose(res.token_advantages[r, :int(L[r])], A[r].expand(int(L[r])))
+    assert res.stats["scored_fraction"] == 0.5 and 0 < res.stats["spared_fraction"] < 1
+    plain = get_estimator("oracle_suffix")(b, preserve_mass=False)
+    assert torch.allclose(plain.token_advantages[1, 4:int(L[1])], A[1].expand(int(L[1]) - 4))
+    with pytest.raises(TypeError, match="unknown option.*beta"):
+        get_estimator("oracle_suffix")(b, beta=2.0)

@@ -9,6 +9,16 @@ so only the importance scores differ from OAR-P / OAR-G:
   ``oar attribution``), importance 1 on the result tokens of that step (sign included), 0 on every
   other reasoning token, including the later restatements of the wrong value. Correct responses,
   and wrong ones without a located mistake, keep GRPO's uniform credit.
+  With ``localisation`` ``p`` < 1 it is a degraded oracle: in each scored response, with probability
+  ``1 - p`` the importance lands on the result tokens of another step of the same response, drawn
+  uniformly (a response with one step keeps it on the mistake): how fast the oracle's gain falls
+  with the accuracy of the localisation.
+- ``oracle_suffix`` (synthetic task only; VPPO-style, arXiv 2601.18984, not reshaped): in a wrong
+  response (``A_i < 0``) with a located first mistake the tokens before the mistake's result (the
+  correct prefix) get advantage 0, and the response's penalty is spread uniformly over its tokens
+  from the mistake's result on (``A_i x L / L_suffix`` each with ``preserve_mass``, else ``A_i``).
+  Against ``oracle_first_mistake`` it tells whether the gain comes from sparing the correct prefix
+  or from pinpointing the mistake.
 - ``oracle_decisive`` (synthetic task only): importance 1 on the result tokens of every step of
   every parsed response, without knowing which one is wrong: what an ideal OAR would find.
 - ``oracle_progress`` (synthetic task only; PAV's form, arXiv 2410.08146, not reshaped):
@@ -45,6 +55,8 @@ __all__ = [
     "oracle_first_mistake_estimator",
     "oracle_decisive_estimator",
     "oracle_progress_estimator",
+    "oracle_suffix_estimator",
+    "relocate_mistakes",
     "shuffled_estimator",
     "inverted_estimator",
 ]
@@ -53,6 +65,10 @@ _QUESTION_IN_PROMPT = re.compile(r"Compute ([0-9+\-*]+)\.")
 
 #: Options of the reshaped oracles: the sequence advantage's and the Bi-Level reshaping's.
 _ORACLE_OPTIONS = SEQ_OPTIONS + RESHAPE_OPTIONS
+#: ``oracle_first_mistake``'s own: the accuracy of its localisation (1: the oracle itself).
+_LOCALISATION = "localisation"
+#: Salts of the controls' random draws (with the run seed and the step: :func:`_generator`).
+_SHUFFLE_SALT, _RELOCATE_SALT = 0x5EED, 0x10CA
 
 
 class SyntheticTaskRequired(ValueError):
@@ -66,6 +82,8 @@ class OracleLabels:
     Attributes:
         first_mistake: ``(B, T)`` float, 1 on the result tokens of the located first mistake.
         results: ``(B, T)`` float, 1 on the result tokens of every step.
+        result_step: ``(B, T)`` long, ``k + 1`` on the result tokens of step ``k``, 0 elsewhere.
+        mistake_step: ``(B,)`` long, the located first mistake's step, -1 where none is located.
         progress: ``(B, T)`` float, ``P_k - P_{k-1}`` on the tokens of step ``k`` (0 or -1).
         reasoning: ``(B, T)`` float, 1 on the tokens before the answer marker of parsed rows.
         parsed: ``(B,)`` bool, the response follows the task grammar.
@@ -78,6 +96,8 @@ class OracleLabels:
     reasoning: torch.Tensor
     parsed: torch.Tensor
     located: torch.Tensor
+    result_step: torch.Tensor
+    mistake_step: torch.Tensor
 
 
 def _questions(batch: CreditBatch, name: str) -> list[tuple[list[int], list[str]]]:
@@ -128,8 +148,9 @@ def oracle_labels(batch: CreditBatch, *, fillers: Sequence[str], name: str = "or
 
     terms = _questions(batch, name)
     B, T = batch.response_ids.shape
-    out = {k: torch.zeros(B, T) for k in ("first_mistake", "results", "progress", "reasoning")}
+    out = {k: torch.zeros(B, T) for k in ("first_mistake", "results", "progress", "reasoning", "result_step")}
     parsed_rows, located = torch.zeros(B, dtype=torch.bool), torch.zeros(B, dtype=torch.bool)
+    mistake_step = torch.full((B,), -1, dtype=torch.long)
     ids_cpu, mask_cpu = batch.response_ids.detach().cpu(), batch.response_mask.detach().cpu().bool()
     for b in range(B):
         pos = mask_cpu[b].nonzero().flatten()
@@ -145,17 +166,47 @@ def oracle_labels(batch: CreditBatch, *, fillers: Sequence[str], name: str = "or
 
         mark("reasoning", [[0, parsed.reasoning_end]])
         mark("results", parsed.result_spans)
+        for k, span in enumerate(parsed.result_spans):
+            mark("result_step", [span], float(k + 1))
         operands, ops = terms[b]
         check = check_steps(parsed.steps, operands, ops, parsed.answer)
         if check.locatable:
             located[b] = True
+            mistake_step[b] = check.mistake_step
             mark("first_mistake", [parsed.result_spans[check.mistake_step]])
         reference = [c for (_, _, _, c) in solve_steps(operands, ops)]
         for k, step in enumerate(parsed.steps):
             if k >= len(reference) or step[3] != reference[k]:  # P_k drops from 1 to 0 here, once
                 mark("progress", [parsed.step_spans[k]], -1.0)
                 break
-    return OracleLabels(parsed=parsed_rows, located=located, **out)
+    result_step = out.pop("result_step").long()
+    return OracleLabels(parsed=parsed_rows, located=located, result_step=result_step, mistake_step=mistake_step, **out)
+
+
+def relocate_mistakes(labels: OracleLabels, rows: torch.Tensor, accuracy: float,
+                      generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A degraded localisation of the first mistake: in each of ``rows`` (``(B,)`` bool, rows with a
+    located mistake) the mistake's result tokens are kept with probability ``accuracy``; otherwise
+    the result tokens of another step of the same response, drawn uniformly, take their place (a
+    response whose only step is the mistake keeps it).
+
+    Returns:
+        ``(importance (B, T) float, moved (B,) bool)``: 1 on the chosen step's result tokens of the
+        rows, ``labels.first_mistake`` elsewhere; which rows' importance moved.
+    """
+    target = labels.first_mistake.clone()
+    B = target.shape[0]
+    keep = torch.rand(B, generator=generator) < accuracy
+    pick = torch.rand(B, generator=generator)
+    moved = torch.zeros(B, dtype=torch.bool)
+    for b in (rows & ~keep).nonzero().flatten().tolist():
+        steps = [int(k) for k in labels.result_step[b].unique().tolist() if k > 0 and k - 1 != labels.mistake_step[b]]
+        if not steps:
+            continue
+        k = steps[min(int(pick[b] * len(steps)), len(steps) - 1)]
+        target[b] = (labels.result_step[b] == k).to(target.dtype)
+        moved[b] = True
+    return target, moved
 
 
 def _fillers(batch: CreditBatch) -> list[str]:
@@ -164,9 +215,12 @@ def _fillers(batch: CreditBatch) -> list[str]:
     return task_fillers((batch.extras.get("task") or {}).get("synthetic"))
 
 
-def _oracle_scores(name: str, batch: CreditBatch, which: str, *, wrong_only: bool):
+def _oracle_scores(name: str, batch: CreditBatch, which: str, *, wrong_only: bool, localisation: float = 1.0,
+                   options: dict[str, Any] | None = None):
     """``wrong_only``: score only responses below their group's mean (``A_i < 0``), so a mistake that a
-    later one cancels in a right answer is not boosted with a positive advantage."""
+    later one cancels in a right answer is not boosted with a positive advantage. ``localisation`` < 1:
+    the first mistake's importance moved to another step with probability ``1 - localisation``
+    (:func:`relocate_mistakes`, drawn from the run seed and the step)."""
     def scores_of(A: torch.Tensor):
         t0 = time.perf_counter()
         labels = oracle_labels(batch, fillers=_fillers(batch), name=name)
@@ -176,6 +230,10 @@ def _oracle_scores(name: str, batch: CreditBatch, which: str, *, wrong_only: boo
         B = max(len(A), 1)
         stats = {"importance_s": time.perf_counter() - t0, "parsed_fraction": float(labels.parsed.sum()) / B,
                  "located_fraction": float(labels.located.sum()) / B, "scored_fraction": float(active.sum()) / B}
+        if localisation < 1.0:
+            target, moved = relocate_mistakes(labels, active, localisation,
+                                              _generator(batch, options or {}, _RELOCATE_SALT))
+            stats["relocated_fraction"] = float(moved.sum()) / B
         dev = batch.response_mask.device
         return target.to(dev), labels.reasoning.to(dev), active.to(dev), stats
 
@@ -187,13 +245,17 @@ def oracle_first_mistake_estimator(batch: CreditBatch, **options: Any) -> Credit
     """Oracle control: Bi-Level weights from importance 1 on the first mistake's result tokens.
 
     Options: ``norm_by_std`` (True), ``eps`` (1e-6), ``quantile`` (0.25), ``beta`` (1.0), ``floor``
-    (0.1), ``preserve_mass`` (True), as OAR. Rows scored: responses below their group's mean
-    (``A_i < 0``) with a located first mistake; every other row keeps weight 1 (also a right answer
-    reached through two mistakes that cancel). Stats: ``parsed_fraction``,
-    ``located_fraction``, ``scored_fraction``, ``importance_s``.
+    (0.1), ``preserve_mass`` (True), as OAR; ``localisation`` (1.0): the probability that the
+    importance is on the mistake, else on another step of the response (:func:`relocate_mistakes`).
+    Rows scored: responses below their group's mean (``A_i < 0``) with a located first mistake; every
+    other row keeps weight 1 (also a right answer reached through two mistakes that cancel). Stats:
+    ``parsed_fraction``, ``located_fraction``, ``scored_fraction``, ``importance_s`` (and
+    ``relocated_fraction`` with ``localisation`` < 1).
     """
+    localisation = float(options.pop(_LOCALISATION, 1.0))
     return reshaped_credit("oracle_first_mistake", batch, options, _ORACLE_OPTIONS,
-                     _oracle_scores("oracle_first_mistake", batch, "first_mistake", wrong_only=True))
+                           _oracle_scores("oracle_first_mistake", batch, "first_mistake", wrong_only=True,
+                                          localisation=localisation, options=options))
 
 
 @register_estimator("oracle_decisive")
@@ -227,6 +289,41 @@ def oracle_progress_estimator(batch: CreditBatch, **options: Any) -> CreditResul
                         stats={"importance_s": time.perf_counter() - t0,
                                "parsed_fraction": float(labels.parsed.sum()) / B,
                                "progress_fraction": float((progress != 0).any(-1).sum()) / B})
+
+
+@register_estimator("oracle_suffix")
+def oracle_suffix_estimator(batch: CreditBatch, **options: Any) -> CreditResult:
+    """VPPO-style control (arXiv 2601.18984): the correct prefix of a wrong response spared, its penalty
+    spread uniformly from the first mistake on.
+
+    In a response below its group's mean (``A_i < 0``) with a located first mistake, the tokens before
+    the mistake's result get weight 0 and the tokens from it to the end weight ``L / L_suffix`` with
+    ``preserve_mass`` (the response's total penalty kept), else 1. Every other row keeps GRPO's
+    uniform credit. Options: ``norm_by_std`` (True), ``eps`` (1e-6), ``preserve_mass`` (True).
+    Stats: ``parsed_fraction``, ``located_fraction``, ``scored_fraction``, ``spared_fraction`` (the
+    share of a scored response's tokens spared, averaged), ``importance_s``.
+    """
+    check_options("oracle_suffix", options, SEQ_OPTIONS + ("preserve_mass",))
+    t0 = time.perf_counter()
+    A = sequence_advantages(batch, options)
+    labels = oracle_labels(batch, fillers=_fillers(batch), name="oracle_suffix")
+    m = batch.response_mask.to(torch.float32)
+    dev = m.device
+    start = torch.where(labels.first_mistake.to(dev) > 0, torch.arange(m.shape[1], device=dev), m.shape[1]).amin(-1)
+    active = labels.located.to(dev) & (A.to(dev) < 0) & (start < m.shape[1])
+    suffix = (torch.arange(m.shape[1], device=dev)[None, :] >= start[:, None]).to(m.dtype) * m
+    lengths, kept = m.sum(-1), suffix.sum(-1)
+    scale = lengths / kept.clamp(min=1.0) if bool(options.get("preserve_mass", True)) else torch.ones_like(lengths)
+    weights = torch.where(active[:, None], suffix * scale[:, None], m)
+    token_adv = broadcast_seq(A.to(torch.float32), batch.response_mask) * weights
+    B = max(len(A), 1)
+    spared = ((lengths - kept) / lengths.clamp(min=1.0))[active]
+    return CreditResult(token_advantages=token_adv, seq_advantages=A, weights=weights,
+                        stats={"importance_s": time.perf_counter() - t0,
+                               "parsed_fraction": float(labels.parsed.sum()) / B,
+                               "located_fraction": float(labels.located.sum()) / B,
+                               "scored_fraction": float(active.sum()) / B,
+                               "spared_fraction": float(spared.mean()) if len(spared) else 0.0})
 
 
 def shuffle_scores(scores: torch.Tensor, mask: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -274,11 +371,12 @@ def _null_scores(batch: CreditBatch, options: dict[str, Any], transform: Callabl
     return scores_of
 
 
-def _null_generator(batch: CreditBatch, options: dict[str, Any]) -> torch.Generator:
+def _generator(batch: CreditBatch, options: dict[str, Any], salt: int) -> torch.Generator:
+    """A control's random stream: the run's seed (or the ``seed`` option), the step and ``salt``."""
     from oar.credit.importance import mix_seed
 
     seed = int(options.get("seed", batch.extras.get("seed") or 0))
-    return torch.Generator().manual_seed(mix_seed(mix_seed(seed, int(batch.extras.get("step") or 0)), 0x5EED))
+    return torch.Generator().manual_seed(mix_seed(mix_seed(seed, int(batch.extras.get("step") or 0)), salt))
 
 
 @register_estimator("shuffled", needs_model=True)
@@ -289,7 +387,7 @@ def shuffled_estimator(batch: CreditBatch, **options: Any) -> CreditResult:
     """
     from oar.credit.importance import OAR_G_OPTIONS
 
-    gen = _null_generator(batch, options)
+    gen = _generator(batch, options, _SHUFFLE_SALT)
     return reshaped_credit("shuffled", batch, options, OAR_G_OPTIONS,
                      _null_scores(batch, options, lambda s, m: shuffle_scores(s.cpu(), m.cpu(), gen).to(s.device)))
 
