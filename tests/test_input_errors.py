@@ -770,7 +770,7 @@ def test_oar_data_warns_of_training_prompts_that_leave_less_than_the_rollout_and
 
 def test_oar_data_checks_prompts_against_a_local_model_folder(saved_model, tmp_path):
     from oar.config import load_config
-    from oar.data.checks import prompt_model
+    from oar.data_checks import prompt_model
 
     config = load_config(_smoke_config(tmp_path, {"model": {"source": str(saved_model)}}))
     model = prompt_model(config)
@@ -833,9 +833,9 @@ def test_oar_data_warns_about_gold_answers_the_reward_cannot_read(tmp_path, caps
 @pytest.mark.slow  # parses every gold of ../shared/data: 15-30 s
 @pytest.mark.skipif(not (ROOT.parent / "shared" / "data").is_dir(), reason="../shared/data not here")
 def test_the_shipped_benchmarks_hold_a_few_golds_the_reward_cannot_read():
-    """Why unreadable golds are a warning (oar.data.checks): refusing them would stop the shipped files."""
+    """Why unreadable golds are a warning (oar.data_checks): refusing them would stop the shipped files."""
     from oar.data.benchmarks import load_benchmark_located
-    from oar.data.checks import unreadable_golds
+    from oar.data_checks import unreadable_golds
 
     data = ROOT.parent / "shared" / "data"
     counts = {name: len(unreadable_golds(load_benchmark_located(name, data / name), timeout_s=5.0))
