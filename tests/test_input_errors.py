@@ -942,3 +942,21 @@ def test_a_model_folder_without_a_tokenizer_stops_oar_data_in_one_line(saved_mod
                                              f"tokenizer: none of tokenizer.json, *.model, vocab.json, vocab.txt, "
                                              f"*.tiktoken (save the tokenizer beside the model: "
                                              f"tokenizer.save_pretrained)")
+
+
+@pytest.mark.parametrize("how, key", [("option", "--init"), ("config", "train.init")])
+def test_a_missing_init_folder_is_named_as_what_gave_it(tmp_path, capsys, how, key):
+    """The start model from --init (or train.init) that does not exist: the message names that, not
+    model.source; nothing is made."""
+    missing = tmp_path / "no_such_model"
+    over = {"train": {"init": str(missing)}} if how == "config" else {}
+    cfg = _smoke_config(tmp_path, over)
+    out = tmp_path / "run"
+    args = ["train", "--config", str(cfg), "--method", "grpo", "--output", str(out)]
+    rc, err = _cli(args + (["--init", str(missing)] if how == "option" else []), capsys)
+    assert rc == 2, err
+    line = _last_error_line(err, "train")
+    # --init: the trainer's own check; train.init: the pre-flight's (it names the config file too)
+    said = f"{key}: '{missing}' does not exist" if how == "option" else f"key {key}: no model folder {missing}"
+    assert said in line and "model.source" not in line, line
+    assert not out.exists()
