@@ -770,7 +770,7 @@ def test_oar_data_warns_of_training_prompts_that_leave_less_than_the_rollout_and
 
 def test_oar_data_checks_prompts_against_a_local_model_folder(saved_model, tmp_path):
     from oar.config import load_config
-    from oar.data.checks import prompt_model
+    from oar.data_checks import prompt_model
 
     config = load_config(_smoke_config(tmp_path, {"model": {"source": str(saved_model)}}))
     model = prompt_model(config)
@@ -833,9 +833,9 @@ def test_oar_data_warns_about_gold_answers_the_reward_cannot_read(tmp_path, caps
 @pytest.mark.slow  # parses every gold of ../shared/data: 15-30 s
 @pytest.mark.skipif(not (ROOT.parent / "shared" / "data").is_dir(), reason="../shared/data not here")
 def test_the_shipped_benchmarks_hold_a_few_golds_the_reward_cannot_read():
-    """Why unreadable golds are a warning (oar.data.checks): refusing them would stop the shipped files."""
+    """Why unreadable golds are a warning (oar.data_checks): refusing them would stop the shipped files."""
     from oar.data.benchmarks import load_benchmark_located
-    from oar.data.checks import unreadable_golds
+    from oar.data_checks import unreadable_golds
 
     data = ROOT.parent / "shared" / "data"
     counts = {name: len(unreadable_golds(load_benchmark_located(name, data / name), timeout_s=5.0))
@@ -942,3 +942,21 @@ def test_a_model_folder_without_a_tokenizer_stops_oar_data_in_one_line(saved_mod
                                              f"tokenizer: none of tokenizer.json, *.model, vocab.json, vocab.txt, "
                                              f"*.tiktoken (save the tokenizer beside the model: "
                                              f"tokenizer.save_pretrained)")
+
+
+@pytest.mark.parametrize("how, key", [("option", "--init"), ("config", "train.init")])
+def test_a_missing_init_folder_is_named_as_what_gave_it(tmp_path, capsys, how, key):
+    """The start model from --init (or train.init) that does not exist: the message names that, not
+    model.source; nothing is made."""
+    missing = tmp_path / "no_such_model"
+    over = {"train": {"init": str(missing)}} if how == "config" else {}
+    cfg = _smoke_config(tmp_path, over)
+    out = tmp_path / "run"
+    args = ["train", "--config", str(cfg), "--method", "grpo", "--output", str(out)]
+    rc, err = _cli(args + (["--init", str(missing)] if how == "option" else []), capsys)
+    assert rc == 2, err
+    line = _last_error_line(err, "train")
+    # --init: the trainer's own check; train.init: the pre-flight's (it names the config file too)
+    said = f"{key}: '{missing}' does not exist" if how == "option" else f"key {key}: no model folder {missing}"
+    assert said in line and "model.source" not in line, line
+    assert not out.exists()

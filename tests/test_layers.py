@@ -11,7 +11,7 @@ layer fails. Layers, bottom to top (a module may import its own layer and those 
 4. training and measuring: rollout, loss, strategy, runs, evaluate, heldout, sft, train (with run_setup, batch, update,
    checkpoint, run_end), attribution,
    optim (the schedule and weight-decay groups SFT and RL share), plan, launch, layout, stage_runs (the MLflow runs of every stage; the report's is oar.report.logged),
-   integrations (oar's estimators inside verl and TRL)
+   integrations (oar's estimators inside verl and TRL), manifest and data_checks (the data stage, oar data)
 5. reports: report, learning_curves, regimes
 6. the command line: cli
 """
@@ -32,7 +32,7 @@ LAYERS: dict[str, int] = {
     **dict.fromkeys(["config", "preflight", "identity"], 3),
     **dict.fromkeys(["rollout", "loss", "strategy", "runs", "evaluate", "heldout", "sft", "train", "run_setup", "batch", "update", "checkpoint",
                      "run_end", "attribution",
-                     "plan", "launch", "layout", "stage_runs", "optim", "integrations"], 4),
+                     "plan", "launch", "layout", "stage_runs", "optim", "integrations", "manifest", "data_checks"], 4),
     **dict.fromkeys(["report", "learning_curves", "regimes"], 5),
     "cli": 6,
 }

@@ -686,5 +686,5 @@ def test_one_seed_report_says_nothing_is_bold(tree):
     out = build_report(validate_config({**cfg, "seeds": [0]}), root, seed=3)
     md, tex = out["main_md"].read_text(), out["main_tex"].read_text()
     assert "Bold: none (no interval to test" in md and "0 comparisons" not in md and "| **" not in md
-    assert "no interval (one seed), nothing bold" in tex and "0 comparisons" not in tex
+    assert "one training seed: no interval, nothing bold" in tex and "0 comparisons" not in tex
     assert "**Minimum detectable difference**: not defined; a seed-level sd needs" in md and "sd nan" not in md

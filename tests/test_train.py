@@ -209,7 +209,9 @@ def test_mlflow_run_logged(tmp_path):
     assert prov["end_time"] >= prov["start_time"] and prov["device"] == "cpu"
     assert tags["oar.provenance.start_time"] == prov["start_time"] and tags["oar.provenance.end_time"] == prov["end_time"]
     assert tags.get("oar.git_commit") == prov["git_commit"]
-    assert [f.path for f in client.list_artifacts(run.info.run_id)] == ["train_summary.json"]
+    # the resolved config beside the summary (the run's params are only what differs from the defaults)
+    assert [f.path for f in client.list_artifacts(run.info.run_id)] == ["config.yaml", "train_summary.json"]
+    assert len(run.data.params) < 80 and run.data.params["config.name"] == cfg["name"]
     # started again with nothing left to train (the workflow reruns the job when train.save_every
     # changes): the same train_summary.json byte for byte, so the evaluation's checksum holds
     before = (tmp_path / "run" / "train_summary.json").read_bytes()

@@ -29,7 +29,7 @@ SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 SNAKEFILE = ROOT / "workflow" / "Snakefile"
 # what precedes `python -m oar.cli` in every rule's command: the library of this repository, installed
 # or not (workflow/rules/common.smk, OAR_ENV)
-OAR_ENV = f"PYTHONPATH={shlex.quote(str(ROOT / 'src'))}${{PYTHONPATH:+:$PYTHONPATH}}"
+OAR_ENV = f"OAR_LAUNCHED_BY=workflow PYTHONPATH={shlex.quote(str(ROOT / 'src'))}${{PYTHONPATH:+:$PYTHONPATH}}"
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("snakemake") is None, reason="snakemake not installed")
 
 

@@ -13,6 +13,8 @@ Subpackages and modules:
 - :mod:`oar.data` -- the synthetic arithmetic task, real benchmark loaders, prompt templates and the
   data manifest (``oar data``).
 - :mod:`oar.schemas` -- the config's JSON schema (YAML).
+- :mod:`oar.manifest` -- the data stage (``oar data``): every data set a config names, loaded, checked, described.
+- :mod:`oar.data_checks` -- the records against the model and the reward: prompts against the context, unreadable golds.
 - :mod:`oar.train` -- the RL training loop shared by every method (``oar train``).
 - :mod:`oar.run_setup` -- setting up a training run: model, optimizer, data, engine, tracker (:class:`~oar.run_setup.TrainingRun`).
 - :mod:`oar.batch` -- one step's batch: the prompts' resumable order, sampling, scoring, dynamic sampling, step seeds.

@@ -125,7 +125,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def _cmd_data(args: argparse.Namespace) -> int:
-    from oar.data.manifest import write_data_manifest
+    from oar.manifest import write_data_manifest
     from oar.preflight import check_config
 
     config = _load(args)
@@ -135,7 +135,7 @@ def _cmd_data(args: argparse.Namespace) -> int:
     skipped = manifest["checks"]["prompts"].get("skipped")
     if skipped:
         print(f"oar data: note: {skipped}", file=sys.stderr)
-    for warning in manifest["warnings"]:  # oar.data.checks: gold answers the reward cannot read
+    for warning in manifest["warnings"]:  # oar.data_checks: gold answers the reward cannot read
         print(f"oar data: warning: {warning}", file=sys.stderr)
     return 0
 

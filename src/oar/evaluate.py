@@ -258,11 +258,11 @@ def _read_cached(path: Path) -> dict | None:
 def _check_eval_prompts(config: dict, model: Any, tokenizer: Any, located: dict[str, list[tuple[str, dict]]], *,
                         model_path: str, transfer: bool) -> None:
     """Every prompt of ``located`` (``{benchmark: [(where, record), ...]}``) fits the loaded ``model``'s
-    context (:func:`oar.data.checks.check_prompts`): a benchmark changed since ``oar data`` checked it
+    context (:func:`oar.data_checks.check_prompts`): a benchmark changed since ``oar data`` checked it
     is one line before anything is generated, not a failed generation after hours; prompts that leave
     fewer than ``eval.max_new_tokens`` are one warning line. Nothing is checked when the model's config
     gives no context length."""
-    from oar.data.checks import EVAL_BUDGET_KEY, check_prompts, loaded_prompt_model
+    from oar.data_checks import EVAL_BUDGET_KEY, check_prompts, loaded_prompt_model
 
     config_json = Path(model_path) / "config.json"
     origin = "model.tiny" if model_path == "tiny" else str(config_json) if config_json.is_file() else model_path
@@ -295,7 +295,7 @@ def evaluate_from_config(config: dict, model_dir: str | Path | None, output_dir:
         oar.models.ModelLoadError: a file of the model cannot be loaded, or its tokenizer and its
             embeddings disagree.
         ValueError: ``transfer`` and ``eval.transfer.benchmarks`` is empty; a prompt does not fit the
-            model's context with ``eval.max_new_tokens`` (:func:`oar.data.checks.check_prompts`). All
+            model's context with ``eval.max_new_tokens`` (:func:`oar.data_checks.check_prompts`). All
             before anything is written: ``output_dir`` is made (and locked) only once the model has
             loaded and every prompt is checked.
     """

@@ -232,7 +232,7 @@ def _check_weights(folder: Path) -> None:
                 raise _model_error(path, problem)
 
 
-def _local_path(source: str, gguf_file: str | None) -> Path | None:
+def _local_path(source: str, gguf_file: str | None, *, key: str = "model.source") -> Path | None:
     """The local ``.gguf`` file or model folder ``source`` names; None when it is a hub id.
 
     Raises:
@@ -243,7 +243,7 @@ def _local_path(source: str, gguf_file: str | None) -> Path | None:
     path = Path(source).expanduser()
     if path.is_file():
         if path.suffix.lower() != ".gguf":
-            raise ValueError(f"model.source: {path} is a file but not a .gguf; give a model folder or a .gguf file")
+            raise ValueError(f"{key}: {path} is a file but not a .gguf; give a model folder or a .gguf file")
         return path
     if path.is_dir():
         if gguf_file and not (path / gguf_file).is_file():
@@ -251,10 +251,10 @@ def _local_path(source: str, gguf_file: str | None) -> Path | None:
         return path
     if _HUB_ID.match(source) and not source.startswith((".", "~")):
         return None
-    raise FileNotFoundError(f"model.source: {source!r} does not exist (and is not 'tiny' or a hub id 'org/name')")
+    raise FileNotFoundError(f"{key}: {source!r} does not exist (and is not 'tiny' or a hub id 'org/name')")
 
 
-def check_model_files(spec: Mapping[str, Any] | str | os.PathLike) -> None:
+def check_model_files(spec: Mapping[str, Any] | str | os.PathLike, *, key: str = "model.source") -> None:
     """Check the files of the local model ``spec`` names, without loading its weights (their headers
     only; the tokenizer is loaded, which is cheap).
 
@@ -267,7 +267,8 @@ def check_model_files(spec: Mapping[str, Any] | str | os.PathLike) -> None:
       ``config.json``'s ``vocab_size`` (:func:`check_vocab`); the tokenizer is not checked with
       ``trust_remote_code``, whose code may load it from elsewhere.
 
-    ``"tiny"`` and a hub id are left to :func:`load_policy`.
+    ``"tiny"`` and a hub id are left to :func:`load_policy`. ``key``: the config key or option the
+    source came from (``model.source``, ``train.init``, ``--init``), for the messages.
 
     Raises:
         FileNotFoundError: ``source`` is neither an existing path nor a hub id, or ``gguf_file`` is missing.
@@ -281,7 +282,7 @@ def check_model_files(spec: Mapping[str, Any] | str | os.PathLike) -> None:
     if not source or source == "tiny":
         return
     gguf_file = spec.get("gguf_file")
-    path = _local_path(source, gguf_file)
+    path = _local_path(source, gguf_file, key=key)
     if path is None:
         return
     if path.is_file():

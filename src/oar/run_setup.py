@@ -34,11 +34,12 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def check_train_inputs(config: dict, start_spec: dict, output: Path) -> None:
+def check_train_inputs(config: dict, start_spec: dict, output: Path, *, start_key: str = "model.source") -> None:
     """The user's files a run needs, checked before it touches anything: ``output`` can be a folder
     this process writes (:func:`oar.io.check_output_folder`), the MLflow store reads
     (:func:`oar.tracking.check_store`, when tracking is on) and the start model's files are whole
-    (:func:`oar.models.check_model_files`). A failed check leaves an existing run folder as it was.
+    (:func:`oar.models.check_model_files`; ``start_key`` names where the start model came from:
+    ``model.source``, ``train.init`` or ``--init``). A failed check leaves an existing run folder as it was.
 
     Raises:
         oar.io.OutputPathError, oar.tracking.TrackingStoreError, oar.models.ModelLoadError: naming
@@ -52,7 +53,7 @@ def check_train_inputs(config: dict, start_spec: dict, output: Path) -> None:
     check_output_folder(output, what="the run folder (--output)")
     if config["tracking"]["enabled"]:
         check_store(config["tracking"]["uri"])
-    check_model_files(start_spec)
+    check_model_files(start_spec, key=start_key)
 
 
 @dataclass

@@ -117,7 +117,9 @@ def train(
     folder = RunFolder(Path(output))
     start = init if init is not None else config["train"].get("init")
     start_spec = dict(config["model"], source=start, gguf_file=None) if start else dict(config["model"])
-    check_train_inputs(config, start_spec, folder.path)  # before the folder is locked, repaired or reset
+    start_key = "--init" if init is not None else "train.init" if start else "model.source"
+    # before the folder is locked, repaired or reset
+    check_train_inputs(config, start_spec, folder.path, start_key=start_key)
     signals = (contextlib.nullcontext(stop) if stop is not None
                else StopSignal(repeat_seconds=config["train"]["preemption"]["repeat_seconds"]))
     with signals as stop:

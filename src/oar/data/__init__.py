@@ -6,10 +6,9 @@
 - :mod:`oar.data.prompts` -- ``render_prompt(template, question, tokenizer=None)``.
 - :mod:`oar.data.records` -- ``training_records(task)``: the training set of a config's task, the
   one loader RL training, SFT and ``oar data`` share.
-- :mod:`oar.data.manifest` -- ``data_manifest(config)``: every data set a config names, loaded,
-  checked and described (``oar data``; also importable from :mod:`oar.report`).
-- :mod:`oar.data.checks` -- the checks: every prompt fits the model's context with its generation
-  budget (``oar data``, again in ``oar evaluate``); gold answers the reward cannot read are counted.
+
+The data stage built on them (``oar data``: the manifest, and the checks against the model and the
+reward) is :mod:`oar.manifest` and :mod:`oar.data_checks`, above the model and evaluation layers.
 """
 
 from oar.data.benchmarks import BENCHMARK_NAMES, HubUnavailableError, load_benchmark

@@ -63,13 +63,13 @@ Modules (every name is importable from ``oar.report``):
 - :mod:`oar.report.render` -- ``main.md`` / ``main.tex`` from the long tables.
 - :mod:`oar.report.build` -- :func:`build_report`, :func:`report_metrics`.
 
-The data manifest (:func:`data_manifest`, :func:`write_data_manifest`) is :mod:`oar.data.manifest`,
+The data manifest (:func:`data_manifest`, :func:`write_data_manifest`) is :mod:`oar.manifest`,
 re-exported here.
 """
 
 from __future__ import annotations
 
-from oar.data.manifest import data_manifest, write_data_manifest
+from oar.manifest import data_manifest, write_data_manifest
 from oar.report.base import BASE_ROW, METRICS, REPORT_DEFAULTS, ReportError, RunScores
 from oar.report.build import build_report, report_metrics
 from oar.report.efficiency import PHASES, efficiency_table, load_metrics

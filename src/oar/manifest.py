@@ -1,5 +1,5 @@
 """The data manifest (``oar data``): every data set a config names, loaded once, checked against the
-model and the reward (:mod:`oar.data.checks`: every prompt fits the model's context with its
+model and the reward (:mod:`oar.data_checks`: every prompt fits the model's context with its
 generation budget; gold answers the reward cannot read are counted and warned about) and described
 (resolved path, sha256 and size of local files; record counts; generator options of synthetic splits).
 """
@@ -45,13 +45,13 @@ def data_manifest(config: Mapping[str, Any]) -> dict[str, Any]:
     the reward cannot read as math (``unreadable_golds``, with the first few in
     ``unreadable_gold_records``). ``checks.prompts`` says which model the prompts were checked against,
     or why they were not (``skipped``); ``warnings`` holds one line per set with unreadable golds
-    (:mod:`oar.data.checks`).
+    (:mod:`oar.data_checks`).
 
     Raises:
         FileNotFoundError / ValueError / HubUnavailableError: from :func:`oar.data.benchmarks.load_benchmark`,
         naming the benchmark and file; ValueError also when the training set or an eval benchmark
         has no records (:func:`oar.data.benchmarks.require_records`), or a prompt does not fit the
-        model's context with its generation budget (:func:`oar.data.checks.check_prompts`).
+        model's context with its generation budget (:func:`oar.data_checks.check_prompts`).
         oar.models.ModelLoadError: the model's tokenizer does not load.
     """
     out: dict[str, Any] = {"name": config["name"]}
@@ -70,7 +70,7 @@ def _load_sets(config: Mapping[str, Any], out: dict[str, Any]) -> list[_Set]:
     """Load the training set and every ``eval.benchmarks`` entry into ``out["train"]`` / ``out["eval"]``
     (their descriptions), returning them as :data:`_Set` for the checks."""
     from oar.data.benchmarks import BENCHMARKS, load_benchmark_located, require_records
-    from oar.data.checks import EVAL_BUDGET_KEY, TRAIN_BUDGET_KEY
+    from oar.data_checks import EVAL_BUDGET_KEY, TRAIN_BUDGET_KEY
     from oar.data.records import TRAINING_SET_KEY, training_records_located
     from oar.evaluate import load_benchmark_entry_located
 
@@ -110,14 +110,14 @@ def _load_sets(config: Mapping[str, Any], out: dict[str, Any]) -> list[_Set]:
 
 
 def _check_sets(config: Mapping[str, Any], sets: list[_Set]) -> dict[str, Any]:
-    """Check every prompt of ``sets`` against the model (:func:`oar.data.checks.check_prompts`; adds
+    """Check every prompt of ``sets`` against the model (:func:`oar.data_checks.check_prompts`; adds
     each entry's ``prompt_tokens_max``) and every gold answer of a file against the reward (adds
     ``unreadable_golds``); returns the manifest's ``checks`` and ``warnings``.
 
     Raises:
         ValueError: a prompt as long as the model's whole context.
     """
-    from oar.data.checks import (EVAL_BUDGET_KEY, RECORDS_SHOWN, TRAIN_BUDGET_KEY, PromptModel, check_prompts,
+    from oar.data_checks import (EVAL_BUDGET_KEY, RECORDS_SHOWN, TRAIN_BUDGET_KEY, PromptModel, check_prompts,
                                  gold_warning, prompt_model, unreadable_golds)
 
     template = config["task"]["template"]
