@@ -43,7 +43,9 @@ def data_manifest(config: Mapping[str, Any]) -> dict[str, Any]:
     (``n``); for generated (synthetic) splits the generator options and seed; per set the longest
     prompt in tokens (``prompt_tokens_max``) and, for a benchmark file, how many of its gold answers
     the reward cannot read as math (``unreadable_golds``, with the first few in
-    ``unreadable_gold_records``). ``checks.prompts`` says which model the prompts were checked against,
+    ``unreadable_gold_records``), and ``records_sha256``, the digest of the records themselves
+    (:func:`oar.evaluate.records_digest`: two machines that generate a split alike give the same).
+    ``checks.prompts`` says which model the prompts were checked against,
     or why they were not (``skipped``); ``warnings`` holds one line per set with unreadable golds
     (:mod:`oar.data_checks`).
 
@@ -54,8 +56,12 @@ def data_manifest(config: Mapping[str, Any]) -> dict[str, Any]:
         model's context with its generation budget (:func:`oar.data_checks.check_prompts`).
         oar.models.ModelLoadError: the model's tokenizer does not load.
     """
+    from oar.evaluate import records_digest
+
     out: dict[str, Any] = {"name": config["name"]}
     sets = _load_sets(config, out)
+    for entry, _, located, _, _ in sets:  # what the records are, also for a generated split
+        entry["records_sha256"] = records_digest([rec for _, rec in located])
     out.update(_check_sets(config, sets))
     return out
 

@@ -32,6 +32,8 @@ from typing import Sequence
 import numpy as np
 
 __all__ = [
+    "welch_interval",
+    "fieller_ratio_interval_unpaired",
     "seed_interval",
     "seed_p_value",
     "fieller_ratio_interval",
@@ -144,18 +146,81 @@ def fieller_ratio_interval(numerator: Sequence[float], denominator: Sequence[flo
     if n.size == 0:
         return math.nan, math.nan, math.nan
     a, b = float(n.mean()), float(d.mean())
-    ratio = a / b if b != 0.0 else math.nan
     if n.size < 2:
-        return ratio, math.nan, math.nan
+        return (a / b if b != 0.0 else math.nan), math.nan, math.nan
     cov = np.cov(np.stack([n, d]), ddof=1) / n.size
     v_n, v_d, c = float(cov[0, 0]), float(cov[1, 1]), float(cov[0, 1])
-    t2 = float(student_t.ppf(0.5 + confidence / 2.0, n.size - 1)) ** 2
+    return _quadratic_interval(a, b, v_n, v_d, c, float(student_t.ppf(0.5 + confidence / 2.0, n.size - 1)))
+
+
+def _quadratic_interval(a: float, b: float, v_n: float, v_d: float, c: float, t: float) -> tuple[float, float, float]:
+    """Fieller's interval of ``a / b`` from the means ``a, b``, their variances ``v_n, v_d``, covariance
+    ``c`` and the quantile ``t``: the roots of ``(b^2 - t^2 v_D) r^2 - 2 (a b - t^2 c) r + (a^2 - t^2 v_N)``
+    (unbounded when ``b``'s own interval contains 0)."""
+    ratio = a / b if b != 0.0 else math.nan
+    t2 = t * t
     qa, qb, qc = b * b - t2 * v_d, -2.0 * (a * b - t2 * c), a * a - t2 * v_n
     disc = qb * qb - 4.0 * qa * qc
     if qa <= 0.0 or disc < 0.0:
         return ratio, -math.inf, math.inf
     root = math.sqrt(disc)
     return ratio, (-qb - root) / (2.0 * qa), (-qb + root) / (2.0 * qa)
+
+
+def welch_interval(x: Sequence[float], y: Sequence[float], *, confidence: float = 0.95
+                   ) -> tuple[float, float, float, float, float]:
+    """``mean(x) - mean(y)`` of two independent samples (e.g. a method's and GRPO's per-seed scores,
+    seeds not paired) with Welch's t interval and test.
+
+    Returns:
+        ``(diff, low, high, se, p)``: NaN bounds, se and p with fewer than 2 values on a side.
+    """
+    from scipy.stats import t as student_t
+
+    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    x, y = x[~np.isnan(x)], y[~np.isnan(y)]
+    if x.size == 0 or y.size == 0:
+        return math.nan, math.nan, math.nan, math.nan, math.nan
+    diff = float(x.mean() - y.mean())
+    if x.size < 2 or y.size < 2:
+        return diff, math.nan, math.nan, math.nan, math.nan
+    vx, vy = float(x.var(ddof=1)) / x.size, float(y.var(ddof=1)) / y.size
+    se = math.sqrt(vx + vy)
+    if se == 0.0:
+        return diff, diff, diff, 0.0, (1.0 if diff == 0.0 else 0.0)
+    df = (vx + vy) ** 2 / (vx * vx / (x.size - 1) + vy * vy / (y.size - 1))
+    t = float(student_t.ppf(0.5 + confidence / 2.0, df))
+    p = float(2.0 * student_t.sf(abs(diff) / se, df))
+    return diff, diff - t * se, diff + t * se, se, p
+
+
+def fieller_ratio_interval_unpaired(method: Sequence[float], oracle: Sequence[float], reference: Sequence[float],
+                                    *, confidence: float = 0.95) -> tuple[float, float, float]:
+    """Fieller interval of the credit efficiency ``(mean(M) - mean(G)) / (mean(O) - mean(G))`` from three
+    independent samples of per-seed scores (method ``M``, oracle ``O``, reference ``G``; any seeds,
+    any counts: GRPO's extra seeds shared by every method's ratio). Numerator and denominator share
+    ``mean(G)``, so their covariance is ``var(G) / n_G``; the quantile is the t's with the
+    Satterthwaite degrees of freedom of ``var(M)/n_M + var(O)/n_O + var(G)/n_G``.
+
+    Returns:
+        ``(ratio, low, high)`` as :func:`fieller_ratio_interval` (unbounded when the oracle's lead's
+        own interval contains 0; NaN bounds with fewer than 2 values on a side).
+    """
+    from scipy.stats import t as student_t
+
+    m, o, g = (np.asarray(v, dtype=np.float64) for v in (method, oracle, reference))
+    m, o, g = m[~np.isnan(m)], o[~np.isnan(o)], g[~np.isnan(g)]
+    if not (m.size and o.size and g.size):
+        return math.nan, math.nan, math.nan
+    a, b = float(m.mean() - g.mean()), float(o.mean() - g.mean())
+    if min(m.size, o.size, g.size) < 2:
+        return (a / b if b != 0.0 else math.nan), math.nan, math.nan
+    vm, vo, vg = (float(v.var(ddof=1)) / v.size for v in (m, o, g))
+    terms = [(vm, m.size), (vo, o.size), (vg, g.size)]
+    denom = sum(v * v / (n - 1) for v, n in terms)
+    df = (vm + vo + vg) ** 2 / denom if denom > 0 else math.inf
+    t = float(student_t.ppf(0.5 + confidence / 2.0, df))
+    return _quadratic_interval(a, b, vm + vg, vo + vg, vg, t)
 
 
 def holm_significant(p_values: Sequence[float], *, alpha: float = 0.05) -> np.ndarray:
