@@ -605,6 +605,32 @@ def test_credit_efficiency_fieller_interval_endpoints_are_where_the_paired_t_tes
         credit_efficiency_table(table, oracle="grpo")
 
 
+def test_credit_efficiency_unpaired_uses_the_three_rows_seeds_as_independent_samples():
+    """report.pairing none: the efficiency and its interval are oar.stats' unpaired Fieller over the
+    method's, the oracle's and the reference's per-seed scores; the differences Welch's; the section
+    says so and counts the oracle's own lead in its Holm family."""
+    from oar.report.capture import credit_efficiency_markdown, credit_efficiency_table
+    from oar.stats import fieller_ratio_interval_unpaired, welch_interval
+
+    rows = {"grpo": "20;22;21;25", "m": "30;26;31", "orc": "40;44;41;43;39"}
+    table = pd.DataFrame.from_records([
+        {"row": r, "label": r.upper(), "metric": "avg@k", "benchmark": "Average", "n_seeds": len(v.split(";")),
+         "diff": math.nan if r == "grpo" else 1.0, "ci_low": math.nan, "ci_high": math.nan, "p": math.nan,
+         "per_seed": v, "diff_per_seed": "" if r == "grpo" else "1;1;1"} for r, v in rows.items()])
+    eff = credit_efficiency_table(table, oracle="orc", pairing="none", reference="grpo").set_index("row")
+    vals = {k: [float(x) for x in v.split(";")] for k, v in rows.items()}
+    ratio, low, high = fieller_ratio_interval_unpaired(vals["m"], vals["orc"], vals["grpo"])
+    assert (eff.loc["m", "efficiency"], eff.loc["m", "eff_low"], eff.loc["m", "eff_high"]) == (ratio, low, high)
+    diff, dlow, dhigh, _, p = welch_interval(vals["m"], vals["grpo"])
+    assert (eff.loc["m", "diff"], eff.loc["m", "p"]) == (diff, p) and eff.loc["m", "oracle_diff"] == pytest.approx(
+        sum(vals["orc"]) / 5 - sum(vals["grpo"]) / 4)
+    md = credit_efficiency_markdown(eff.reset_index(), oracle_label="Oracle", reference_label="GRPO", confidence=0.95,
+                                    pairing="none")
+    assert "unpaired" in md and "2 comparisons" in md
+    with pytest.raises(ReportError, match="reference"):
+        credit_efficiency_table(table, oracle="orc", pairing="none", reference=None)
+
+
 def _efficiency_tree(tmp_path, **sections):
     """A validated 3-seed config (GRPO, oar_g, the oracle ``orc``) with ``sections`` (e.g. ``report``) and its
     results tree (greedy: GRPO 5, 4, 6 of 10; oar_g 7, 3, 8; oracle 8, 6, 8): ``(config, root)``."""

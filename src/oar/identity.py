@@ -118,6 +118,7 @@ NEW_KEYS_AT_DEFAULT: dict[str, dict[str, Any]] = {
     "sft": {"micro_batch_size": None},
     "eval": {"sampler": "lean"},
     "train": {"skip_zero_advantage": False},
+    "report": {"pairing": "seed"},
 }
 
 
@@ -310,4 +311,5 @@ def attribution_fingerprint(config: Mapping[str, Any]) -> str:
 def report_fingerprint(config: Mapping[str, Any], methods: Mapping[str, ResolvedMethod]) -> str:
     """What the report reads besides the results: the bootstrap settings, the report section and
     each method's label. The report rule reruns when it changes."""
-    return fingerprint(config["eval"].get("bootstrap"), config.get("report"), {m: v.label for m, v in methods.items()})
+    return fingerprint(config["eval"].get("bootstrap"), config_sections(config, "report")["report"],
+                       {m: v.label for m, v in methods.items()})

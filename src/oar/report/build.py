@@ -280,13 +280,15 @@ def _write_credit_efficiency(config: Mapping[str, Any], root: Path, out: dict[st
         return ""
     from oar.report.capture import credit_efficiency_markdown, credit_efficiency_table
 
-    eff_credit = credit_efficiency_table(table, oracle=oracle, confidence=confidence)
+    pairing = report_option(config, "pairing", None)
+    eff_credit = credit_efficiency_table(table, oracle=oracle, confidence=confidence, pairing=pairing,
+                                         reference=report_option(config, "reference", None))
     out["credit_efficiency_csv"] = root / "tables" / "credit_efficiency.csv"
     atomic_write_text(out["credit_efficiency_csv"], eff_credit.to_csv(index=False, float_format="%.6g"))
     _write_efficiency_vs_localisation(config, root, out, eff_credit, labels, oracle_label=labels.get(oracle, oracle),
                                       ref_label=ref_label)
     return "\n" + credit_efficiency_markdown(eff_credit, oracle_label=labels.get(oracle, oracle),
-                                              reference_label=ref_label, confidence=confidence)
+                                              reference_label=ref_label, confidence=confidence, pairing=pairing)
 
 
 def _write_efficiency_vs_localisation(config: Mapping[str, Any], root: Path, out: dict[str, Path],

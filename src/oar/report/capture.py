@@ -22,10 +22,11 @@ __all__ = ["EFFICIENCY_COLUMNS", "credit_efficiency_table", "credit_efficiency_m
 #: The columns of :func:`credit_efficiency_table` (also of its empty table: no method but the reference
 #: and the oracle).
 EFFICIENCY_COLUMNS = ["row", "label", "metric", "benchmark", "n_seeds", "diff", "diff_low", "diff_high", "p",
-                      "oracle_diff", "oracle_low", "oracle_high", "efficiency", "eff_low", "eff_high"]
+                      "oracle_diff", "oracle_low", "oracle_high", "oracle_p", "efficiency", "eff_low", "eff_high"]
 
 
-def credit_efficiency_table(table: "pd.DataFrame", *, oracle: str, confidence: float = 0.95) -> "pd.DataFrame":  # noqa: F821
+def credit_efficiency_table(table: "pd.DataFrame", *, oracle: str, confidence: float = 0.95,  # noqa: F821
+                            pairing: str = "seed", reference: str | None = None) -> "pd.DataFrame":  # noqa: F821
     """The credit efficiency of every method of one metric's main table against ``oracle``.
 
     Args:
@@ -33,6 +34,13 @@ def credit_efficiency_table(table: "pd.DataFrame", *, oracle: str, confidence: f
             each seed's difference from the reference, same seed order on every row).
         oracle: the method whose lead over the reference is the denominator.
         confidence: coverage of the Fieller interval.
+        pairing: ``seed`` (``report.pairing``'s default): each seed's differences from the
+            reference's same seed (:func:`oar.stats.fieller_ratio_interval`); ``none``: the method's,
+            the oracle's and the reference's per-seed scores as three independent samples
+            (:func:`oar.stats.fieller_ratio_interval_unpaired`; the differences and their p values
+            Welch's, :func:`oar.stats.welch_interval`), for a design whose seeds share nothing
+            across methods (docs/methods.md, 7.1).
+        reference: the reference's row (needed with ``pairing: none``).
 
     Returns:
         One row per (method, benchmark) except the start model, the reference and the oracle (none
@@ -53,18 +61,37 @@ def credit_efficiency_table(table: "pd.DataFrame", *, oracle: str, confidence: f
     orc = orc.set_index("benchmark")
     if orc["diff_per_seed"].map(lambda j: len(per_seed_values(j))).eq(0).all():
         raise ReportError(f"report.efficiency_oracle: {oracle!r} is the reference; name another method")
+    if pairing == "none":
+        ref = table[table["row"] == reference].set_index("benchmark") if reference is not None else None
+        if ref is None or ref.empty:
+            raise ReportError(f"report.pairing none: the reference {reference!r} has no row in this table")
     recs = []
     for _, r in table.iterrows():
         if r["row"] in (BASE_ROW, oracle) or not isinstance(r["diff_per_seed"], str) or not r["diff_per_seed"]:
             continue
         o = orc.loc[r["benchmark"]]
-        ratio, low, high = _fieller(r["diff_per_seed"], o["diff_per_seed"], confidence)
+        if pairing == "none":
+            rec = _unpaired(r, o, ref.loc[r["benchmark"]], confidence)
+        else:
+            ratio, low, high = _fieller(r["diff_per_seed"], o["diff_per_seed"], confidence)
+            rec = {"diff": r["diff"], "diff_low": r["ci_low"], "diff_high": r["ci_high"], "p": r["p"],
+                   "oracle_diff": o["diff"], "oracle_low": o["ci_low"], "oracle_high": o["ci_high"], "oracle_p": o["p"],
+                   "efficiency": ratio, "eff_low": low, "eff_high": high}
         recs.append({"row": r["row"], "label": r["label"], "metric": r["metric"], "benchmark": r["benchmark"],
-                     "n_seeds": int(r["n_seeds"]), "diff": r["diff"], "diff_low": r["ci_low"], "diff_high": r["ci_high"], "p": r["p"],
-                     "oracle_diff": o["diff"],
-                     "oracle_low": o["ci_low"], "oracle_high": o["ci_high"], "efficiency": ratio,
-                     "eff_low": low, "eff_high": high})
+                     "n_seeds": int(r["n_seeds"]), **rec})
     return pd.DataFrame.from_records(recs, columns=EFFICIENCY_COLUMNS)
+
+
+def _unpaired(row: "pd.Series", oracle: "pd.Series", reference: "pd.Series", confidence: float) -> dict:  # noqa: F821
+    """The efficiency record of ``row`` with the three rows' per-seed scores as independent samples."""
+    from oar.stats import fieller_ratio_interval_unpaired, welch_interval
+
+    m, o, g = (per_seed_values(x["per_seed"]) for x in (row, oracle, reference))
+    diff, low, high, _, p = welch_interval(m, g, confidence=confidence)
+    odiff, olow, ohigh, _, op = welch_interval(o, g, confidence=confidence)
+    ratio, elow, ehigh = fieller_ratio_interval_unpaired(m, o, g, confidence=confidence)
+    return {"diff": diff, "diff_low": low, "diff_high": high, "p": p, "oracle_diff": odiff, "oracle_low": olow,
+            "oracle_high": ohigh, "oracle_p": op, "efficiency": ratio, "eff_low": elow, "eff_high": ehigh}
 
 
 def _fieller(method_joined: str, oracle_joined: str, confidence: float) -> tuple[float, float, float]:
@@ -88,21 +115,27 @@ def _fmt_ratio(ratio: float, low: float, high: float, *, significant: bool) -> s
 
 
 def credit_efficiency_markdown(eff: "pd.DataFrame", *, oracle_label: str, reference_label: str,  # noqa: F821
-                               confidence: float, benchmark: str = "Average") -> str:
+                               confidence: float, benchmark: str = "Average", pairing: str = "seed") -> str:
     """A ``main.md`` section: per method its difference from the reference and its credit efficiency on
     one benchmark column (bold: the interval excludes 0 and the method's difference survives Holm's
     correction over the methods shown; the Fieller interval excludes 0 exactly when the paired t test
     of the difference rejects)."""
+    import pandas as pd
+
     from oar.report.render import family_significance, format_difference, holm_note
 
     df = eff[eff["benchmark"] == benchmark]
     if df.empty:
         return ""
-    sig, family = family_significance(df["p"], alpha=1.0 - confidence)
+    # the family: each method's test against the reference, and (unpaired) the oracle's own lead, once
+    tests = list(df["p"]) + ([df["oracle_p"].iloc[0]] if pairing == "none" else [])
+    sig, family = family_significance(pd.Series(tests), alpha=1.0 - confidence)
     o = df.iloc[0]
+    how = "paired by seed" if pairing == "seed" else "unpaired (the three rows' seeds as independent samples; Welch's differences)"
+    oracle_bold = bool(pairing == "none" and sig[-1])
     lines = [f"### Credit efficiency against {oracle_label} ({df['metric'].iloc[0]}, {benchmark})", "",
              f"(method - {reference_label}) / ({oracle_label} - {reference_label}), with {oracle_label} - {reference_label} = "
-             f"{format_difference(o['oracle_diff'], o['oracle_low'], o['oracle_high'], significant=False)} points. {confidence:.0%} Fieller interval over training seeds, paired by seed.", "",
+             f"{format_difference(o['oracle_diff'], o['oracle_low'], o['oracle_high'], significant=oracle_bold)} points. {confidence:.0%} Fieller interval over training seeds, {how}.", "",
              *markdown_table(["Method", f"vs {reference_label} (points)", "Credit efficiency"],
                              [[r["label"], format_difference(r["diff"], r["diff_low"], r["diff_high"], significant=bool(s)),
                                _fmt_ratio(r["efficiency"], r["eff_low"], r["eff_high"], significant=bool(s))]
