@@ -179,6 +179,15 @@ def check_mlflow_stage_runs(R: Path, cfg: dict, *, attribution: bool) -> None:
         assert sft.data.metrics[f"sft/accuracy_{split}"] == pytest.approx(acc)
     same_provenance(sft, sft_summary)
 
+    if (R / "verifier").exists():  # a method reads the step verifier the config trains
+        verifier = one("verifier")
+        v_summary = json.loads((R / "verifier" / "model" / "verifier_summary.json").read_text())
+        assert verifier.data.tags["oar.fingerprint"] == (R / "verifier").resolve().name
+        assert verifier.data.metrics["verifier/eval_accuracy"] == pytest.approx(v_summary["eval_accuracy"])
+        same_provenance(verifier, v_summary)
+    else:
+        assert stage_runs(cfg, "verifier") == []
+
     main = pd.read_csv(R / "tables" / "main.csv")
     seeds = [int(s) for s in cfg["seeds"]]
     for method in cfg["methods"]:

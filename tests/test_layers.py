@@ -4,13 +4,14 @@ Every import of ``src/oar`` (module level and inside functions, read from the so
 is checked against the layer of the importing and the imported module: an import from a higher
 layer fails. Layers, bottom to top (a module may import its own layer and those below):
 
-0. foundations: io, answer, stats, preemption, tracking, provenance, seeds, markdown (the table writer)
+0. foundations: io, answer, stats, preemption, tracking, provenance, seeds, markdown (the table writer),
+   optim (the schedule and weight-decay groups SFT, RL and the step verifier share)
 1. data and task: data, task, models, fetch, packing, reward
 2. credit: credit
 3. configuration: config, preflight, identity (what identifies each result: fingerprints, store keys)
 4. training and measuring: rollout, loss, strategy, runs, evaluate, heldout, sft, train (with run_setup, batch, update,
    checkpoint, run_end), attribution,
-   optim (the schedule and weight-decay groups SFT and RL share), plan, launch, layout, stage_runs (the MLflow runs of every stage; the report's is oar.report.logged),
+   plan, launch, layout, stage_runs (the MLflow runs of every stage; the report's is oar.report.logged),
    integrations (oar's estimators inside verl and TRL), manifest and data_checks (the data stage, oar data)
 5. reports: report, learning_curves, regimes
 6. the command line: cli
@@ -26,13 +27,13 @@ from helpers import ROOT
 SRC = ROOT / "src" / "oar"
 
 LAYERS: dict[str, int] = {
-    **dict.fromkeys(["io", "answer", "stats", "preemption", "tracking", "provenance", "seeds", "markdown"], 0),
+    **dict.fromkeys(["io", "answer", "stats", "preemption", "tracking", "provenance", "seeds", "markdown", "optim"], 0),
     **dict.fromkeys(["data", "task", "models", "fetch", "packing", "reward"], 1),
     "credit": 2,
     **dict.fromkeys(["config", "preflight", "identity"], 3),
     **dict.fromkeys(["rollout", "loss", "strategy", "runs", "evaluate", "heldout", "sft", "train", "run_setup", "batch", "update", "checkpoint",
                      "run_end", "attribution",
-                     "plan", "launch", "layout", "stage_runs", "optim", "integrations", "manifest", "data_checks"], 4),
+                     "plan", "launch", "layout", "stage_runs", "integrations", "manifest", "data_checks"], 4),
     **dict.fromkeys(["report", "learning_curves", "regimes"], 5),
     "cli": 6,
 }

@@ -128,7 +128,7 @@ def test_every_command_with_config_takes_set():
         args = parser.parse_args([*([name] if name != "regimes" else ["regimes", "cells"]), "--config", "c.yaml",
                                   *(["--method", "m", "--output", "o"] if name == "train" else []),
                                   *(["--output", "o"] if name in ("sft", "evaluate", "data") else []),
-                                  *(["--model", "m", "--output", "o"] if name == "attribution" else []),
+                                  *(["--model", "m", "--output", "o"] if name in ("attribution", "verifier") else []),
                                   "--set", "a.b=1", "c=2", "--set", "d.e=x"])
         assert args.set == ["a.b=1", "c=2", "d.e=x"], name
 

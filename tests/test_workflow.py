@@ -107,10 +107,14 @@ def test_dry_run_smoke_config_runs_every_method_once(tmp_path):
     for name, m in resolve_methods(load_config(ROOT / "config" / "ablations.yaml")).items():
         assert m.recipe_name in {s.recipe_name for s in smoke.values()}, name
         assert m.credit in {s.credit for s in smoke.values()}, name
-    counts, _ = dry_run("--configfile", "config/smoke.yaml", results=tmp_path)
+    counts, jobs = dry_run("--configfile", "config/smoke.yaml", results=tmp_path)
     n = len(cfg["methods"])
-    assert counts == Counter({"data": 1, "sft": 1, "train": n, "evaluate": n, "evaluate_base": 1,
+    assert counts == Counter({"data": 1, "sft": 1, "verifier": 1, "train": n, "evaluate": n, "evaluate_base": 1,
                               "attribution": 1, "report": 1, "all": 1})
+    # the step verifier's runs wait for the verifier (trained once from the SFT model), the others do not
+    summary = f"{tmp_path}/smoke/verifier/model/verifier_summary.json"
+    waits = {j["output"][0].split("/")[-3] for j in jobs if j["rule"] == "train" and summary in j["input"]}
+    assert waits == {"step_verifier"}
 
 
 @pytest.mark.slow  # four snakemake dry runs: a few seconds each
@@ -888,6 +892,8 @@ def check_every_method_did_something(R: Path, cfg: dict) -> None:
             assert any(r["credit_scored_fraction"] > 0 for r in rows), (name, rows)
         if m.credit == "ktae":
             assert any(r["credit_ktae/k_abs_mean"] > 0 for r in rows), (name, rows)
+        if m.credit == "step_verifier":  # the verifier read every batch
+            assert all(r["credit_verifier_s"] > 0 for r in rows), (name, rows)
         final = load_file(R / name / "seed0" / "model" / "model.safetensors")
         assert final.keys() == sft.keys(), name
         assert any(not torch.equal(final[k], sft[k]) for k in sft), f"{name}: final weights equal the SFT model's"

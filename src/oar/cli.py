@@ -153,6 +153,17 @@ def _cmd_attribution(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_verifier(args: argparse.Namespace) -> int:
+    from oar.credit.verifier import verifier_from_config
+    from oar.stage_runs import log_verifier_run
+
+    config = _load(args)
+    summary = verifier_from_config(config, args.model, args.output, progress=not args.no_progress)
+    log_verifier_run(config, args.output, summary)
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("provenance", "loss_curve")}, indent=2, default=str))
+    return 0
+
+
 def _cmd_report(args: argparse.Namespace) -> int:
     from oar.report import build_report
     from oar.report.logged import log_report_run
@@ -313,6 +324,14 @@ def _add_stage_commands(sub: "argparse._SubParsersAction[argparse.ArgumentParser
     s.add_argument("--output", required=True, help="folder for localisation/stability/cost/fidelity .csv, "
                    "attribution.md, localisation.png, fidelity.png, summary.json")
     s.set_defaults(fn=_cmd_attribution)
+
+    s = sub.add_parser("verifier", help="the step verifier of credit step_verifier: the start model fine-tuned on the "
+                       "demonstrations' right steps, with its step accuracy on held-out ones")
+    _add_config(s)
+    s.add_argument("--model", required=True, help="the start model's folder (e.g. results/<name>/sft/model)")
+    s.add_argument("--output", required=True, help="folder for the verifier (save_pretrained) and verifier_summary.json")
+    s.add_argument("--no-progress", action="store_true", help="no progress bar")
+    s.set_defaults(fn=_cmd_verifier)
 
 
 def _add_report_commands(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:

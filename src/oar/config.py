@@ -1050,13 +1050,13 @@ def _check_method_options(
 
 def _check_control_task(config: Mapping[str, Any], name: str, credit: str, credit_schemas: Mapping[str, Any],
                         user: UserEstimator | None, src: ConfigSource) -> None:
-    """A control that reads a task's ground truth says so in the schema (``x-task``): raise
+    """A credit that reads one task's steps or ground truth says so in the schema (``x-task``): raise
     :class:`ConfigError` when the config's ``task.kind`` is another (checked before any work)."""
     needs_task = (credit_schemas.get(credit) or {}).get("x-task") if user is None else None
     task_kind = (config.get("task") or {}).get("kind")
     if needs_task is not None and task_kind is not None and task_kind != needs_task:
         raise src.error(("methods", name, "credit"),
-                        f"{credit!r} is a control that reads the {needs_task} task's ground truth; it cannot run "
+                        f"{credit!r} reads the {needs_task} task's steps (a control: also its ground truth); it cannot run "
                         f"with task.kind {task_kind!r}")
 
 

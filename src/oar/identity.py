@@ -24,6 +24,7 @@ warm-start SFT            the ``model``, ``task`` and ``sft`` sections          
 an SFT in ``cache_dir``   :func:`sft_key`'s sections and the ``device``                 :func:`sft_cache_key`
 the model RL starts from  the SFT's key, else ``train.init`` or ``model.source``        :func:`start_key`
 a training run            its settings but the resumable keys, and its start model      :func:`run_key`
+the trained step verifier the ``verifier`` and ``task`` sections, the start model       :func:`verifier_key`
 the start model's eval    the evaluation settings and the start model                   :func:`base_key`
 an eval folder's cache    the evaluation settings (the rule adds the model's checksum)  :func:`eval_fingerprint`
 a transfer folder's cache the transfer benchmarks and the evaluation settings           :func:`transfer_fingerprint`
@@ -98,6 +99,8 @@ __all__ = [
     "plan_fingerprint",
     "attribution_fingerprint",
     "report_fingerprint",
+    "verifier_key",
+    "uses_trained_verifier",
 ]
 
 
@@ -214,8 +217,11 @@ def method_fingerprint(config: Mapping[str, Any], method: ResolvedMethod, *, sft
     # a user estimator's source (its hash) joins, so an edit retrains its runs; a built-in has none
     # (its code is the commit's), so their fingerprints are as they were before sources counted
     source = {"source": method.credit_source["sha256"]} if method.credit_source else {}
+    # the verifier this config trains (credit step_verifier, option verifier: trained) joins by its
+    # key, so retraining it with other settings retrains its runs; no other method has one
+    verifier = {"verifier": verifier_key(config, sft=sft)} if uses_trained_verifier(method) else {}
     return fingerprint(sections, {"recipe": method.recipe, "credit": method.credit, "options": method.credit_options,
-                                  "sft": sft, **source})
+                                  "sft": sft, **source, **verifier})
 
 
 def run_key(config: Mapping[str, Any], method: ResolvedMethod, *, sft: bool) -> str:
@@ -226,6 +232,21 @@ def run_key(config: Mapping[str, Any], method: ResolvedMethod, *, sft: bool) -> 
     identity_config = dict(config)
     identity_config["train"] = {k: v for k, v in config["train"].items() if k not in RESUMABLE_TRAIN_KEYS}
     return fingerprint(method_fingerprint(identity_config, method, sft=sft), start_key(config, sft=sft))
+
+
+def uses_trained_verifier(method: ResolvedMethod) -> bool:
+    """Whether ``method``'s credit reads the step verifier its config trains (estimator
+    ``step_verifier`` with the option ``verifier`` at :data:`oar.credit.verifier.TRAINED`)."""
+    from oar.credit.verifier import TRAINED
+
+    return method.estimator == "step_verifier" and method.credit_options.get("verifier", TRAINED) == TRAINED
+
+
+def verifier_key(config: Mapping[str, Any], *, sft: bool) -> str:
+    """What identifies the step verifier a config trains (``oar verifier``): its settings (the
+    ``verifier`` section), the task whose demonstrations it learns from, and the start model it is
+    fine-tuned from (:func:`start_key`). Its store key and the verifier rule's fingerprint."""
+    return fingerprint(config_sections(config, "verifier", "task"), start_key(config, sft=sft))
 
 
 def run_identity(config: Mapping[str, Any], method: ResolvedMethod, seed: int, start_model: str) -> dict[str, str]:
@@ -241,7 +262,9 @@ def run_identity(config: Mapping[str, Any], method: ResolvedMethod, seed: int, s
     """
     train = {k: v for k, v in config_sections(config, "train")["train"].items() if k not in RESUMABLE_TRAIN_KEYS}
     model = {k: v for k, v in config["model"].items() if k not in MODEL_LOCATION_KEYS}
+    verifier = {"verifier": config["verifier"]} if uses_trained_verifier(method) else {}
     return flatten({
+        **verifier,
         "method": method.as_params(),
         "seed": seed,
         "start_model": start_model,

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from oar.identity import base_key, data_key, run_key, sft_key
+from oar.identity import base_key, data_key, run_key, sft_key, uses_trained_verifier, verifier_key
 
 __all__ = [
     "STORE_DIR",
@@ -41,6 +41,9 @@ __all__ = [
     "StoreLocation",
     "store_location",
     "target_problems",
+    "VERIFIER_VIEW",
+    "trained_verifier_dir",
+    "estimator_options",
 ]
 
 #: The store's folder inside ``results_dir`` (so no config may be named so).
@@ -48,7 +51,10 @@ STORE_DIR = "store"
 
 
 #: The kinds of entries of the store (:func:`store_entries`), its first level of folders.
-STORE_KINDS: tuple[str, ...] = ("data", "sft", "base", "runs")
+STORE_KINDS: tuple[str, ...] = ("data", "sft", "base", "verifier", "runs")
+
+#: The entry of a config's view that holds the step verifier it trains (``<view>/model``).
+VERIFIER_VIEW = "verifier"
 
 
 class LayoutError(ValueError):
@@ -64,13 +70,44 @@ class StoreEntry:
 
 
 def store_entries(config: Mapping[str, Any], methods: Mapping[str, Any], *, sft: bool) -> list[StoreEntry]:
-    """Every entry of a config's view, in a fixed order: data, sft (when enabled), base, one per method."""
+    """Every entry of a config's view, in a fixed order: data, sft (when enabled), base, the step
+    verifier (when a method uses the one the config trains), one per method."""
     entries = [StoreEntry("data", f"data/{data_key(config)}")]
     if sft:
         entries.append(StoreEntry("sft", f"sft/{sft_key(config)}"))
     entries.append(StoreEntry("base", f"base/{base_key(config, sft=sft)}"))
+    if any(uses_trained_verifier(m) for m in methods.values()):
+        entries.append(StoreEntry(VERIFIER_VIEW, f"verifier/{verifier_key(config, sft=sft)}"))
     entries += [StoreEntry(name, f"runs/{name}-{run_key(config, m, sft=sft)}") for name, m in methods.items()]
     return entries
+
+
+def trained_verifier_dir(config: Mapping[str, Any]) -> Path:
+    """The folder of the step verifier a config's workflow trains (option ``verifier: trained`` of credit
+    ``step_verifier``): ``<results_dir>/<name>/verifier/model``, in the view's verifier entry."""
+    return Path(config["results_dir"]) / config["name"] / VERIFIER_VIEW / "model"
+
+
+def estimator_options(config: Mapping[str, Any], method: Any) -> dict[str, Any]:
+    """``method.estimator_options()`` as the trainer passes them: the option ``verifier: trained`` (credit
+    ``step_verifier``) becomes :func:`trained_verifier_dir` of ``config``.
+
+    Raises:
+        FileNotFoundError: that verifier is not trained yet, naming the folder and how to train it.
+    """
+    options = method.estimator_options()
+    if uses_trained_verifier(method):
+        folder = trained_verifier_dir(config)
+        from oar.credit.verifier import VERIFIER_SUMMARY
+
+        if not (folder / VERIFIER_SUMMARY).is_file():
+            raise FileNotFoundError(
+                f"methods.{method.name}: credit step_verifier reads the verifier this config trains, and "
+                f"{folder / VERIFIER_SUMMARY} is missing; train it first (the workflow's rule verifier: "
+                f"snakemake {folder / VERIFIER_SUMMARY}, or oar verifier --config <config> --model <start model> "
+                f"--output {folder})")
+        options["verifier"] = str(folder)
+    return options
 
 
 def link_view(view: str | os.PathLike, target: str | os.PathLike, *, create: bool = True) -> str:

@@ -19,6 +19,7 @@ import yaml
 from oar.batch import PromptStream, resume_cursor
 from oar.config import ResolvedMethod, changed_settings
 from oar.data.records import training_records
+from oar.layout import estimator_options
 from oar.optim import make_scheduler
 from oar.preemption import CheckpointSchedule, StopSignal
 from oar.rollout import make_engine
@@ -34,18 +35,22 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def check_train_inputs(config: dict, start_spec: dict, output: Path, *, start_key: str = "model.source") -> None:
+def check_train_inputs(config: dict, start_spec: dict, output: Path, *, start_key: str = "model.source",
+                       method: ResolvedMethod | None = None) -> None:
     """The user's files a run needs, checked before it touches anything: ``output`` can be a folder
     this process writes (:func:`oar.io.check_output_folder`), the MLflow store reads
     (:func:`oar.tracking.check_store`, when tracking is on) and the start model's files are whole
     (:func:`oar.models.check_model_files`; ``start_key`` names where the start model came from:
-    ``model.source``, ``train.init`` or ``--init``). A failed check leaves an existing run folder as it was.
+    ``model.source``, ``train.init`` or ``--init``), and the files ``method``'s estimator reads are there
+    (:func:`oar.layout.estimator_options`). A failed check leaves an existing run folder as it was.
 
     Raises:
         oar.io.OutputPathError, oar.tracking.TrackingStoreError, oar.models.ModelLoadError: naming
             the file and what to do.
-        FileNotFoundError: the start model is neither an existing path nor a hub id.
+        FileNotFoundError: the start model is neither an existing path nor a hub id; the verifier a
+            method reads is not trained.
     """
+
     from oar.io import check_output_folder
     from oar.models import check_model_files
     from oar.tracking import check_store
@@ -54,6 +59,8 @@ def check_train_inputs(config: dict, start_spec: dict, output: Path, *, start_ke
     if config["tracking"]["enabled"]:
         check_store(config["tracking"]["uri"])
     check_model_files(start_spec, key=start_key)
+    if method is not None:
+        estimator_options(config, method)
 
 
 @dataclass
@@ -84,6 +91,7 @@ class TrainingRun:
     resumed: bool  # started from a checkpoint
     intact: int | None  # the step of the checkpoint on disk
     provenance: dict[str, Any]  # of this invocation (oar.provenance), without its end time
+    credit_options: dict[str, Any]  # what the estimator is called with (oar.layout.estimator_options)
 
     @property
     def tcfg(self) -> dict:
@@ -178,7 +186,8 @@ def setup_run(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder
                  stop=stop, model=model, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
                  ref_model=ref_model, policy=policy, records=records, prompts_all=prompts_all, stream=stream,
                  engine=engine, tracker=tracker, heldout=heldout, schedule=schedule, state=state,
-                 resumed=saved is not None, intact=state["step"] if saved is not None else None, provenance=prov)
+                 resumed=saved is not None, intact=state["step"] if saved is not None else None, provenance=prov,
+                 credit_options=estimator_options(config, method))
 
 
 def _tracker(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder, strategy: Strategy,

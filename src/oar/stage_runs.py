@@ -73,12 +73,13 @@ __all__ = [
     "report_metrics_of",
     "train_run_tags",
     "log_sft_run",
+    "log_verifier_run",
     "log_evaluation_run",
     "log_attribution_run",
 ]
 
 #: The values of the ``oar.stage`` tag.
-STAGES: tuple[str, ...] = ("sft", "train", "evaluate", "attribution", "report")
+STAGES: tuple[str, ...] = ("sft", "verifier", "train", "evaluate", "attribution", "report")
 #: The environment variable the workflow's jobs carry (:func:`oar.launch.oar_env`); a run's tag
 #: ``oar.launched_by`` is its value, ``command line`` for an ``oar`` command run by hand.
 LAUNCHED_BY_ENV = "OAR_LAUNCHED_BY"
@@ -416,6 +417,33 @@ def log_sft_run(config: Mapping[str, Any], output_dir: str | os.PathLike, summar
         curve += [("sft/eval_accuracy", v, s) for s, v in result.get("eval_curve") or []]
         tracker.log_history(curve)
         log_stage_files(tracker, _files(out, ["sft_summary.json"]), config)
+    except BaseException:
+        tracker.finish("FAILED")
+        raise
+    tracker.finish()
+    return tracker.run_id
+
+
+def log_verifier_run(config: Mapping[str, Any], output_dir: str | os.PathLike, summary: Mapping[str, Any]) -> str | None:
+    """The step verifier's run (``oar verifier``): tags (its store key, the provenance), the
+    ``verifier`` and ``task`` sections and the start model as params, its numbers
+    (``verifier/eval_accuracy``, ``verifier/eval_recall_wrong``, ...), the loss per step
+    (``verifier/loss``) and ``verifier_summary.json``. Returns the run id (None: tracking off)."""
+    uri = tracking_uri(config)
+    if uri is None:
+        return None
+    out = Path(output_dir)
+    tags = stage_tags(config, "verifier", fingerprint=_store_key(out), provenance=summary.get("provenance"))
+    tags["oar.output"] = str(out)
+    tracker = start_run(config, uri, run_name="verifier", tags=tags, parent=None)
+    try:
+        tracker.log_params({"verifier": config["verifier"], "task": config["task"],
+                            "start_model": str(summary.get("start_model"))})
+        log_all_metrics(tracker, {metric_key("verifier", k): float(v) for k, v in summary.items()
+                                  if k != "loss_curve" and _number(v) is not None},
+                        step=int(config["verifier"]["steps"]))
+        tracker.log_history([("verifier/loss", v, s) for s, v in summary.get("loss_curve") or []])
+        log_stage_files(tracker, _files(out, ["verifier_summary.json"]), config)
     except BaseException:
         tracker.finish("FAILED")
         raise

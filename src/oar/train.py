@@ -119,7 +119,7 @@ def train(
     start_spec = dict(config["model"], source=start, gguf_file=None) if start else dict(config["model"])
     start_key = "--init" if init is not None else "train.init" if start else "model.source"
     # before the folder is locked, repaired or reset
-    check_train_inputs(config, start_spec, folder.path, start_key=start_key)
+    check_train_inputs(config, start_spec, folder.path, start_key=start_key, method=method)
     signals = (contextlib.nullcontext(stop) if stop is not None
                else StopSignal(repeat_seconds=config["train"]["preemption"]["repeat_seconds"]))
     with signals as stop:
@@ -239,7 +239,7 @@ def _credit(loop: TrainingRun, batch: "StepBatch", step: int, timings: dict[str,
                 CreditBatch(response_ids=ro.response_ids, response_mask=ro.response_mask, rewards=batch.rewards,
                             group_ids=batch.group_ids, prompt_ids=ro.prompt_ids, prompt_mask=ro.prompt_mask,
                             model=loop.policy, tokenizer=loop.tokenizer, extras=extras),
-                **loop.method.estimator_options(),
+                **loop.credit_options,
             )
 
 

@@ -20,8 +20,10 @@ from oar.preflight import PreflightError, path_problems, profile_files, profile_
 from oar.launch import SHELL_PREFIX, LaunchError, conda_env_choice, disk_problems, oar_env, resource, train_signal_seconds
 from oar.launch import train_launcher as _train_launcher, train_resources as _train_resources
 from oar.identity import (attribution_fingerprint, data_key, eval_fingerprint, fingerprint, plan_fingerprint,
-                          report_fingerprint, resumable_train_values, run_key, sft_key, transfer_fingerprint)
-from oar.layout import STORE_DIR, LayoutError, link_views, store_entries, target_problems
+                          report_fingerprint, resumable_train_values, run_key, sft_key, transfer_fingerprint,
+                          uses_trained_verifier, verifier_key)
+from oar.credit.verifier import VERIFIER_SUMMARY as VERIFIER_SUMMARY_FILE
+from oar.layout import STORE_DIR, LayoutError, link_views, store_entries, target_problems, trained_verifier_dir
 
 
 # ---------------------------------------------------------------------------------------- config
@@ -57,7 +59,7 @@ R = f"{config['results_dir']}/{config['name']}"
 CONFIG_FILE = f"{R}/config.yaml"
 
 # results/<name>/<x>/ is used by the workflow itself for these, so no method may take the name
-RESERVED_NAMES = {"base", "sft", "data", "attribution", "tables", "figures", "logs", "benchmarks", "config"}
+RESERVED_NAMES = {"base", "sft", "data", "attribution", "tables", "figures", "logs", "benchmarks", "config", "verifier"}
 _clash = sorted(RESERVED_NAMES & set(METHODS))
 if _clash:
     raise WorkflowError(f"{CONFIG_SOURCE}: key methods: reserved name(s) {_clash} (they are result folders)")
@@ -224,6 +226,18 @@ def start_init_param(wildcards, input):
     if SFT:
         return f"--init {shlex.quote(os.path.dirname(input.start))}"
     return f"--init {shlex.quote(start_model())}" if "model" in start_inputs() else ""
+
+
+# the step verifier (rules/verifier.smk): trained when a method's credit is step_verifier with the option
+# verifier: trained (oar.identity.uses_trained_verifier); its view entry links into the store by its key
+VERIFIER_DIR = str(trained_verifier_dir(config))
+VERIFIER_SUMMARY = f"{VERIFIER_DIR}/{VERIFIER_SUMMARY_FILE}"
+
+
+def verifier_input(wildcards):
+    """The train rule's verifier input: the verifier's summary for a method that reads the verifier
+    this config trains (none for another method)."""
+    return VERIFIER_SUMMARY if uses_trained_verifier(METHODS[wildcards.method]) else []
 
 
 def run_dir(method, seed):

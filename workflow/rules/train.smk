@@ -16,6 +16,7 @@ rule train:
     input:
         **start_inputs(),
         **plan_inputs(),  # GPU training waits for `oar plan` (rules/plan.smk)
+        verifier=verifier_input,  # credit step_verifier: the verifier this config trains (rules/verifier.smk)
     output:
         summary=f"{R}/{{method}}/seed{{seed}}/train_summary.json",
     params:

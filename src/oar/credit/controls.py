@@ -57,6 +57,9 @@ __all__ = [
     "oracle_progress_estimator",
     "oracle_suffix_estimator",
     "relocate_mistakes",
+    "StepLabels",
+    "step_labels",
+    "first_mistake_credit",
     "shuffled_estimator",
     "inverted_estimator",
 ]
@@ -126,61 +129,120 @@ def _questions(batch: CreditBatch, name: str) -> list[tuple[list[int], list[str]
     return out
 
 
-def oracle_labels(batch: CreditBatch, *, fillers: Sequence[str], name: str = "oracle") -> OracleLabels:
-    """Read the ground-truth token labels of a batch of synthetic-task responses.
+@dataclass
+class StepLabels:
+    """The steps of a batch of synthetic-task responses as the task grammar parses them, without the
+    ground truth (what a step verifier sees), in response coordinates.
 
-    Each response is decoded token by token (:func:`oar.task.parsing.token_char_spans`),
-    parsed by the task grammar (:func:`oar.task.parsing.parse_response`) and its steps are
-    replayed against the question's reduction order (:func:`oar.task.grammar.check_steps`).
-    Rows that do not parse get all-zero labels and ``parsed`` False.
+    Attributes:
+        texts: each response decoded (:func:`oar.task.parsing.token_char_spans`).
+        result_spans: per response, the character spans of its steps' results (``[]`` unparsed).
+        step_spans: per response, the character spans of its whole steps ``a op b = c``.
+        steps: per response, the parsed ``(a, op, b, c)`` steps (``[]`` unparsed).
+        answers: per response, the boxed answer (``""`` unparsed).
+        results: ``(B, T)`` float, 1 on the result tokens of every step.
+        result_step: ``(B, T)`` long, ``k + 1`` on the result tokens of step ``k``, 0 elsewhere.
+        reasoning: ``(B, T)`` float, 1 on the tokens before the answer marker of parsed rows.
+        parsed: ``(B,)`` bool, the response follows the task grammar.
+        mark: ``mark(b, spans) -> (T,) bool``, the tokens of row ``b`` that the character ``spans`` cover.
+    """
 
-    Args:
-        batch: ``response_ids`` / ``response_mask`` ``(B, T)``, ``prompt_ids`` ``(B, P)`` and the
-            tokenizer; ``extras["task"]`` (when present) must be a synthetic task.
-        fillers: the task's filler words.
+    texts: list[str]
+    result_spans: list[list[list[int]]]
+    step_spans: list[list[list[int]]]
+    steps: list[list[tuple[int, str, int, int]]]
+    answers: list[str]
+    results: torch.Tensor
+    result_step: torch.Tensor
+    reasoning: torch.Tensor
+    parsed: torch.Tensor
+    mark: Callable[[int, Sequence[Sequence[int]]], torch.Tensor]
+
+
+def step_labels(batch: CreditBatch, *, name: str = "oracle", fillers: Sequence[str] | None = None) -> StepLabels:
+    """Parse every response of a batch (decoded token by token, :func:`oar.task.parsing.token_char_spans`)
+    with the task grammar and the task's fillers (``fillers``, default the task's:
+    :func:`oar.data.synthetic.task_fillers`; :func:`oar.task.parsing.parse_response`). Rows that do not
+    parse get all-zero labels and ``parsed`` False.
+
+    Raises:
+        SyntheticTaskRequired: ``extras["task"]`` is another task.
+    """
+    from oar.task.parsing import PIVOTAL, parse_response, token_char_spans, token_labels
+
+    task = batch.extras.get("task") or {}
+    if task.get("kind", "synthetic") != "synthetic":
+        raise SyntheticTaskRequired(f"estimator {name!r} reads the synthetic task's steps; task.kind is {task.get('kind')!r}")
+    if batch.tokenizer is None:
+        raise ValueError(f"estimator {name!r}: CreditBatch.tokenizer is needed to read the responses")
+    fillers = _fillers(batch) if fillers is None else fillers
+    B, T = batch.response_ids.shape
+    results, reasoning, result_step = torch.zeros(B, T), torch.zeros(B, T), torch.zeros(B, T, dtype=torch.long)
+    parsed_rows = torch.zeros(B, dtype=torch.bool)
+    texts, parses, token_maps = [], [], []
+    ids_cpu, mask_cpu = batch.response_ids.detach().cpu(), batch.response_mask.detach().cpu().bool()
+    for b in range(B):
+        pos = mask_cpu[b].nonzero().flatten()
+        text, starts, ends = token_char_spans(batch.tokenizer, ids_cpu[b, pos].tolist())
+        texts.append(text)
+        token_maps.append((pos, starts, ends, len(text)))
+        parses.append(parse_response(text, fillers=fillers))
+        parsed_rows[b] = parses[-1] is not None
+
+    def mark(b: int, spans: Sequence[Sequence[int]]) -> torch.Tensor:
+        pos, starts, ends, n = token_maps[b]
+        on = torch.zeros(T, dtype=torch.bool)
+        hit = torch.from_numpy(token_labels(starts, ends, spans, [], n) == PIVOTAL)
+        on[pos[hit]] = True
+        return on
+
+    for b, parsed in enumerate(parses):
+        if parsed is None:
+            continue
+        reasoning[b] = mark(b, [[0, parsed.reasoning_end]]).float()
+        results[b] = mark(b, parsed.result_spans).float()
+        for k, span in enumerate(parsed.result_spans):
+            result_step[b][mark(b, [span])] = k + 1
+    return StepLabels(texts=texts, result_spans=[p.result_spans if p else [] for p in parses],
+                      step_spans=[p.step_spans if p else [] for p in parses], steps=[p.steps if p else [] for p in parses],
+                      answers=[p.answer if p else "" for p in parses], results=results, result_step=result_step,
+                      reasoning=reasoning, parsed=parsed_rows, mark=mark)
+
+
+def oracle_labels(batch: CreditBatch, *, fillers: Sequence[str] | None = None, name: str = "oracle") -> OracleLabels:
+    """Read the ground-truth token labels of a batch of synthetic-task responses: the steps
+    (:func:`step_labels`) replayed against the question's reduction order
+    (:func:`oar.task.grammar.check_steps`). Rows that do not parse get all-zero labels and ``parsed``
+    False. ``fillers``: the task's filler words (default: ``extras["task"]``'s).
 
     Raises:
         SyntheticTaskRequired: a prompt holds no synthetic question, or ``extras["task"]`` is another task.
     """
     from oar.task.grammar import check_steps
-    from oar.task.parsing import PIVOTAL, parse_response, token_char_spans, token_labels
     from oar.data.synthetic import solve_steps
 
     terms = _questions(batch, name)
+    lab = step_labels(batch, name=name, fillers=fillers)
     B, T = batch.response_ids.shape
-    out = {k: torch.zeros(B, T) for k in ("first_mistake", "results", "progress", "reasoning", "result_step")}
-    parsed_rows, located = torch.zeros(B, dtype=torch.bool), torch.zeros(B, dtype=torch.bool)
+    first_mistake, progress = torch.zeros(B, T), torch.zeros(B, T)
+    located = torch.zeros(B, dtype=torch.bool)
     mistake_step = torch.full((B,), -1, dtype=torch.long)
-    ids_cpu, mask_cpu = batch.response_ids.detach().cpu(), batch.response_mask.detach().cpu().bool()
     for b in range(B):
-        pos = mask_cpu[b].nonzero().flatten()
-        text, starts, ends = token_char_spans(batch.tokenizer, ids_cpu[b, pos].tolist())
-        parsed = parse_response(text, fillers=fillers)
-        if parsed is None:
+        if not lab.parsed[b]:
             continue
-        parsed_rows[b] = True
-
-        def mark(key: str, spans: Sequence[Sequence[int]], value: float = 1.0) -> None:
-            on = token_labels(starts, ends, spans, [], len(text)) == PIVOTAL
-            out[key][b, pos[torch.from_numpy(on)]] = value
-
-        mark("reasoning", [[0, parsed.reasoning_end]])
-        mark("results", parsed.result_spans)
-        for k, span in enumerate(parsed.result_spans):
-            mark("result_step", [span], float(k + 1))
         operands, ops = terms[b]
-        check = check_steps(parsed.steps, operands, ops, parsed.answer)
+        check = check_steps(lab.steps[b], operands, ops, lab.answers[b])
         if check.locatable:
             located[b] = True
             mistake_step[b] = check.mistake_step
-            mark("first_mistake", [parsed.result_spans[check.mistake_step]])
+            first_mistake[b] = lab.mark(b, [lab.result_spans[b][check.mistake_step]]).float()
         reference = [c for (_, _, _, c) in solve_steps(operands, ops)]
-        for k, step in enumerate(parsed.steps):
+        for k, step in enumerate(lab.steps[b]):
             if k >= len(reference) or step[3] != reference[k]:  # P_k drops from 1 to 0 here, once
-                mark("progress", [parsed.step_spans[k]], -1.0)
+                progress[b][lab.mark(b, [lab.step_spans[b][k]])] = -1.0
                 break
-    result_step = out.pop("result_step").long()
-    return OracleLabels(parsed=parsed_rows, located=located, result_step=result_step, mistake_step=mistake_step, **out)
+    return OracleLabels(first_mistake=first_mistake, results=lab.results, progress=progress, reasoning=lab.reasoning,
+                        parsed=lab.parsed, located=located, result_step=lab.result_step, mistake_step=mistake_step)
 
 
 def relocate_mistakes(labels: OracleLabels, rows: torch.Tensor, accuracy: float,
@@ -215,29 +277,72 @@ def _fillers(batch: CreditBatch) -> list[str]:
     return task_fillers((batch.extras.get("task") or {}).get("synthetic"))
 
 
-def _oracle_scores(name: str, batch: CreditBatch, which: str, *, wrong_only: bool, localisation: float = 1.0,
-                   options: dict[str, Any] | None = None):
-    """``wrong_only``: score only responses below their group's mean (``A_i < 0``), so a mistake that a
-    later one cancels in a right answer is not boosted with a positive advantage. ``localisation`` < 1:
-    the first mistake's importance moved to another step with probability ``1 - localisation``
-    (:func:`relocate_mistakes`, drawn from the run seed and the step)."""
+def _decisive_scores(batch: CreditBatch):
+    """``oracle_decisive``'s scores: importance 1 on every step's result tokens of the parsed responses
+    with a nonzero advantage."""
     def scores_of(A: torch.Tensor):
         t0 = time.perf_counter()
-        labels = oracle_labels(batch, fillers=_fillers(batch), name=name)
-        target = getattr(labels, which)
-        a = A.detach().cpu()
-        active = (target.sum(-1) > 0) & ((a < 0) if wrong_only else (a != 0))
+        labels = oracle_labels(batch, name="oracle_decisive")
+        target = labels.results
+        active = (target.sum(-1) > 0) & (A.detach().cpu() != 0)
         B = max(len(A), 1)
         stats = {"importance_s": time.perf_counter() - t0, "parsed_fraction": float(labels.parsed.sum()) / B,
                  "located_fraction": float(labels.located.sum()) / B, "scored_fraction": float(active.sum()) / B}
-        if localisation < 1.0:
-            target, moved = relocate_mistakes(labels, active, localisation,
-                                              _generator(batch, options or {}, _RELOCATE_SALT))
-            stats["relocated_fraction"] = float(moved.sum()) / B
         dev = batch.response_mask.device
         return target.to(dev), labels.reasoning.to(dev), active.to(dev), stats
 
     return scores_of
+
+
+def first_mistake_credit(name: str, batch: CreditBatch, options: dict[str, Any], *, labels: Any,
+                         first_mistake: torch.Tensor, located: torch.Tensor, shape: str,
+                         stats: dict[str, float] | None = None) -> CreditResult:
+    """First-mistake credit from a location of each response's first mistake, however found (the task's
+    ground truth for the oracles, a step verifier: :mod:`oar.credit.verifier`).
+
+    Args:
+        labels: the batch's parsed steps (:class:`StepLabels` or :class:`OracleLabels`: ``reasoning``
+            and ``parsed``).
+        first_mistake: ``(B, T)`` float, 1 on the located mistake's result tokens.
+        located: ``(B,)`` bool, rows with a located mistake.
+        shape: ``pinpoint``: Bi-Level weights from importance 1 on the mistake's result tokens
+            (:func:`oar.credit.reshape.reshaped_credit`; options the sequence advantage's and the
+            reshaping's); ``suffix``: the tokens before the mistake's result get weight 0, those from
+            it to the end ``L / L_suffix`` with ``preserve_mass`` (else 1). Both score only rows below
+            their group's mean (``A_i < 0``) with a located mistake; the others keep GRPO's credit.
+        stats: more statistics for the result (``parsed_fraction``, ``located_fraction``,
+            ``scored_fraction`` are added; ``spared_fraction`` for ``suffix``).
+    """
+    t0 = time.perf_counter()
+    B = max(batch.response_ids.shape[0], 1)
+    base = {**(stats or {}), "parsed_fraction": float(labels.parsed.sum()) / B,
+            "located_fraction": float(located.sum()) / B}
+    if shape == "pinpoint":
+        def scores_of(A: torch.Tensor):
+            a = A.detach().cpu()
+            active = (first_mistake.sum(-1) > 0) & located & (a < 0)
+            dev = batch.response_mask.device
+            out = {"importance_s": time.perf_counter() - t0 + base.pop("importance_s", 0.0), **base,
+                   "scored_fraction": float(active.sum()) / B}
+            return first_mistake.to(dev), labels.reasoning.to(dev), active.to(dev), out
+
+        return reshaped_credit(name, batch, options, _ORACLE_OPTIONS, scores_of)
+    check_options(name, options, SEQ_OPTIONS + ("preserve_mass",))
+    A = sequence_advantages(batch, options)
+    m = batch.response_mask.to(torch.float32)
+    dev, T = m.device, m.shape[1]
+    start = torch.where(first_mistake.to(dev) > 0, torch.arange(T, device=dev), T).amin(-1)
+    active = located.to(dev) & (A.to(dev) < 0) & (start < T)
+    suffix = (torch.arange(T, device=dev)[None, :] >= start[:, None]).to(m.dtype) * m
+    lengths, kept = m.sum(-1), suffix.sum(-1)
+    scale = lengths / kept.clamp(min=1.0) if bool(options.get("preserve_mass", True)) else torch.ones_like(lengths)
+    weights = torch.where(active[:, None], suffix * scale[:, None], m)
+    token_adv = broadcast_seq(A.to(torch.float32), batch.response_mask) * weights
+    spared = ((lengths - kept) / lengths.clamp(min=1.0))[active]
+    return CreditResult(token_advantages=token_adv, seq_advantages=A, weights=weights,
+                        stats={"importance_s": time.perf_counter() - t0 + base.pop("importance_s", 0.0), **base,
+                               "scored_fraction": float(active.sum()) / B,
+                               "spared_fraction": float(spared.mean()) if len(spared) else 0.0})
 
 
 @register_estimator("oracle_first_mistake")
@@ -253,9 +358,17 @@ def oracle_first_mistake_estimator(batch: CreditBatch, **options: Any) -> Credit
     ``relocated_fraction`` with ``localisation`` < 1).
     """
     localisation = float(options.pop(_LOCALISATION, 1.0))
-    return reshaped_credit("oracle_first_mistake", batch, options, _ORACLE_OPTIONS,
-                           _oracle_scores("oracle_first_mistake", batch, "first_mistake", wrong_only=True,
-                                          localisation=localisation, options=options))
+    t0 = time.perf_counter()
+    labels = oracle_labels(batch, name="oracle_first_mistake")
+    target, stats = labels.first_mistake, {"importance_s": 0.0}
+    if localisation < 1.0:
+        A = sequence_advantages(batch, {k: v for k, v in options.items() if k in SEQ_OPTIONS}).detach().cpu()
+        target, moved = relocate_mistakes(labels, labels.located & (A < 0), localisation,
+                                          _generator(batch, options, _RELOCATE_SALT))
+        stats["relocated_fraction"] = float(moved.sum()) / max(len(A), 1)
+    stats["importance_s"] = time.perf_counter() - t0
+    return first_mistake_credit("oracle_first_mistake", batch, options, labels=labels, first_mistake=target,
+                                located=labels.located, shape="pinpoint", stats=stats)
 
 
 @register_estimator("oracle_decisive")
@@ -264,7 +377,7 @@ def oracle_decisive_estimator(batch: CreditBatch, **options: Any) -> CreditResul
 
     Options as ``oracle_first_mistake``. Rows scored: parsed responses with ``A_i != 0``.
     """
-    return reshaped_credit("oracle_decisive", batch, options, _ORACLE_OPTIONS, _oracle_scores("oracle_decisive", batch, "results", wrong_only=False))
+    return reshaped_credit("oracle_decisive", batch, options, _ORACLE_OPTIONS, _decisive_scores(batch))
 
 
 @register_estimator("oracle_progress")
@@ -294,7 +407,7 @@ def oracle_progress_estimator(batch: CreditBatch, **options: Any) -> CreditResul
 @register_estimator("oracle_suffix")
 def oracle_suffix_estimator(batch: CreditBatch, **options: Any) -> CreditResult:
     """VPPO-style control (arXiv 2601.18984): the correct prefix of a wrong response spared, its penalty
-    spread uniformly from the first mistake on.
+    spread uniformly from the first mistake on (:func:`first_mistake_credit`, shape ``suffix``).
 
     In a response below its group's mean (``A_i < 0``) with a located first mistake, the tokens before
     the mistake's result get weight 0 and the tokens from it to the end weight ``L / L_suffix`` with
@@ -303,27 +416,11 @@ def oracle_suffix_estimator(batch: CreditBatch, **options: Any) -> CreditResult:
     Stats: ``parsed_fraction``, ``located_fraction``, ``scored_fraction``, ``spared_fraction`` (the
     share of a scored response's tokens spared, averaged), ``importance_s``.
     """
-    check_options("oracle_suffix", options, SEQ_OPTIONS + ("preserve_mass",))
     t0 = time.perf_counter()
-    A = sequence_advantages(batch, options)
-    labels = oracle_labels(batch, fillers=_fillers(batch), name="oracle_suffix")
-    m = batch.response_mask.to(torch.float32)
-    dev = m.device
-    start = torch.where(labels.first_mistake.to(dev) > 0, torch.arange(m.shape[1], device=dev), m.shape[1]).amin(-1)
-    active = labels.located.to(dev) & (A.to(dev) < 0) & (start < m.shape[1])
-    suffix = (torch.arange(m.shape[1], device=dev)[None, :] >= start[:, None]).to(m.dtype) * m
-    lengths, kept = m.sum(-1), suffix.sum(-1)
-    scale = lengths / kept.clamp(min=1.0) if bool(options.get("preserve_mass", True)) else torch.ones_like(lengths)
-    weights = torch.where(active[:, None], suffix * scale[:, None], m)
-    token_adv = broadcast_seq(A.to(torch.float32), batch.response_mask) * weights
-    B = max(len(A), 1)
-    spared = ((lengths - kept) / lengths.clamp(min=1.0))[active]
-    return CreditResult(token_advantages=token_adv, seq_advantages=A, weights=weights,
-                        stats={"importance_s": time.perf_counter() - t0,
-                               "parsed_fraction": float(labels.parsed.sum()) / B,
-                               "located_fraction": float(labels.located.sum()) / B,
-                               "scored_fraction": float(active.sum()) / B,
-                               "spared_fraction": float(spared.mean()) if len(spared) else 0.0})
+    labels = oracle_labels(batch, name="oracle_suffix")
+    return first_mistake_credit("oracle_suffix", batch, options, labels=labels, first_mistake=labels.first_mistake,
+                                located=labels.located, shape="suffix",
+                                stats={"importance_s": time.perf_counter() - t0})
 
 
 def shuffle_scores(scores: torch.Tensor, mask: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
