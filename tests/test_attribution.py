@@ -393,6 +393,42 @@ def test_compute_signals_config_specs_seeds_and_baselines():
     assert info["notes"]["g_k3"] == "mode=answer_joint, noise_std=0.01, draws=3"
 
 
+def test_oracle_and_step_verifier_signals(tmp_path, monkeypatch):
+    """``oracle``: 1 on the first mistake's result tokens (row 1's "4" of 1+2=4), 0 on a right response;
+    ``step_verifier``: each step's result tokens carry the verifier's probability that the step is
+    wrong, the located first mistake's raised by 1 (the probabilities set by hand)."""
+    from oar.credit import verifier as V
+    from oar.models import build_tiny
+
+    model, tok, resp, kw = _tiny_signal_batch()
+    folder = tmp_path / "verifier"
+    v_model, v_tok = build_tiny(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64,
+                                max_position_embeddings=128, seed=1)
+    v_model.save_pretrained(folder)
+    v_tok.save_pretrained(folder)
+    hand = {resp[0]: [0.2, 0.1], resp[1]: [0.9], resp[2]: [0.3]}
+    monkeypatch.setattr(V, "step_error_probs", lambda m, t, prompts, responses, spans, chunk=256:
+                        [next(v for r, v in hand.items() if text.startswith(r)) for text in responses])
+    task = {"kind": "synthetic", "synthetic": {"fillers": ["so", "ok"]}}
+    specs = [{"name": "oracle", "kind": "oracle"}, {"name": "oracle_p50", "kind": "oracle", "localisation": 0.5},
+             {"name": "verifier", "kind": "step_verifier", "verifier": str(folder)}]
+    scores, _, info = compute_signals(model, tok, signals=specs, task=task, **kw)
+    T = kw["response_ids"].shape[1]
+    at = lambda *pos: torch.zeros(T).index_fill_(0, torch.tensor(pos, dtype=torch.long), 1.0)  # noqa: E731
+    assert torch.equal(scores["oracle"][1], at(4)) and scores["oracle"][[0, 2]].sum() == 0
+    # row 1 has one step: nowhere else to move its importance
+    assert torch.equal(scores["oracle_p50"][1], at(4))
+    assert torch.allclose(scores["verifier"][1], 1.9 * at(4))
+    assert torch.allclose(scores["verifier"][0], 0.2 * at(4) + 0.1 * at(14))  # "1+2=3, so 3+1=4": results 3 and 4
+    assert torch.allclose(scores["verifier"][2], 0.3 * at(4))
+    from oar.attribution.signals import SignalSpec
+
+    assert SignalSpec("oracle_p50", "oracle", {"localisation": 0.5}).stochastic
+    assert not SignalSpec("oracle", "oracle", {}).stochastic
+    with pytest.raises(ValueError, match="names the verifier a config's workflow trains"):
+        compute_signals(model, tok, signals=[{"name": "v", "kind": "step_verifier"}], task=task, **kw)
+
+
 def test_signal_specs_validation():
     specs = signal_specs([{"name": "oar_p", "kind": "oar_p"}, {"name": "x", "kind": "oar_g", "draws": 2}])
     assert [(s.name, s.kind) for s in specs] == [("oar_p", "oar_p"), ("x", "oar_g")]

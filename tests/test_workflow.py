@@ -130,7 +130,7 @@ def test_dry_run_transfer_evaluates_the_start_model_and_the_listed_methods_only(
     path.write_text(yaml.safe_dump(cfg))
     counts, jobs = dry_run("--configfile", str(path), results=tmp_path)
     n = len(cfg["methods"]) * 2
-    assert counts == Counter({"data": 1, "sft": 1, "train": n, "evaluate": n, "evaluate_base": 1, "attribution": 1,
+    assert counts == Counter({"data": 1, "sft": 1, "verifier": 1, "train": n, "evaluate": n, "evaluate_base": 1, "attribution": 1,
                               "evaluate_transfer_base": 1, "evaluate_transfer": 2, "report": 1, "all": 1})
     R = f"{tmp_path}/smoke"
     transfer = {f"{R}/base/transfer/summary.json", f"{R}/grpo/seed0/transfer/summary.json",

@@ -101,6 +101,7 @@ __all__ = [
     "report_fingerprint",
     "verifier_key",
     "uses_trained_verifier",
+    "attribution_uses_trained_verifier",
 ]
 
 
@@ -242,6 +243,16 @@ def uses_trained_verifier(method: ResolvedMethod) -> bool:
     return method.estimator == "step_verifier" and method.credit_options.get("verifier", TRAINED) == TRAINED
 
 
+def attribution_uses_trained_verifier(config: Mapping[str, Any]) -> bool:
+    """Whether the config's attribution benchmark (when enabled) scores a ``step_verifier`` signal with the
+    verifier the config trains (its option ``verifier`` at :data:`oar.credit.verifier.TRAINED`)."""
+    from oar.credit.verifier import TRAINED
+
+    attr = config.get("attribution") or {}
+    return bool(attr.get("enabled")) and any(
+        s.get("kind") == "step_verifier" and s.get("verifier", TRAINED) == TRAINED for s in attr.get("signals") or ())
+
+
 def verifier_key(config: Mapping[str, Any], *, sft: bool) -> str:
     """What identifies the step verifier a config trains (``oar verifier``): its settings (the
     ``verifier`` section), the task whose demonstrations it learns from, and the start model it is
@@ -326,9 +337,12 @@ def plan_fingerprint(config: Mapping[str, Any]) -> str:
 
 def attribution_fingerprint(config: Mapping[str, Any]) -> str:
     """What an attribution (of the start model or a trained one) is computed from besides its model:
-    the attribution, model, task, sft, rollout and reward sections. The attribution rules rerun when
-    it changes."""
-    return fingerprint(config_sections(config, "attribution", "model", "task", "sft", "rollout", "reward"))
+    the attribution, model, task, sft, rollout and reward sections, and the verifier's key when a
+    signal reads the verifier the config trains. The attribution rules rerun when it changes."""
+    sections = config_sections(config, "attribution", "model", "task", "sft", "rollout", "reward")
+    if attribution_uses_trained_verifier(config):  # the verifier it scores with joins (none: as before)
+        return fingerprint(sections, {"verifier": verifier_key(config, sft=bool(config["sft"]["enabled"]))})
+    return fingerprint(sections)
 
 
 def report_fingerprint(config: Mapping[str, Any], methods: Mapping[str, ResolvedMethod]) -> str:

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from oar.identity import base_key, data_key, run_key, sft_key, uses_trained_verifier, verifier_key
+from oar.identity import (attribution_uses_trained_verifier, base_key, data_key, run_key, sft_key, uses_trained_verifier,
+                          verifier_key)
 
 __all__ = [
     "STORE_DIR",
@@ -71,12 +72,12 @@ class StoreEntry:
 
 def store_entries(config: Mapping[str, Any], methods: Mapping[str, Any], *, sft: bool) -> list[StoreEntry]:
     """Every entry of a config's view, in a fixed order: data, sft (when enabled), base, the step
-    verifier (when a method uses the one the config trains), one per method."""
+    verifier (when a method or an attribution signal reads the one the config trains), one per method."""
     entries = [StoreEntry("data", f"data/{data_key(config)}")]
     if sft:
         entries.append(StoreEntry("sft", f"sft/{sft_key(config)}"))
     entries.append(StoreEntry("base", f"base/{base_key(config, sft=sft)}"))
-    if any(uses_trained_verifier(m) for m in methods.values()):
+    if any(uses_trained_verifier(m) for m in methods.values()) or attribution_uses_trained_verifier(config):
         entries.append(StoreEntry(VERIFIER_VIEW, f"verifier/{verifier_key(config, sft=sft)}"))
     entries += [StoreEntry(name, f"runs/{name}-{run_key(config, m, sft=sft)}") for name, m in methods.items()]
     return entries

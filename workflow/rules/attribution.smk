@@ -6,6 +6,7 @@
 rule attribution:
     input:
         **start_inputs(),
+        **attribution_verifier_inputs(),  # a step_verifier signal's verifier (rules/verifier.smk)
     output:
         csv=f"{R}/attribution/fidelity.csv",
         localisation=f"{R}/attribution/localisation.csv",
@@ -49,6 +50,7 @@ rule attribution:
 rule attribution_trained:
     input:
         **start_inputs(),
+        **attribution_verifier_inputs(),
         summary=f"{R}/{{method}}/seed{{seed}}/train_summary.json",
     output:
         md=f"{R}/attribution/{{method}}_seed{{seed}}/attribution.md",

@@ -21,7 +21,7 @@ from oar.launch import SHELL_PREFIX, LaunchError, conda_env_choice, disk_problem
 from oar.launch import train_launcher as _train_launcher, train_resources as _train_resources
 from oar.identity import (attribution_fingerprint, data_key, eval_fingerprint, fingerprint, plan_fingerprint,
                           report_fingerprint, resumable_train_values, run_key, sft_key, transfer_fingerprint,
-                          uses_trained_verifier, verifier_key)
+                          uses_trained_verifier, verifier_key, attribution_uses_trained_verifier)
 from oar.credit.verifier import VERIFIER_SUMMARY as VERIFIER_SUMMARY_FILE
 from oar.layout import STORE_DIR, LayoutError, link_views, store_entries, target_problems, trained_verifier_dir
 
@@ -232,6 +232,12 @@ def start_init_param(wildcards, input):
 # verifier: trained (oar.identity.uses_trained_verifier); its view entry links into the store by its key
 VERIFIER_DIR = str(trained_verifier_dir(config))
 VERIFIER_SUMMARY = f"{VERIFIER_DIR}/{VERIFIER_SUMMARY_FILE}"
+
+
+def attribution_verifier_inputs():
+    """The attribution rules' verifier input: its summary when a step_verifier signal reads the verifier
+    this config trains."""
+    return {"verifier": VERIFIER_SUMMARY} if attribution_uses_trained_verifier(config) else {}
 
 
 def verifier_input(wildcards):

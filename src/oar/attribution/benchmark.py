@@ -41,6 +41,7 @@ from oar.task.grammar import StepCheck, check_steps, draw_counterfactual, mistak
 from oar.attribution.metrics import cost_table, fidelity_table, localisation_table, stability_table
 from oar.task.parsing import UNLABELED, ParsedResponse, parse_response, token_char_spans, token_labels
 from oar.attribution.signals import SignalSpec, compute_signals, signal_specs
+from oar.credit.verifier import TRAINED
 
 __all__ = ["KINDS", "AttributionSettings", "AttributionResult", "run_attribution", "attribution_from_config"]
 
@@ -88,6 +89,19 @@ class AttributionResult:
     fidelity: Any
     per_response: Any
     summary: dict = field(default_factory=dict)
+
+
+def _located_signals(config: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """``attribution.signals`` with a ``step_verifier`` signal's ``verifier: trained`` (its default) made
+    the folder of the verifier the config trains (:func:`oar.layout.trained_verifier_dir`)."""
+    from oar.layout import trained_verifier_dir
+
+    out = []
+    for sig in config["attribution"]["signals"]:
+        if sig.get("kind") == "step_verifier" and sig.get("verifier", TRAINED) == TRAINED:
+            sig = {**sig, "verifier": str(trained_verifier_dir(config))}
+        out.append(sig)
+    return out
 
 
 def _pad(prompts: Sequence[list[int]], responses: Sequence[list[int]], pad_id: int) -> tuple[torch.Tensor, ...]:
@@ -213,7 +227,7 @@ class AttributionSettings:
             propagated_only=bool(attr["propagated_only"]), min_steps=int(attr["min_steps"]),
             max_per_prompt=int(attr["max_per_prompt"]), max_delta=int(attr["max_delta"]),
             top_k=tuple(int(k) for k in attr["top_k"]), seed=int(attr["seed"]), split=str(attr["split"]),
-            signals=tuple(attr["signals"]), conclude=attr["conclude"], cost_reference=str(attr["cost_reference"]),
+            signals=tuple(_located_signals(config)), conclude=attr["conclude"], cost_reference=str(attr["cost_reference"]),
             stability=bool(attr["stability"]), repeats=int(attr["timing_repeats"]),
         )
         return replace(settings, **overrides)
@@ -453,7 +467,8 @@ def _group_batch(c: _Collected) -> tuple["_Batch", list[int]]:
 
 def _signal_kwargs(run: _Run) -> dict[str, Any]:
     s = run.s
-    return dict(conclude=s.conclude, ktae_options=s.ktae_options)
+    return dict(conclude=s.conclude, ktae_options=s.ktae_options,
+                task={"kind": "synthetic", "synthetic": dict(s.task_options)})
 
 
 def _score(run: _Run, c: _Collected, batch: "_Batch", rows: list[int], progress: bool = False) -> _Scored:

@@ -31,6 +31,15 @@ estimators read the same types); scores are response-aligned ``(n, T)``, larger 
   ``K`` instead of ``|K|``). The magnitude is the importance: ``K > 0`` marks a token id associated
   with correct responses, ``K < 0`` one associated with wrong ones, and a wrong result is as pivotal
   as a right one.
+- ``oracle``: ``oracle_first_mistake``'s importance (:func:`oar.credit.controls.oracle_importance`, 1 on
+  the first mistake's result tokens), moved to another step of the response with probability
+  ``1 - localisation`` (seeded with the benchmark's seed): the degraded oracles' place on the
+  localisation axis, the calibration of the practical signals; options :class:`OracleSignalOptions`.
+- ``step_verifier``: each step's result tokens scored by the step verifier's probability that the step
+  is wrong (:func:`oar.credit.verifier.step_probabilities`), the located first mistake's (the first
+  at or above ``threshold``, where the ``step_verifier`` credit puts its importance) raised by 1;
+  options :class:`VerifierSignalOptions` (``verifier: trained``: the config's, which ``oar
+  attribution`` locates).
 - ``random``: uniform noise in ``[0, 1)`` from a generator seeded with the benchmark's seed.
 - ``uniform``: a constant; with ties broken at random it is the exact chance level of every
   metric (top-k hit, AUROC 0.5).
@@ -48,8 +57,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from oar.credit import CreditBatch
 from oar.credit.importance import OarGOptions, OarPOptions, oar_g_scores, oar_p_scores, oar_p_tie_ids, option_names
 from oar.credit.mc_value import McValueOptions
+from oar.credit.verifier import DEFAULT_THRESHOLD, TRAINED
 
 __all__ = [
     "SIGNAL_KINDS",
@@ -57,6 +68,8 @@ __all__ = [
     "KtaeSignalOptions",
     "McValueSignalOptions",
     "NoOptions",
+    "OracleSignalOptions",
+    "VerifierSignalOptions",
     "SignalSpec",
     "signal_specs",
     "compute_signals",
@@ -77,6 +90,23 @@ class McValueSignalOptions:
     ``refine_weight``, the most a token moves when OAR-G breaks a step's ties (:func:`refine_within_steps`)."""
 
     refine_weight: float = 1e-3
+
+
+@dataclass(frozen=True)
+class OracleSignalOptions:
+    """Options of an ``oracle`` signal: ``localisation``, the probability that the importance stays on the
+    first mistake (``oracle_first_mistake``'s option of the same name)."""
+
+    localisation: float = 1.0
+
+
+@dataclass(frozen=True)
+class VerifierSignalOptions:
+    """Options of a ``step_verifier`` signal: ``verifier`` (:data:`oar.credit.verifier.TRAINED`: the
+    config's) and ``threshold`` (the ``step_verifier`` credit's options of the same names)."""
+
+    verifier: str = TRAINED
+    threshold: float = DEFAULT_THRESHOLD
 
 
 @dataclass(frozen=True)
@@ -121,6 +151,8 @@ SIGNAL_KINDS: dict[str, SignalKind] = {
     "oar_g": SignalKind(OarGOptions, set_here=("seed", "chunk_tokens")),
     "ktae": SignalKind(KtaeSignalOptions),
     "mc_value": SignalKind(McValueOptions, set_here=("refine_floor", "seq_weight", "alpha"), extra=McValueSignalOptions),
+    "oracle": SignalKind(OracleSignalOptions),
+    "step_verifier": SignalKind(VerifierSignalOptions),
     "random": SignalKind(NoOptions),
     "uniform": SignalKind(NoOptions),
 }
@@ -168,10 +200,12 @@ class SignalSpec:
 
     @property
     def stochastic(self) -> bool:
-        """True when the scores depend on a seed (OAR-G's noise, the random baseline)."""
+        """True when the scores depend on a seed (OAR-G's noise, the random baseline, a degraded oracle)."""
         if self.kind == "mc_value":
             o, _ = self.typed()
             return not o.greedy or o.refine is not None
+        if self.kind == "oracle":
+            return self.typed()[0].localisation < 1.0
         return self.kind in ("oar_g", "random")
 
 
@@ -261,6 +295,7 @@ def compute_signals(
     warmup: bool = True,
     repeats: int = 1,
     continuations: Any = None,
+    task: Mapping[str, Any] | None = None,
     progress: bool = False,
 ) -> tuple[dict[str, torch.Tensor], dict[str, float], dict[str, Any]]:
     """Score the responses ``rows`` with each signal, aligned with response positions.
@@ -286,6 +321,8 @@ def compute_signals(
             of every repeat are identical, the first is kept).
         continuations: an :class:`oar.credit.mc_value.ContinuationContext` row-aligned with the
             ``B`` responses (needed by ``mc_value`` signals only).
+        task: the config's ``task`` section, whose steps ``oracle`` and ``step_verifier`` signals parse
+            (default: the synthetic task with the generator's fillers).
         progress: a progress bar on stderr over the signals.
 
     Returns:
@@ -301,7 +338,7 @@ def compute_signals(
     run = _SignalRun(model=model, tokenizer=tokenizer, prompt_ids=prompt_ids, prompt_mask=prompt_mask,
                      response_ids=response_ids, response_mask=response_mask, rewards=rewards, group_ids=group_ids,
                      rows=torch.as_tensor(rows, dtype=torch.long), conclude=conclude, ktae_options=ktae_options, seed=seed, warmup=warmup, repeats=repeats,
-                     continuations=continuations)
+                     continuations=continuations, task=dict(task or {"kind": "synthetic"}))
     base, _ = run.probe_for(run.default_conclude)
     info: dict[str, Any] = {
         "reasoning_mask": (base.to_response(base.reasoning_mask.float(), run.T) > 0).cpu(),
@@ -341,6 +378,7 @@ class _SignalRun:
     warmup: bool
     repeats: int
     continuations: Any
+    task: Mapping[str, Any]
     probes: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # conclude -> (cpu probe, device probe)
     probe_seconds: float = 0.0
     ktae: tuple[torch.Tensor, float] | None = None  # |K| of the whole batch, computed once
@@ -388,6 +426,14 @@ class _SignalRun:
             first = out if first is None else first
         assert first is not None
         return first, best
+
+    def credit_batch(self) -> CreditBatch:
+        """The scored rows as a :class:`oar.credit.CreditBatch` (the credit layer's importances read it)."""
+        r = self.rows
+        return CreditBatch(response_ids=self.response_ids[r], response_mask=self.response_mask[r],
+                           rewards=self.rewards[r].float(), group_ids=self.group_ids[r], prompt_ids=self.prompt_ids[r],
+                           prompt_mask=self.prompt_mask[r], model=None, tokenizer=self.tokenizer,
+                           extras={"task": self.task, "seed": self.seed, "step": 0})
 
     def conclude_of(self, options: OarPOptions | OarGOptions) -> str:
         """The probe conclude string of an OAR signal: its own, else the benchmark's."""
@@ -479,6 +525,34 @@ def refine_within_steps(blame: torch.Tensor, g: torch.Tensor,
     return blame.float() + float(weight) * g.float() / top
 
 
+def _score_oracle(run: _SignalRun, spec: SignalSpec) -> tuple[torch.Tensor, float, int, str]:
+    from oar.credit.controls import oracle_importance
+
+    o, _ = spec.typed()
+    batch = run.credit_batch()
+    s, dt = run.timed(lambda: oracle_importance(batch, localisation=float(o.localisation))[0])
+    return s.float().cpu(), dt, run.n, ""
+
+
+def _score_step_verifier(run: _SignalRun, spec: SignalSpec) -> tuple[torch.Tensor, float, int, str]:
+    from oar.credit.verifier import first_wrong_step, step_probabilities
+
+    o, _ = spec.typed()
+    batch = run.credit_batch()
+
+    def fn() -> torch.Tensor:
+        probs, labels = step_probabilities(batch, o.verifier)
+        s = torch.zeros_like(labels.results)
+        for b, row in enumerate(probs):
+            first = first_wrong_step(row, float(o.threshold))
+            for k, p in enumerate(row):
+                s[b][labels.result_step[b] == k + 1] = p + (1.0 if k == first else 0.0)
+        return s
+
+    s, dt = run.timed(fn)
+    return s.float().cpu(), dt, run.n, ""
+
+
 def _score_random(run: _SignalRun, spec: SignalSpec) -> tuple[torch.Tensor, float, int, str]:
     s, dt = run.timed(lambda: torch.rand((run.n, run.T), generator=torch.Generator().manual_seed(int(run.seed)))
                       * run.response_mask[run.rows].cpu().float())
@@ -496,6 +570,8 @@ _SCORERS: dict[str, Scorer] = {
     "oar_g": _score_oar_g,
     "ktae": _score_ktae,
     "mc_value": _score_mc_value,
+    "oracle": _score_oracle,
+    "step_verifier": _score_step_verifier,
     "random": _score_random,
     "uniform": _score_uniform,
 }

@@ -38,7 +38,7 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -57,6 +57,7 @@ __all__ = [
     "oracle_progress_estimator",
     "oracle_suffix_estimator",
     "relocate_mistakes",
+    "oracle_importance",
     "StepLabels",
     "step_labels",
     "first_mistake_credit",
@@ -345,6 +346,24 @@ def first_mistake_credit(name: str, batch: CreditBatch, options: dict[str, Any],
                                "spared_fraction": float(spared.mean()) if len(spared) else 0.0})
 
 
+def oracle_importance(batch: CreditBatch, *, localisation: float = 1.0, rows: torch.Tensor | None = None,
+                      options: Mapping[str, Any] | None = None) -> tuple[torch.Tensor, OracleLabels, torch.Tensor]:
+    """``oracle_first_mistake``'s importance: 1 on the result tokens of each response's located first
+    mistake; with ``localisation`` below 1, moved to another step of the response in a share
+    ``1 - localisation`` of the located rows among ``rows`` (``(B,)`` bool, default every row;
+    :func:`relocate_mistakes`, drawn from the run's seed and step: ``options`` may set ``seed``).
+
+    Returns:
+        ``(importance (B, T) float, labels, moved (B,) bool)``.
+    """
+    labels = oracle_labels(batch, name="oracle_first_mistake")
+    if localisation >= 1.0:
+        return labels.first_mistake, labels, torch.zeros(labels.located.shape, dtype=torch.bool)
+    rows = labels.located if rows is None else labels.located & rows
+    target, moved = relocate_mistakes(labels, rows, localisation, _generator(batch, dict(options or {}), _RELOCATE_SALT))
+    return target, labels, moved
+
+
 @register_estimator("oracle_first_mistake")
 def oracle_first_mistake_estimator(batch: CreditBatch, **options: Any) -> CreditResult:
     """Oracle control: Bi-Level weights from importance 1 on the first mistake's result tokens.
@@ -359,14 +378,11 @@ def oracle_first_mistake_estimator(batch: CreditBatch, **options: Any) -> Credit
     """
     localisation = float(options.pop(_LOCALISATION, 1.0))
     t0 = time.perf_counter()
-    labels = oracle_labels(batch, name="oracle_first_mistake")
-    target, stats = labels.first_mistake, {"importance_s": 0.0}
+    A = sequence_advantages(batch, {k: v for k, v in options.items() if k in SEQ_OPTIONS}).detach().cpu()
+    target, labels, moved = oracle_importance(batch, localisation=localisation, rows=A < 0, options=options)
+    stats = {"importance_s": time.perf_counter() - t0}
     if localisation < 1.0:
-        A = sequence_advantages(batch, {k: v for k, v in options.items() if k in SEQ_OPTIONS}).detach().cpu()
-        target, moved = relocate_mistakes(labels, labels.located & (A < 0), localisation,
-                                          _generator(batch, options, _RELOCATE_SALT))
         stats["relocated_fraction"] = float(moved.sum()) / max(len(A), 1)
-    stats["importance_s"] = time.perf_counter() - t0
     return first_mistake_credit("oracle_first_mistake", batch, options, labels=labels, first_mistake=target,
                                 located=labels.located, shape="pinpoint", stats=stats)
 

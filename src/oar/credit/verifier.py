@@ -40,7 +40,7 @@ import torch
 from oar.credit import CreditBatch, CreditResult, register_estimator
 
 __all__ = ["VerifierSettings", "result_targets", "train_verifier", "save_verifier", "load_verifier", "step_error_probs",
-           "first_wrong_step", "localisation_stats", "step_verifier_estimator", "verifier_from_config", "VERIFIER_SUMMARY", "SHAPES", "TRAINED"]
+           "first_wrong_step", "localisation_stats", "verifier_importance", "step_probabilities", "DEFAULT_THRESHOLD", "step_verifier_estimator", "verifier_from_config", "VERIFIER_SUMMARY", "SHAPES", "TRAINED"]
 
 #: The file :func:`save_verifier` writes beside the model: settings, accuracy, provenance.
 VERIFIER_SUMMARY = "verifier_summary.json"
@@ -48,6 +48,8 @@ VERIFIER_SUMMARY = "verifier_summary.json"
 #: ``<results_dir>/<name>/verifier/model`` (:func:`oar.layout.trained_verifier_dir`), identified by
 #: :func:`oar.identity.verifier_key`.
 TRAINED = "trained"
+#: A step is located as the first mistake from this probability of being wrong on (option ``threshold``).
+DEFAULT_THRESHOLD = 0.5
 #: How the located first mistake becomes credit (:func:`oar.credit.controls.first_mistake_credit`).
 SHAPES: tuple[str, ...] = ("pinpoint", "suffix")
 
@@ -273,32 +275,59 @@ def step_verifier_estimator(batch: CreditBatch, **options: Any) -> CreditResult:
     oracles', with ``verifier_s`` and :func:`localisation_stats`; rows scored: below their group's mean
     with a located step.
     """
-    from oar.credit.controls import first_mistake_credit, step_labels
+    from oar.credit.controls import first_mistake_credit
 
     opts = dict(options)
     source = str(opts.pop("verifier", TRAINED))
-    if source == TRAINED:
-        raise ValueError(f"credit step_verifier: option verifier {TRAINED!r} names the verifier a config's workflow "
-                         "trains, which `oar train` locates; called directly, name the verifier's folder")
     shape = opts.pop("shape", "pinpoint")
     if shape not in SHAPES:
         raise ValueError(f"credit step_verifier: shape {shape!r}; valid: {list(SHAPES)}")
-    threshold = float(opts.pop("threshold", 0.5))
+    threshold = float(opts.pop("threshold", DEFAULT_THRESHOLD))
     t0 = time.perf_counter()
-    labels = step_labels(batch, name="step_verifier")
-    model, tok = load_verifier(str(source))
-    pmask = batch.prompt_mask if batch.prompt_mask is not None else torch.ones_like(batch.prompt_ids)
-    prompts = [batch.tokenizer.decode(batch.prompt_ids[b][pmask[b].bool()].tolist(), skip_special_tokens=True)
-               for b in range(batch.prompt_ids.shape[0])]
-    probs = step_error_probs(model, tok, prompts, labels.texts, labels.result_spans)
+    first, labels, found = verifier_importance(batch, source, threshold)
+    stats = {"verifier_s": time.perf_counter() - t0, **localisation_stats(found, batch)}
+    return first_mistake_credit("step_verifier", batch, opts, labels=labels, first_mistake=first,
+                                located=torch.tensor([k >= 0 for k in found], dtype=torch.bool), shape=shape, stats=stats)
+
+
+def verifier_importance(batch: CreditBatch, source: str, threshold: float = DEFAULT_THRESHOLD
+                        ) -> tuple[torch.Tensor, Any, list[int]]:
+    """The verifier's located first mistake of each response of ``batch`` (the verifier ``source``:
+    :func:`load_verifier`; steps parsed by :func:`oar.credit.controls.step_labels`).
+
+    Returns:
+        ``(importance, labels, found)``: ``(B, T)`` float, 1 on the result tokens of the first step
+        whose probability of being wrong (:func:`step_error_probs`) is at least ``threshold``; the
+        parsed steps; per response that step (0-based, -1 for none).
+    """
+    probs, labels = step_probabilities(batch, source)
     found = [first_wrong_step(row, threshold) for row in probs]
     first = torch.zeros_like(labels.results)
     for b, k in enumerate(found):
         if k >= 0:
             first[b] = (labels.result_step[b] == k + 1).to(first.dtype)
-    stats = {"verifier_s": time.perf_counter() - t0, **localisation_stats(found, batch)}
-    return first_mistake_credit("step_verifier", batch, opts, labels=labels, first_mistake=first,
-                                located=torch.tensor([k >= 0 for k in found], dtype=torch.bool), shape=shape, stats=stats)
+    return first, labels, found
+
+
+def step_probabilities(batch: CreditBatch, source: str) -> tuple[list[list[float]], Any]:
+    """Each response's steps (:func:`oar.credit.controls.step_labels`) and the verifier's probability
+    that each is wrong (:func:`step_error_probs`, the prompts decoded from ``batch.prompt_ids``).
+
+    Raises:
+        ValueError: ``source`` is :data:`TRAINED` (``oar train`` and ``oar attribution`` put the
+            config's verifier in its place; called directly, a folder must be named).
+    """
+    from oar.credit.controls import step_labels
+
+    if str(source) == TRAINED:
+        raise ValueError(f"step_verifier: verifier {TRAINED!r} names the verifier a config's workflow trains, which "
+                         "`oar train` and `oar attribution` locate; called directly, name the verifier's folder")
+    labels = step_labels(batch, name="step_verifier")
+    model, tok = load_verifier(str(source))
+    pmask = batch.prompt_mask if batch.prompt_mask is not None else torch.ones_like(batch.prompt_ids)
+    prompts = [batch.tokenizer.decode(batch.prompt_ids[b][pmask[b].bool()].tolist(), skip_special_tokens=True)
+               for b in range(batch.prompt_ids.shape[0])]
+    return step_error_probs(model, tok, prompts, labels.texts, labels.result_spans), labels
 
 
 def localisation_stats(found: Sequence[int], batch: CreditBatch) -> dict[str, float]:
