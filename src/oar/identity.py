@@ -240,7 +240,7 @@ def uses_trained_verifier(method: ResolvedMethod) -> bool:
     ``step_verifier`` with the option ``verifier`` at :data:`oar.credit.verifier.TRAINED`)."""
     from oar.credit.verifier import TRAINED
 
-    return method.estimator == "step_verifier" and method.credit_options.get("verifier", TRAINED) == TRAINED
+    return method.estimator == "step_verifier" and method.credit_options.get("verifier") in (None, TRAINED)
 
 
 def attribution_uses_trained_verifier(config: Mapping[str, Any]) -> bool:
@@ -250,7 +250,7 @@ def attribution_uses_trained_verifier(config: Mapping[str, Any]) -> bool:
 
     attr = config.get("attribution") or {}
     return bool(attr.get("enabled")) and any(
-        s.get("kind") == "step_verifier" and s.get("verifier", TRAINED) == TRAINED for s in attr.get("signals") or ())
+        s.get("kind") == "step_verifier" and s.get("verifier") in (None, TRAINED) for s in attr.get("signals") or ())
 
 
 def verifier_key(config: Mapping[str, Any], *, sft: bool) -> str:

@@ -98,7 +98,7 @@ def _located_signals(config: Mapping[str, Any]) -> list[dict[str, Any]]:
 
     out = []
     for sig in config["attribution"]["signals"]:
-        if sig.get("kind") == "step_verifier" and sig.get("verifier", TRAINED) == TRAINED:
+        if sig.get("kind") == "step_verifier" and sig.get("verifier") in (None, TRAINED):
             sig = {**sig, "verifier": str(trained_verifier_dir(config))}
         out.append(sig)
     return out
