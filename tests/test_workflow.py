@@ -179,6 +179,24 @@ def test_dry_run_paper_config(tmp_path):
             assert int(j["resources"]["gpu"]) == cfg["resources"][j["rule"]]["gpu"] >= 1
 
 
+@needs_paper_data
+@pytest.mark.slow  # one snakemake process: a few seconds
+def test_dry_run_paper_prm_config_shares_the_papers_grpo_runs(tmp_path):
+    """config/paper_prm.yaml: GRPO and the PRM's credit on the paper's setting; its GRPO runs are the
+    paper's (one store key), so only the PRM method trains anew."""
+    from oar.config import load_config, resolve_methods
+    from oar.identity import run_key
+
+    paper, prm = load_config(ROOT / "config" / "paper.yaml"), load_config(ROOT / "config" / "paper_prm.yaml")
+    methods = resolve_methods(prm)
+    assert methods["grpo_prm"].estimator == "step_prm"
+    assert run_key(prm, methods["grpo"], sft=False) == run_key(paper, resolve_methods(paper)["grpo"], sft=False)
+    counts, jobs = dry_run("--configfile", "config/paper_prm.yaml", results=tmp_path)
+    n_runs = 2 * len(prm["seeds"])
+    assert counts == Counter({"data": 1, "fetch_model": 1, "plan": 1, "train": n_runs, "evaluate": n_runs,
+                              "evaluate_base": 1, "report": 1, "all": 1})
+
+
 @pytest.mark.slow  # one snakemake process: a few seconds
 def test_dry_run_ablations_config_extends_the_default(tmp_path):
     from oar.config import load_config
@@ -765,7 +783,7 @@ def test_dry_run_quotes_every_value_that_reaches_a_shell(tmp_path):
     base = ["-n", "-p", "--snakefile", str(SNAKEFILE), "--directory", str(tmp_path), "--configfile", str(path)]
     proc = snakemake(*base)
     cmds = shell_commands(proc.stdout + proc.stderr)
-    assert set(cmds) == {"data", "sft", "train", "evaluate", "evaluate_base", "attribution", "report"}
+    assert set(cmds) == {"data", "sft", "verifier", "train", "evaluate", "evaluate_base", "attribution", "report"}
     _check_quoted(cmds, WEIRD)
     R = f"{WEIRD}/smoke"
     for rule, lines in cmds.items():
@@ -789,7 +807,7 @@ def test_dry_run_quotes_every_value_that_reaches_a_shell(tmp_path):
     _write_config(tmp_path, cfg)
     cmds = shell_commands((p := snakemake(*base)).stdout + p.stderr)
     _check_quoted(cmds, "my models/init $(touch PWNED)")
-    for rule in ("evaluate_base", "attribution"):
+    for rule in ("evaluate_base", "attribution", "verifier"):
         (line,) = cmds[rule]
         assert _args_after(shlex.split(line), "--model") == [start], line
 

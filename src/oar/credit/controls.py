@@ -60,6 +60,7 @@ __all__ = [
     "oracle_importance",
     "StepLabels",
     "step_labels",
+    "text_steps",
     "first_mistake_credit",
     "shuffled_estimator",
     "inverted_estimator",
@@ -161,22 +162,38 @@ class StepLabels:
 
 
 def step_labels(batch: CreditBatch, *, name: str = "oracle", fillers: Sequence[str] | None = None) -> StepLabels:
-    """Parse every response of a batch (decoded token by token, :func:`oar.task.parsing.token_char_spans`)
-    with the task grammar and the task's fillers (``fillers``, default the task's:
-    :func:`oar.data.synthetic.task_fillers`; :func:`oar.task.parsing.parse_response`). Rows that do not
-    parse get all-zero labels and ``parsed`` False.
+    """Parse every response of a batch with the task grammar and the task's fillers (``fillers``,
+    default the task's: :func:`oar.data.synthetic.task_fillers`; :func:`oar.task.parsing.parse_response`),
+    through :func:`text_steps`. Rows that do not parse get all-zero labels and ``parsed`` False.
 
     Raises:
         SyntheticTaskRequired: ``extras["task"]`` is another task.
     """
-    from oar.task.parsing import PIVOTAL, parse_response, token_char_spans, token_labels
+    from oar.task.parsing import parse_response
 
     task = batch.extras.get("task") or {}
     if task.get("kind", "synthetic") != "synthetic":
         raise SyntheticTaskRequired(f"estimator {name!r} reads the synthetic task's steps; task.kind is {task.get('kind')!r}")
+    fillers = _fillers(batch) if fillers is None else fillers
+    return text_steps(batch, lambda text: parse_response(text, fillers=fillers), name=name)
+
+
+def text_steps(batch: CreditBatch, segment: Callable[[str], Any], *, name: str = "steps") -> StepLabels:
+    """The steps of every response of a batch (decoded token by token,
+    :func:`oar.task.parsing.token_char_spans`) as ``segment(text)`` finds them, in response coordinates.
+
+    Args:
+        segment: text -> None (no steps: the row's labels are all zero, ``parsed`` False) or an object
+            with ``result_spans``, ``step_spans`` (character spans per step), ``steps``, ``answer`` and
+            ``reasoning_end`` (:class:`oar.task.parsing.ParsedResponse`).
+
+    Raises:
+        ValueError: the batch has no tokenizer.
+    """
+    from oar.task.parsing import PIVOTAL, token_char_spans, token_labels
+
     if batch.tokenizer is None:
         raise ValueError(f"estimator {name!r}: CreditBatch.tokenizer is needed to read the responses")
-    fillers = _fillers(batch) if fillers is None else fillers
     B, T = batch.response_ids.shape
     results, reasoning, result_step = torch.zeros(B, T), torch.zeros(B, T), torch.zeros(B, T, dtype=torch.long)
     parsed_rows = torch.zeros(B, dtype=torch.bool)
@@ -187,7 +204,7 @@ def step_labels(batch: CreditBatch, *, name: str = "oracle", fillers: Sequence[s
         text, starts, ends = token_char_spans(batch.tokenizer, ids_cpu[b, pos].tolist())
         texts.append(text)
         token_maps.append((pos, starts, ends, len(text)))
-        parses.append(parse_response(text, fillers=fillers))
+        parses.append(segment(text))
         parsed_rows[b] = parses[-1] is not None
 
     def mark(b: int, spans: Sequence[Sequence[int]]) -> torch.Tensor:

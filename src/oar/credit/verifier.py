@@ -186,9 +186,10 @@ def save_verifier(model: Any, tokenizer: Any, folder: str | Path, summary: Mappi
 
 
 @functools.lru_cache(maxsize=4)
-def load_verifier(source: str) -> tuple[Any, Any]:
+def load_verifier(source: str, device: str = "cpu") -> tuple[Any, Any]:
     """The verifier and its tokenizer (a folder of :func:`save_verifier`, or any causal language
-    model of the policy's tokenizer: a local folder or a hub id), in eval mode; cached per process.
+    model of the policy's tokenizer: a local folder or a hub id), in eval mode on ``device``; cached
+    per process.
 
     Raises:
         FileNotFoundError: ``source`` cannot be loaded, naming it and what to do.
@@ -202,7 +203,7 @@ def load_verifier(source: str) -> tuple[Any, Any]:
         raise FileNotFoundError(f"credit step_verifier: option verifier {source!r} does not load as a causal "
                                 f"language model ({str(e).splitlines()[0]}); train one with the workflow's verifier "
                                 "rule (oar verifier)") from None
-    return model.eval(), tok
+    return model.to(device).eval(), tok
 
 
 @torch.no_grad()
@@ -214,7 +215,8 @@ def step_error_probs(model: Any, tokenizer: Any, prompts: Sequence[str], respons
     out: list[list[float]] = []
     for lo in range(0, len(responses), chunk):
         ids, mask, p_lens, maps = _encode(tokenizer, prompts[lo:lo + chunk], responses[lo:lo + chunk])
-        lp = _step_logprobs(model, ids, mask)
+        device = next(model.parameters()).device
+        lp = _step_logprobs(model, ids.to(device), mask.to(device)).cpu()
         for i, spans in enumerate(result_spans[lo:lo + chunk]):
             row = []
             for span in spans:
@@ -323,7 +325,7 @@ def step_probabilities(batch: CreditBatch, source: str) -> tuple[list[list[float
         raise ValueError(f"step_verifier: verifier {TRAINED!r} names the verifier a config's workflow trains, which "
                          "`oar train` and `oar attribution` locate; called directly, name the verifier's folder")
     labels = step_labels(batch, name="step_verifier")
-    model, tok = load_verifier(str(source))
+    model, tok = load_verifier(str(source), str(batch.response_ids.device))
     pmask = batch.prompt_mask if batch.prompt_mask is not None else torch.ones_like(batch.prompt_ids)
     prompts = [batch.tokenizer.decode(batch.prompt_ids[b][pmask[b].bool()].tolist(), skip_special_tokens=True)
                for b in range(batch.prompt_ids.shape[0])]
