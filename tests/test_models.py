@@ -1,4 +1,4 @@
-"""Tests for oar.models: the tiny model/tokenizer factory and policy loading."""
+"""Tests for oar.models.loading: the tiny model/tokenizer factory and policy loading."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from oar.models import (
+from oar.models.loading import (
     TINY_CHARACTERS,
     TINY_SPECIAL_TOKENS,
     build_tiny,
@@ -187,7 +187,7 @@ def test_load_policy_missing_path(tmp_path):
 
 def test_load_policy_gguf_dispatch(monkeypatch, tmp_path):
     """A .gguf file and a folder + gguf_file both reach the GGUF loader with (folder, name)."""
-    import oar.models as om
+    import oar.models.loading as om
 
     calls = []
 

@@ -1,4 +1,4 @@
-"""Tests for oar.reward: answer checking with math-verify in worker processes, DAPO overlong shaping."""
+"""Tests for oar.reward.score: answer checking with math-verify in worker processes, DAPO overlong shaping."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import oar.reward as R
+import oar.reward.score as R
 from helpers import (
     TEST_CRASH_MARKER,
     TEST_CRASH_ONCE_MARKER,
@@ -17,7 +17,7 @@ from helpers import (
     TEST_TERM_MARKER,
     hang_for_test,
 )
-from oar.reward import PoolStats, RewardPool, check_one, extracted_answer, overlong_penalty, score_batch, score_one
+from oar.reward.score import PoolStats, RewardPool, check_one, extracted_answer, overlong_penalty, score_batch, score_one
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 

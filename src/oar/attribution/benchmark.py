@@ -93,13 +93,13 @@ class AttributionResult:
 
 def _located_signals(config: Mapping[str, Any]) -> list[dict[str, Any]]:
     """``attribution.signals`` with a ``step_verifier`` signal's ``verifier: trained`` (its default) made
-    the folder of the verifier the config trains (:func:`oar.layout.trained_verifier_dir`)."""
-    from oar.layout import trained_verifier_dir
+    the folder of the verifier the config trains (:attr:`oar.config.tree.ResultsTree.verifier_model`)."""
+    from oar.config.tree import ResultsTree
 
     out = []
     for sig in config["attribution"]["signals"]:
         if sig.get("kind") == "step_verifier" and sig.get("verifier") in (None, TRAINED):
-            sig = {**sig, "verifier": str(trained_verifier_dir(config))}
+            sig = {**sig, "verifier": ResultsTree.of(config).verifier_model}
         out.append(sig)
     return out
 
@@ -209,7 +209,7 @@ class AttributionSettings:
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], **overrides: Any) -> "AttributionSettings":
-        """The settings of a validated config (:func:`oar.config.load_config`), with ``overrides``.
+        """The settings of a validated config (:func:`oar.config.load.load_config`), with ``overrides``.
 
         Raises:
             ValueError: the task is not the synthetic one.
@@ -287,7 +287,7 @@ class _Run:
                    engine=HFEngine(model, tokenizer, batch_size=s.batch_size, sampler=s.sampler), pad_id=int(tokenizer.pad_token_id))
 
     def reward_of(self, texts: Sequence[str], golds: Sequence[str]) -> list[float]:
-        from oar.reward import score_batch
+        from oar.reward.score import score_batch
 
         return score_batch(list(texts), list(golds), correct=self.s.correct, wrong=self.s.wrong,
                            timeout_s=self.s.reward_timeout_s, workers=self.s.reward_workers)
@@ -619,8 +619,8 @@ def attribution_from_config(
     ``localisation.png``, ``fidelity.png``, ``cost_curve.png`` and ``summary.json``.
 
     Args:
-        config: a validated config (:func:`oar.config.load_config`).
-        model_dir: the policy (loaded with :func:`oar.models.load_policy`).
+        config: a validated config (:func:`oar.config.load.load_config`).
+        model_dir: the policy (loaded with :func:`oar.models.loading.load_policy`).
         output_dir: output folder (created).
         repeats: timing repeats per signal (default ``attribution.timing_repeats``).
         progress: progress bars on stderr (:func:`run_attribution`).
@@ -631,9 +631,9 @@ def attribution_from_config(
     from datetime import datetime, timezone
 
     from oar.attribution.report import write_outputs
-    from oar.models import load_policy
-    from oar.preflight import job_device
-    from oar.provenance import provenance, with_end_time
+    from oar.models.loading import load_policy
+    from oar.core.device import job_device
+    from oar.core.provenance import provenance, with_end_time
 
     started = datetime.now(timezone.utc)
     settings = AttributionSettings.from_config(config, **({} if repeats is None else {"repeats": int(repeats)}))

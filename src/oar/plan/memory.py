@@ -24,10 +24,10 @@ _ALL = MEMORY_PHASES
 _ROLLOUT = ("rollout", "credit")
 _UPDATE = ("forward", "logits", "backward", "backward end")
 _SAVED = ("forward", "logits", "backward")
-#: float32 ``positions x V`` tensors alive at the end of ``oar.update.policy_forward(with_entropy=True)``:
+#: float32 ``positions x V`` tensors alive at the end of ``oar.trainer.update.policy_forward(with_entropy=True)``:
 #: the logits, the log-softmax the backward keeps, and the entropy's log-softmax, exp and product.
 LOGITS_COPIES = 5
-#: ``oar.strategy.FSDPStrategy.sync_context`` turns gradient sync off for all but the last
+#: ``oar.trainer.strategy.FSDPStrategy.sync_context`` turns gradient sync off for all but the last
 #: micro-batch of a mini-batch; FSDP2 then accumulates every gradient unsharded, in float32.
 FSDP_UNSHARDED_ACCUMULATION = True
 #: The credit estimators that run passes of their own through the policy, and what the passes are
@@ -237,7 +237,7 @@ def _state_terms(shape: ModelShape, s: PlanSettings) -> list[Term]:
                           f"{P / 1e9:.3g}B x 4 B: FSDP2 accumulates unsharded float32 gradients while gradient sync "
                           f"is off ({s.micro_batches} micro-batches per mini-batch)",
                           "train.micro_batch_size = train.mini_batch_size (one micro-batch per mini-batch), or "
-                          "reduce-scatter every micro-batch (oar.strategy.FSDPStrategy.sync_context)"))
+                          "reduce-scatter every micro-batch (oar.trainer.strategy.FSDPStrategy.sync_context)"))
     else:
         terms.append(placed("gradients", grads, gnote, more))
     terms.append(placed("optimizer states", 2 * local * mb, f"AdamW exp_avg + exp_avg_sq, 2 x {mb} B {where}", more))
@@ -421,7 +421,7 @@ def credit_terms(config: dict, world: int | None = None, *, shape: ModelShape | 
 def _credit_terms(shape: ModelShape, s: PlanSettings, config: dict) -> list[Term]:
     if not config.get("methods"):
         return []
-    from oar.config import resolve_methods
+    from oar.config.load import resolve_methods
     from oar.credit.importance import OarGOptions, OarPOptions
     from oar.credit.importance.common import option_names
     from oar.credit.mc_value import McValueOptions
