@@ -137,7 +137,8 @@ def paper_settings() -> tuple[dict[str, Any], dict[str, Any], dict[str, tuple[st
     :data:`METHOD_NAMES` (``ResolvedMethod.estimator_options()``). Read with the schema's defaults but
     without validation (``oar.config.load.load_config(validate=False)``: the stock image has no jsonschema;
     the tests validate paper.yaml)."""
-    from oar.config.load import load_config, resolve_method
+    from oar.config.load import load_config
+    from oar.config.methods import resolve_method
 
     cfg = load_config(PAPER_CONFIG, validate=False)
     resolved = {name: resolve_method(cfg, name, source=str(PAPER_CONFIG), validate=False) for name in METHOD_NAMES}
@@ -281,8 +282,9 @@ def transformers_compat(model: Any) -> dict[str, Any]:
 def run_config(size: str, run: dict[str, int], *, device: str, prompt_tokens: int, gpu_gb: float) -> dict:
     """The config ``oar.trainer.strategy.make_strategy`` and ``oar.plan`` read: :data:`TRAIN`, the run's batch,
     one process (``resources.train.gpu: 1``), the rest the schema's defaults
-    (:func:`oar.config.load.section_defaults`; no validation: the stock image has no jsonschema)."""
-    from oar.config.load import deep_merge, section_defaults
+    (:func:`oar.config.validate.section_defaults`; no validation: the stock image has no jsonschema)."""
+    from oar.config.source import deep_merge
+    from oar.config.validate import section_defaults
 
     given = {
         "model": {"source": f"gpu_check:{size}", "dtype": "float32"},

@@ -67,7 +67,7 @@ def with_stub_data(config: dict, folder: Path) -> dict:
 
 def small_overrides(tmp_path: Path, **extra) -> dict:
     """Overrides that shrink config/config.yaml to a run of a few seconds (tiny model, few prompts)."""
-    from oar.config.load import deep_merge
+    from oar.config.source import deep_merge
 
     base = {
         "model": {"tiny": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64,

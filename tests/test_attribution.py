@@ -479,7 +479,7 @@ def test_signal_options_are_the_credit_layers_options_types():
     from dataclasses import fields
 
     from oar.attribution.signals import SIGNAL_KINDS
-    from oar.config.load import schema
+    from oar.config.validate import schema
     from oar.credit.importance import OarGOptions, OarPOptions, option_defaults
     from oar.credit.mc_value import McValueOptions
 

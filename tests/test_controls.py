@@ -137,7 +137,9 @@ def test_oracles_refuse_other_tasks(name):
 
 
 def test_config_refuses_oracle_on_benchmark_task():
-    from oar.config.load import ConfigError, load_config, resolve_method
+    from oar.config.load import load_config
+    from oar.config.methods import resolve_method
+    from oar.config.source import ConfigError
 
     cfg = load_config(ROOT / "config" / "config.yaml")
     cfg["methods"]["oracle"] = {"recipe": "grpo", "credit": "oracle_first_mistake"}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from oar.config.load import schema, section_defaults, validate_config
+from oar.config.validate import schema, section_defaults, validate_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -122,7 +122,8 @@ def test_section_defaults_are_what_validation_fills(section):
 def test_unvalidated_loading_fills_what_validation_fills(path):
     """load_config(validate=False) (benchmarks/gpu_check.py's, without jsonschema) gives every config
     of config/ exactly as validation leaves it, and its methods resolve the same."""
-    from oar.config.load import load_config, resolve_method
+    from oar.config.load import load_config
+    from oar.config.methods import resolve_method
 
     checked, unchecked = load_config(path), load_config(path, validate=False)
     assert unchecked == checked

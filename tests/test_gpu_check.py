@@ -132,7 +132,8 @@ def test_composed_update_equals_the_trainers():
 def test_settings_are_paper_yamls(tmp_path, monkeypatch):
     """gpu_check's TRAIN, RECIPE and METHODS are config/paper.yaml's as validation resolves it (read
     without jsonschema), and come from the file: a changed paper.yaml changes them."""
-    from oar.config.load import load_config, resolve_method
+    from oar.config.load import load_config
+    from oar.config.methods import resolve_method
 
     gc = _gpu_check()
     cfg = load_config(ROOT / "config" / "paper.yaml")

@@ -23,7 +23,7 @@ CONFIG = ROOT / "config" / "config.yaml"
 
 def _write_config(tmp_path: Path, change: dict, name: str = "config.yaml") -> Path:
     """config/config.yaml with ``change`` merged in, written to ``tmp_path/name``."""
-    from oar.config.load import deep_merge
+    from oar.config.source import deep_merge
 
     path = tmp_path / name
     path.write_text(yaml.safe_dump(deep_merge(yaml.safe_load(CONFIG.read_text()), change), sort_keys=False))
@@ -189,7 +189,7 @@ def test_snakemake_nested_config_override_resolves_to_typed_values(tmp_path):
 
 def test_typed_override_helper():
     """oar.config.typed_override (the workflow's --config values), on the values Snakemake's BaseLoader leaves as strings."""
-    from oar.config.load import typed_override as typed
+    from oar.config.overrides import typed_override as typed
 
     raw = {"a": "0.001", "b": "1e-3", "c": "30", "d": "true", "e": "null", "f": ["1", "x"], "g": "results/x",
            "h": "2024-01-01", "i": "", "j": {"k": "-2"}}
@@ -200,7 +200,8 @@ def test_typed_override_helper():
 # --------------------------------------------------------------------- 4. bounded dynamic sampling
 @pytest.mark.parametrize("value", [-1, 0])
 def test_max_num_gen_batches_must_be_positive_in_a_recipe(tmp_path, value):
-    from oar.config.load import ConfigError, load_config
+    from oar.config.load import load_config
+    from oar.config.source import ConfigError
 
     path = _write_config(tmp_path, {"recipes": {"dapo": {"max_num_gen_batches": value}}})
     with pytest.raises(ConfigError, match=rf"{path}:\d+: key recipes\.dapo\.max_num_gen_batches: {value} is less than"):
@@ -208,7 +209,8 @@ def test_max_num_gen_batches_must_be_positive_in_a_recipe(tmp_path, value):
 
 
 def test_max_num_gen_batches_must_be_positive_in_a_method_override(tmp_path):
-    from oar.config.load import ConfigError, load_config
+    from oar.config.load import load_config
+    from oar.config.source import ConfigError
 
     path = _write_config(tmp_path, {"methods": {"dapo": {"max_num_gen_batches": -1}}})
     with pytest.raises(ConfigError, match=r"key methods\.dapo\.max_num_gen_batches: -1 is less than"):
@@ -349,7 +351,8 @@ def test_training_records_folder_source_names_its_file(tmp_path):
 
 
 def test_ablations_config_extends_the_default_adding_methods():
-    from oar.config.load import load_config, resolve_methods
+    from oar.config.load import load_config
+    from oar.config.methods import resolve_methods
 
     base = load_config(ROOT / "config" / "config.yaml")
     abl = load_config(ROOT / "config" / "ablations.yaml")
@@ -361,7 +364,8 @@ def test_ablations_config_extends_the_default_adding_methods():
 
 
 def test_extends_chain_merges_and_names_the_file_for_a_missing_base_or_a_loop(tmp_path):
-    from oar.config.load import ConfigError, resolve_extends
+    from oar.config.load import resolve_extends
+    from oar.config.source import ConfigError
 
     (tmp_path / "a.yaml").write_text("name: a\ntrain: {steps: 5, lr: 0.1}\n")
     (tmp_path / "b.yaml").write_text("extends: a.yaml\ntrain: {steps: 7}\n")
@@ -376,7 +380,8 @@ def test_extends_chain_merges_and_names_the_file_for_a_missing_base_or_a_loop(tm
 
 
 def test_extends_replace_drops_the_base_mapping_instead_of_merging(tmp_path):
-    from oar.config.load import ConfigError, load_config, resolve_extends
+    from oar.config.load import load_config, resolve_extends
+    from oar.config.source import ConfigError
 
     (tmp_path / "a.yaml").write_text("name: a\ntrain: {steps: 5, lr: 0.1}\nrecipes: {x: {a: 1}, y: {b: 2}}\n")
     (tmp_path / "b.yaml").write_text("extends: a.yaml\nreplace: [recipes, train]\nrecipes: {z: {c: 3}}\n"
@@ -412,7 +417,7 @@ GGUF_HEADER = b"GGUF" + (3).to_bytes(4, "little") + bytes(16)
 
 def _smoke_config(tmp_path: Path, change: dict) -> Path:
     """config/smoke.yaml with ``change`` merged in, written to ``tmp_path/smoke.yaml``."""
-    from oar.config.load import deep_merge
+    from oar.config.source import deep_merge
 
     path = tmp_path / "smoke.yaml"
     path.write_text(yaml.safe_dump(deep_merge(yaml.safe_load(SMOKE.read_text()), change), sort_keys=False))

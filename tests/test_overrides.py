@@ -160,7 +160,7 @@ def test_set_without_a_value_is_refused_by_argparse(capsys):
 
 
 def test_override_value_types_as_yaml():
-    from oar.config.load import override_value as typed
+    from oar.config.overrides import override_value as typed
 
     assert typed("1e-3") == 0.001 and typed("4") == 4 and typed("true") is True and typed("null") is None
     assert typed("[0,1]") == [0, 1] and typed("{lr: 0.1, schedule: cosine}") == {"lr": 0.1, "schedule": "cosine"}
@@ -169,7 +169,8 @@ def test_override_value_types_as_yaml():
 
 
 def test_apply_assignments_creates_mappings_indexes_lists_and_leaves_the_input():
-    from oar.config.load import ConfigError, apply_assignments, assigned_values, parse_assignments
+    from oar.config.overrides import apply_assignments, assigned_values, parse_assignments
+    from oar.config.source import ConfigError
 
     config = {"train": {"init": None}, "eval": {"benchmarks": [{"name": "a", "n": 1}, {"name": "b"}]}}
     sets = parse_assignments(["train.init.x=1", "eval.benchmarks.1.n=5", "new.key=v"])
@@ -306,7 +307,8 @@ def _snakemake(*args: str) -> subprocess.CompletedProcess:
 
 def _grpo_fingerprint(results: Path, sets: list[str]) -> str:
     """The grpo run's fingerprint of config/smoke.yaml with ``sets`` (what train's shell command carries)."""
-    from oar.config.load import load_config, resolve_methods
+    from oar.config.load import load_config
+    from oar.config.methods import resolve_methods
     from oar.config.identity import run_key
 
     config = load_config(ROOT / "config" / "smoke.yaml", {"results_dir": str(results)}, sets=sets)

@@ -38,7 +38,7 @@ def _update(model0, ro, adv, agg: str, *, ref=None, **layout) -> tuple[dict, dic
 
     model = copy.deepcopy(model0)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    from oar.config.load import section_defaults
+    from oar.config.validate import section_defaults
 
     tcfg = {**section_defaults("train"), "mini_batch_size": 64, "micro_batch_size": 64, "ppo_epochs": 1,
             "grad_clip": 1e9, **layout}
@@ -118,7 +118,7 @@ def test_skip_zero_advantage_with_nothing_credited_still_steps():
     from oar.models.loading import build_tiny
     from oar.trainer.strategy import make_strategy
     from oar.trainer.update import update_policy
-    from oar.config.load import section_defaults
+    from oar.config.validate import section_defaults
 
     ro, adv = _rollout()
     weights = {}

@@ -287,7 +287,7 @@ def test_paper_config_fits_sharded_and_not_with_ddp_everything():
 
 
 def _write(tmp_path: Path, over: dict) -> Path:
-    from oar.config.load import deep_merge
+    from oar.config.source import deep_merge
 
     cfg = deep_merge(yaml.safe_load(PAPER.read_text()), over)
     path = tmp_path / "paper.yaml"

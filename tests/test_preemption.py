@@ -36,7 +36,7 @@ import pytest
 import torch
 import yaml
 
-from oar.config.load import deep_merge
+from oar.config.source import deep_merge
 from oar.trainer.preemption import EXIT_INTERRUPTED, CheckpointSchedule, StopSignal
 from oar.trainer.runs import CheckpointError, check_checkpoint_files, is_disk_full, write_manifest
 

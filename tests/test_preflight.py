@@ -17,7 +17,9 @@ import torch
 import yaml
 
 from helpers import ROOT, small_overrides
-from oar.config.load import deep_merge, load_config, resolve_methods
+from oar.config.load import load_config
+from oar.config.methods import resolve_methods
+from oar.config.source import deep_merge
 from oar.pipeline.preflight import check_config, path_problems, profile_files, profile_problems
 from oar.core.problems import PreflightError
 

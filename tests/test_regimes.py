@@ -8,7 +8,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from oar.config.load import ConfigError, load_config, resolve_methods
+from oar.config.load import load_config
+from oar.config.methods import resolve_methods
+from oar.config.source import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from oar.config.load import validate_config
+from oar.config.validate import validate_config
 from oar.report import ReportError, build_report, efficiency_table, main_table, paired_bootstrap
 
 # per-problem greedy correctness: row -> seed -> benchmark -> list over problems p0, p1, ...

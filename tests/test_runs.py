@@ -18,7 +18,8 @@ import pytest
 import torch
 import yaml
 
-from oar.config.load import deep_merge, load_config
+from oar.config.load import load_config
+from oar.config.source import deep_merge
 from oar.core.io import FolderLockedError, atomic_path, exclusive_lock, recover_atomic_dir
 from oar.trainer.runs import RunMismatchError, identity_diff, load_trainer_state, restore_rng, save_trainer_state
 from oar.trainer.loop import train

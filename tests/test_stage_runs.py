@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from helpers import stage_runs
-from oar.config.load import validate_config
+from oar.config.validate import validate_config
 from oar.config.tree import store_location
 from oar.tracking.stage_runs import (
     CURRENT_TAG,

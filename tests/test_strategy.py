@@ -15,7 +15,8 @@ import pytest
 import torch
 import yaml
 
-from oar.config.load import deep_merge, load_config
+from oar.config.load import load_config
+from oar.config.source import deep_merge
 
 from helpers import ROOT
 

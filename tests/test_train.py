@@ -258,7 +258,7 @@ def test_ddp_on_two_cpu_processes(tmp_path):
 
     import yaml
 
-    from oar.config.load import deep_merge
+    from oar.config.source import deep_merge
 
     cfg = deep_merge(yaml.safe_load((ROOT / "config" / "config.yaml").read_text()),
                      small_overrides(tmp_path, train={"steps": 2}))

@@ -64,7 +64,7 @@ def my_fn(batch: CreditBatch, *, norm_by_std: bool = True, late: float = 1.0) ->
 def _config(tmp_path: Path, methods: dict, name: str = "config.yaml") -> Path:
     """config/config.yaml shrunk to a few seconds (helpers.small_overrides) with ``methods`` as its
     only methods, written to ``tmp_path/name``."""
-    from oar.config.load import deep_merge
+    from oar.config.source import deep_merge
 
     cfg = deep_merge(yaml.safe_load(CONFIG.read_text()), small_overrides(tmp_path, train={"steps": 2}))
     cfg["methods"] = methods
@@ -145,7 +145,7 @@ def test_a_builtin_estimator_module_that_does_not_import_fails_loudly(tmp_path, 
 
 
 def test_builtin_estimators_all_registered_and_in_the_schema():
-    from oar.config.load import schema
+    from oar.config.validate import schema
     from oar.credit import list_estimators
 
     builtin = set(schema()["$defs"]["credit_options"]) - {"description", "none"}
@@ -154,7 +154,8 @@ def test_builtin_estimators_all_registered_and_in_the_schema():
 
 # ------------------------------------------------------------------- item 6: module:function credit
 def test_user_estimator_resolves_registers_and_lists(user_dir, capsys):
-    from oar.config.load import load_config, resolve_method
+    from oar.config.load import load_config
+    from oar.config.methods import resolve_method
     from oar.credit import estimator_needs_model, get_estimator, list_estimators
 
     (user_dir / "oartest_credit.py").write_text(README_ESTIMATOR)
@@ -215,7 +216,7 @@ def test_user_estimator_option_types_and_required_options(user_dir, capsys):
 
     ok = load_config(_config(user_dir, {"m": {"recipe": "grpo", "credit": "oartest_credit:strict", "k": 2}}))
     # strict takes no norm_by_std: the recipe's is not passed; an int is a float, a bool is not an int
-    from oar.config.load import resolve_method
+    from oar.config.methods import resolve_method
 
     assert resolve_method(ok, "m").estimator_options() == {"k": 2}
     bool_k = _config(user_dir, {"m": {"recipe": "grpo", "credit": "oartest_credit:strict", "k": True}})
@@ -224,7 +225,8 @@ def test_user_estimator_option_types_and_required_options(user_dir, capsys):
 
 
 def test_user_estimator_with_var_keywords_takes_any_option_and_keeps_its_flags(user_dir):
-    from oar.config.load import load_config, resolve_method
+    from oar.config.load import load_config
+    from oar.config.methods import resolve_method
     from oar.credit import estimator_needs_model
 
     pkg = user_dir / "oartest_pkg"
@@ -244,7 +246,8 @@ def test_user_estimator_with_var_keywords_takes_any_option_and_keeps_its_flags(u
 
 
 def test_user_estimator_from_an_entry_point(user_dir):
-    from oar.config.load import load_config, resolve_method
+    from oar.config.load import load_config
+    from oar.config.methods import resolve_method
     from oar.credit import get_estimator
 
     (user_dir / "oartest_credit.py").write_text(README_ESTIMATOR)
@@ -262,7 +265,8 @@ def test_user_estimator_from_an_entry_point(user_dir):
 def test_schema_accepts_the_module_attr_form(user_dir):
     import jsonschema
 
-    from oar.config.load import load_config, schema
+    from oar.config.load import load_config
+    from oar.config.validate import schema
 
     (user_dir / "oartest_credit.py").write_text(README_ESTIMATOR)
     cfg = load_config(_config(user_dir, README_METHOD))
@@ -274,7 +278,9 @@ _WITHOUT_TORCH = """
 import json, sys
 for m in ("torch", "transformers", "accelerate", "mlflow", "vllm", "safetensors", "math_verify"):
     sys.modules[m] = None  # Snakemake's own process under --use-conda: none of the rules' software
-from oar.config.load import ConfigError, load_config, resolve_method
+from oar.config.load import load_config
+from oar.config.methods import resolve_method
+from oar.config.source import ConfigError
 try:
     m = resolve_method(load_config(sys.argv[1]), sys.argv[2])
     print(json.dumps({"options": m.estimator_options()}))
@@ -371,7 +377,8 @@ def test_the_estimator_source_is_part_of_its_runs_identity(user_dir):
     """The estimator's module and the modules of the user's tree it imports (not oar's, not installed
     ones) are hashed; editing either changes the run key of the methods that use it, and only theirs;
     the source read without running it (Snakemake's process under --use-conda) hashes the same."""
-    from oar.config.load import load_config, resolve_methods
+    from oar.config.load import load_config
+    from oar.config.methods import resolve_methods
     from oar.credit.user import estimator_source
     from oar.config.identity import run_key
 

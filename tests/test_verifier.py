@@ -158,7 +158,8 @@ def test_estimator_refuses_what_it_cannot_read(options, match):
 
 
 def _config(tmp_path, **verifier):
-    from oar.config.load import load_config, resolve_methods
+    from oar.config.load import load_config
+    from oar.config.methods import resolve_methods
 
     cfg = load_config("config/ranking_decisive.yaml", overrides={"results_dir": str(tmp_path), "verifier": verifier,
                                                                   "only_methods": ["grpo", "step_verifier_pinpoint",

@@ -100,7 +100,8 @@ def test_dry_run_smoke_config_runs_every_method_once(tmp_path):
     assert cfg["seeds"] == [0] and cfg["sft"]["enabled"] and cfg["attribution"]["enabled"]
     # every recipe and estimator of the default and of config/ablations.yaml, and every method of the
     # default; the ablations' combinations of them are trained in-process (tests/test_train.py)
-    from oar.config.load import load_config, resolve_methods
+    from oar.config.load import load_config
+    from oar.config.methods import resolve_methods
 
     smoke = resolve_methods(load_config(ROOT / "config" / "smoke.yaml"))
     assert set(smoke) >= set(_config("config.yaml")["methods"])
@@ -184,7 +185,8 @@ def test_dry_run_paper_config(tmp_path):
 def test_dry_run_paper_prm_config_shares_the_papers_grpo_runs(tmp_path):
     """config/paper_prm.yaml: GRPO and the PRM's credit on the paper's setting; its GRPO runs are the
     paper's (one store key), so only the PRM method trains anew."""
-    from oar.config.load import load_config, resolve_methods
+    from oar.config.load import load_config
+    from oar.config.methods import resolve_methods
     from oar.config.identity import run_key
 
     paper, prm = load_config(ROOT / "config" / "paper.yaml"), load_config(ROOT / "config" / "paper_prm.yaml")
@@ -249,7 +251,7 @@ def test_ablations_share_the_default_runs_sft_and_methods(tmp_path):
     only, and the whole ablations config trains only its new methods (the default's six are shared)."""
     from oar.config.load import load_config
 
-    from oar.config.load import resolve_methods
+    from oar.config.methods import resolve_methods
     from oar.pipeline.store import link_views, store_entries
 
     default = load_config(ROOT / "config" / "config.yaml", {"results_dir": str(tmp_path)})
@@ -287,7 +289,7 @@ def test_unknown_method_or_seed_target_is_rejected(tmp_path):
     ],
 )
 def test_bad_config_fails_with_key_path(tmp_path, change, message):
-    from oar.config.load import deep_merge
+    from oar.config.source import deep_merge
 
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(deep_merge(_config("smoke.yaml"), change)))
@@ -621,7 +623,8 @@ def test_an_option_added_at_its_default_keeps_the_fingerprints_of_finished_jobs(
     SFT and training fingerprints as they were, set it changes them (the job reruns)."""
     import copy
 
-    from oar.config.load import load_config, resolve_methods
+    from oar.config.load import load_config
+    from oar.config.methods import resolve_methods
     from oar.config.identity import config_sections, fingerprint, method_fingerprint
 
     cfg = load_config(ROOT / "config" / "config.yaml")
@@ -643,7 +646,9 @@ def test_the_transfer_evaluation_changes_no_fingerprint_but_its_own():
     then); only the transfer evaluation's own fingerprint follows its benchmarks (not its methods)."""
     import copy
 
-    from oar.config.load import load_config, resolve_methods, validate_config
+    from oar.config.load import load_config
+    from oar.config.methods import resolve_methods
+    from oar.config.validate import validate_config
     from oar.config.identity import (attribution_fingerprint, base_key, data_key, eval_fingerprint, plan_fingerprint,
                               report_fingerprint, run_key, sft_key, transfer_fingerprint)
 
@@ -681,7 +686,8 @@ def test_eval_sampler_at_its_default_changes_no_fingerprint():
     what they were without the key; lean_compact changes the evaluations' own, not a training run's."""
     import copy
 
-    from oar.config.load import load_config, resolve_methods
+    from oar.config.load import load_config
+    from oar.config.methods import resolve_methods
     from oar.config.identity import eval_fingerprint, run_key, transfer_fingerprint
 
     cfg = load_config(ROOT / "config" / "config.yaml")
@@ -702,7 +708,8 @@ def test_skip_zero_advantage_at_its_default_changes_no_run_identity():
     key (a checkpoint saved before it resumes); set, it is another run."""
     import copy
 
-    from oar.config.load import load_config, resolve_methods
+    from oar.config.load import load_config
+    from oar.config.methods import resolve_methods
     from oar.config.identity import plan_fingerprint, run_identity, run_key
 
     cfg = load_config(ROOT / "config" / "config.yaml")
@@ -724,7 +731,8 @@ def test_the_disk_check_changes_no_fingerprint():
     key's absence nor its value reruns the plan or changes a run's identity."""
     import copy
 
-    from oar.config.load import load_config, resolve_methods
+    from oar.config.load import load_config
+    from oar.config.methods import resolve_methods
     from oar.config.identity import plan_fingerprint, run_identity, run_key
 
     cfg = load_config(ROOT / "config" / "config.yaml")
@@ -895,7 +903,7 @@ def check_every_method_did_something(R: Path, cfg: dict) -> None:
     import torch
     from safetensors.torch import load_file
 
-    from oar.config.load import resolve_methods
+    from oar.config.methods import resolve_methods
 
     methods = resolve_methods(cfg)
     sft = load_file(R / "sft" / "model" / "model.safetensors")

@@ -187,7 +187,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     if confidence is None:  # the run's own report.confidence (its resolved config), else the schema's default
         import yaml
 
-        from oar.config.load import section_defaults
+        from oar.config.validate import section_defaults
 
         resolved = Path(args.results) / "config.yaml"
         own = (yaml.safe_load(resolved.read_text()) or {}).get("report", {}) if resolved.is_file() else {}
@@ -203,7 +203,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _cmd_regimes(args: argparse.Namespace) -> int:
-    from oar.config.load import assigned_values, parse_assignments
+    from oar.config.overrides import assigned_values, parse_assignments
     from oar.report.regimes import write_cell_configs, write_regime_report
 
     config = _load(args)
@@ -233,7 +233,7 @@ def _cmd_init_tracking(args: argparse.Namespace) -> int:
 
 
 def _cmd_methods(args: argparse.Namespace) -> int:
-    from oar.config.load import resolve_methods
+    from oar.config.methods import resolve_methods
 
     config = _load(args)
     for name, m in resolve_methods(config, source=args.config).items():

@@ -14,7 +14,10 @@ SRC_DIR = os.path.abspath(os.path.join(workflow.basedir, os.pardir, "src"))
 if SRC_DIR not in sys.path:
     sys.path.insert(0, SRC_DIR)
 
-from oar.config.load import ConfigError, resolve_methods, validate_config, workflow_config, write_resolved
+from oar.config.load import workflow_config, write_resolved
+from oar.config.methods import resolve_methods
+from oar.config.source import ConfigError
+from oar.config.validate import validate_config
 from oar.models.fetch import hub_model
 from oar.pipeline.preflight import path_problems, profile_files, profile_problems
 from oar.core.problems import PreflightError

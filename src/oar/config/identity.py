@@ -74,7 +74,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from oar.core.flatten import flatten
 
 if TYPE_CHECKING:
-    from oar.config.load import ResolvedMethod
+    from oar.config.methods import ResolvedMethod
 
 __all__ = [
     "fingerprint",

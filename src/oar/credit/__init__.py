@@ -137,7 +137,7 @@ def estimator_flags(fn: Callable[..., Any]) -> tuple[bool, bool]:
 
 def _load_builtin() -> None:
     """Import the built-in estimator modules (importing registers their estimators). A module that
-    fails to import raises here, in the config's resolution (:func:`oar.config.load.resolve_method`), not
+    fails to import raises here, in the config's resolution (:func:`oar.config.methods.resolve_method`), not
     as an unknown estimator inside a training job."""
     from oar.credit import advantages, controls, importance, ktae, mc_value, prm, verifier  # noqa: F401
 

@@ -15,7 +15,7 @@ parameters after the batch: a config may set exactly those (a parameter without 
 set), with the type of a ``bool`` / ``int`` / ``float`` / ``str`` annotation checked; a function that
 takes ``**options`` accepts any option that is not a recipe key. The recipe's ``norm_by_std`` is
 passed only when the function takes it. :func:`user_estimator` loads, checks and registers it under
-the config's name, when the config is resolved (:func:`oar.config.load.resolve_method`) and again in any
+the config's name, when the config is resolved (:func:`oar.config.methods.resolve_method`) and again in any
 process that asks :func:`oar.credit.get_estimator` for that name (a training job). A process without
 torch (Snakemake's own, under ``--use-conda``) cannot import an estimator; there the module is found
 and its source read instead (``load=False``): the same checks, short of running the module. This
@@ -61,7 +61,7 @@ _SIMPLE_TYPES: dict[type, str] = {bool: "boolean", int: "integer", float: "numbe
 
 class EstimatorSpecError(ValueError):
     """A user estimator that cannot be used; the one-line message says why and what to do
-    (:func:`oar.config.load.resolve_method` prefixes the config key)."""
+    (:func:`oar.config.methods.resolve_method` prefixes the config key)."""
 
 
 class UnknownEstimatorError(EstimatorSpecError):

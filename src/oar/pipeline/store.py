@@ -132,7 +132,7 @@ def target_problems(targets: Iterable[str], *, results_dir: str, name: str, meth
     workflow makes: a method the config does not have (the nearest name suggested), a seed not in
     ``seeds``; one sentence each (Snakemake itself only says ``MissingRuleException``). A target
     elsewhere (another config's folder, a rule name) is left to Snakemake."""
-    from oar.config.load import suggest
+    from oar.config.source import suggest
 
     root = Path(results_dir) / name
     methods, seeds = list(methods), [int(s) for s in seeds]

@@ -421,7 +421,7 @@ def credit_terms(config: dict, world: int | None = None, *, shape: ModelShape | 
 def _credit_terms(shape: ModelShape, s: PlanSettings, config: dict) -> list[Term]:
     if not config.get("methods"):
         return []
-    from oar.config.load import resolve_methods
+    from oar.config.methods import resolve_methods
     from oar.credit.importance import OarGOptions, OarPOptions
     from oar.credit.importance.common import option_names
     from oar.credit.mc_value import McValueOptions

@@ -219,7 +219,7 @@ class PlanSettings:
         gpu_gb, memory_source = memory_gb(config, on_gpu=on_gpu)
         kl_methods: list[str] = []
         if config.get("methods"):
-            from oar.config.load import resolve_methods
+            from oar.config.methods import resolve_methods
 
             kl_methods = sorted(name for name, meth in resolve_methods(config).items() if meth.recipe["kl_coef"] > 0)
         return cls(

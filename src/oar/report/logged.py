@@ -22,7 +22,7 @@ def log_report_run(config: Mapping[str, Any], paths: Mapping[str, str | os.PathL
     ``params`` as params, :func:`report_metrics_of` ``main.csv``, and every table and figure of
     ``paths`` (:func:`oar.report.build_report`'s result; under ``tables/`` or ``figures/``).
     Returns the run id (None: tracking off)."""
-    from oar.config.load import resolve_methods
+    from oar.config.methods import resolve_methods
     from oar.config.identity import report_fingerprint
     from oar.core.provenance import provenance as current, with_end_time
 

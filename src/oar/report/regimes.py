@@ -72,7 +72,7 @@ def write_cell_configs(config: Mapping[str, Any], config_path: str | Path, out_d
     ``set`` on top of them (a cell's own axis wins). Returns the paths, in cell order."""
     import yaml
 
-    from oar.config.load import deep_merge
+    from oar.config.source import deep_merge
 
     out_dir = Path(out_dir)
     chosen = set(selected_cells(config, wanted))

@@ -13,7 +13,7 @@ Read it top to bottom, like nanoGPT's ``train.py``: per step we
    ``save_every_minutes``); a SIGTERM, SIGINT or SIGUSR1 stops the run after the step it is in,
    with a checkpoint (:mod:`oar.trainer.preemption`).
 
-Methods differ only by their resolved recipe and estimator (``oar.config.load.resolve_method``).
+Methods differ only by their resolved recipe and estimator (``oar.config.methods.resolve_method``).
 
 Output folder layout, locking, crash recovery and what may be resumed: :mod:`oar.trainer.runs`
 (``checkpoint/``, ``model/``, ``metrics.jsonl``, ``train_summary.json``).
@@ -33,7 +33,7 @@ import torch
 from oar.trainer.batch import StepBatch, collect_batch, continuation_context
 from oar.core.seeds import CONTINUATIONS_SALT, UPDATE_SALT, step_seed
 from oar.trainer.checkpoint import disk_full_named, intact_sentence, save_checkpoint
-from oar.config.load import ResolvedMethod, resolve_method
+from oar.config.methods import ResolvedMethod, resolve_method
 from oar.credit import CreditBatch, estimator_needs_continuations, estimator_needs_model, get_estimator
 from oar.credit.metrics import credited_concentration, ess_ratio, top_mass
 from oar.config.identity import run_identity

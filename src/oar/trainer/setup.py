@@ -17,7 +17,8 @@ import torch
 import yaml
 
 from oar.trainer.batch import PromptStream, resume_cursor
-from oar.config.load import ResolvedMethod, changed_settings
+from oar.config.methods import ResolvedMethod
+from oar.config.validate import changed_settings
 from oar.data.records import training_records
 from oar.trainer.optim import make_scheduler
 from oar.trainer.preemption import CheckpointSchedule, StopSignal

@@ -421,7 +421,8 @@ def make_strategy(config: dict) -> Strategy:
     ``config`` may be partial (tests, benchmarks): what it leaves out comes from the schema's defaults."""
     from accelerate import Accelerator
 
-    from oar.config.load import deep_merge, schema, section_defaults
+    from oar.config.source import deep_merge
+    from oar.config.validate import schema, section_defaults
     from oar.core.device import check_device
 
     tcfg = deep_merge(section_defaults("train"), config.get("train") or {})
