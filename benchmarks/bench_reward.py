@@ -21,7 +21,8 @@ import sys
 import time
 from fractions import Fraction
 
-from oar.reward.score import RewardPool, score_one
+from oar.reward.pool import RewardPool
+from oar.reward.verify import score_one
 
 if os.environ.get("OAR_BENCH_IMPORT_TORCH") == "1":  # look like a trainer: multiprocessing
     import torch  # noqa: F401  (forkserver/spawn) children re-import the main module, so torch

@@ -273,7 +273,7 @@ def _first_time(response: str, marker: str) -> bool:
 
 def hang_for_test(response: str, gold: str, *, parsing_timeout: int = 2, seconds: float = 3600.0) -> bool | None:
     """A reward pool's ``work_fn`` for the tests (importable by its workers, which get the parent's
-    ``sys.path``): like ``oar.reward.score.check_one``, but sleeps ``seconds`` in a loop
+    ``sys.path``): like ``oar.reward.verify.check_one``, but sleeps ``seconds`` in a loop
     (ignoring signals, as C code would) when the response contains ``TEST_HANG_MARKER``,
     exits the process at once when it contains ``TEST_CRASH_MARKER`` (``TEST_CRASH_ONCE_MARKER``:
     the first time only), and reports math-verify's timeout (None) for ``TEST_MV_TIMEOUT_MARKER``."""
@@ -291,7 +291,7 @@ def hang_for_test(response: str, gold: str, *, parsing_timeout: int = 2, seconds
         while time.monotonic() < end:
             time.sleep(0.05)
         return True  # a "correct" verdict that must never be seen: the parent kills us first
-    from oar.reward.score import check_one
+    from oar.reward.verify import check_one
 
     return check_one(response, gold, parsing_timeout=parsing_timeout)
 

@@ -813,7 +813,7 @@ def test_evaluate_checks_the_prompts_again_before_it_makes_its_folder(tmp_path, 
 
 
 def test_gold_readable_is_the_rewards_reading():
-    from oar.reward.score import gold_readable, score_one
+    from oar.reward.verify import gold_readable, score_one
 
     for gold in ("42", "\\frac{1}{2}", "(3, 4)", "\\sqrt{51}", "27"):
         assert gold_readable(gold, timeout_s=5.0), gold

@@ -27,12 +27,12 @@ from oar.core.io import atomic_write_json, atomic_write_jsonl
 from oar.core.seeds import stream_seed
 
 if TYPE_CHECKING:
-    from oar.reward.score import PoolStats
+    from oar.reward.pool import PoolStats
 
 __all__ = ["load_benchmark_entry", "load_benchmark_entry_located", "load_eval_benchmarks",
            "load_eval_benchmarks_located", "evaluate_records", "evaluate_from_config", "records_digest"]
 
-#: The reward pool's counts in a summary's ``reward`` entry (:class:`oar.reward.score.PoolStats`): checks
+#: The reward pool's counts in a summary's ``reward`` entry (:class:`oar.reward.pool.PoolStats`): checks
 #: that timed out, whose worker died, items retried, and items scored wrong after their retry failed too.
 REWARD_COUNTS: tuple[str, ...] = ("timeouts", "crashes", "retried", "marked")
 
@@ -125,7 +125,7 @@ def evaluate_records(
     from tqdm.auto import tqdm
 
     from oar.data.prompts import render_prompt
-    from oar.reward.score import PoolStats
+    from oar.reward.pool import PoolStats
     from oar.core.stats import pass_at_k
 
     if chunk_size < 1:

@@ -19,7 +19,7 @@ allocation); a gold answer math-verify cannot read scored every response wrong w
   and a few olympiadbench and MATH prompts are longer: their answers are cut short, as vLLM caps
   them, rather than the run stopping).
 - :func:`unreadable_golds` -- the gold answers the reward cannot read as math
-  (:func:`oar.reward.score.gold_readable`, the reward's own gold parser), which :func:`gold_warning` words.
+  (:func:`oar.reward.verify.gold_readable`, the reward's own gold parser), which :func:`gold_warning` words.
   They are a warning, not an error: 15 of the 17,779 gold answers of the shipped benchmarks
   (../shared/data: minerva_math 5, olympiadbench 2, math_train 8) read only as text, and refusing them
   would stop every config that uses those files.
@@ -174,8 +174,8 @@ def check_prompts(located: Located, *, template: str, model: PromptModel, budget
 
 def unreadable_golds(located: Located, *, timeout_s: float) -> list[tuple[str, str]]:
     """``(where, gold)`` of every record whose gold answer the reward cannot read as math
-    (:func:`oar.reward.score.gold_readable` under ``reward.timeout_s``), in order."""
-    from oar.reward.score import gold_readable
+    (:func:`oar.reward.verify.gold_readable` under ``reward.timeout_s``), in order."""
+    from oar.reward.verify import gold_readable
 
     return [(where, str(rec["answer"])) for where, rec in located
             if not gold_readable(str(rec["answer"]), timeout_s=timeout_s)]

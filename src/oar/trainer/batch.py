@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from oar.reward.score import PoolStats
+from oar.reward.pool import PoolStats
 from oar.rollout import Rollout, generate_per_prompt
 from oar.core.seeds import step_seed, stream_seed
 
@@ -55,7 +55,7 @@ class StepBatch:
     n_gen_batches: int
     kept_fraction: float
     record_index: torch.Tensor  # (N,) long: the training record (prompt, gold answer) of each row
-    #: the step's reward checks: timeouts, crashes, retried and marked items (oar.reward.score.PoolStats), over
+    #: the step's reward checks: timeouts, crashes, retried and marked items (oar.reward.pool.PoolStats), over
     #: every round of dynamic sampling and mc_value's continuations (continuation_context adds theirs)
     reward_stats: PoolStats = field(default_factory=PoolStats)
 
