@@ -195,7 +195,8 @@ def worker(case: dict, cache: Path, out: Path) -> None:
 
     quiet()
     from oar.trainer.loss import policy_loss
-    from oar.models.loading import build_tiny, load_policy
+    from oar.models.loading import load_policy
+    from oar.models.tiny import build_tiny
     from oar.trainer.update import policy_forward
 
     cfg = _case_config(case, cache)  # (the parent converted SmolLM2's GGUF already)

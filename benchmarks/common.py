@@ -190,7 +190,7 @@ def smollm2_long_solution(record: dict, checks: int = SMOLLM2_LONG_CHECKS) -> st
 
 def smollm2_path() -> Path:
     """Path of the SmolLM2-135M GGUF file, or exit with the install command."""
-    from oar.models.loading import smollm2_gguf_path
+    from oar.models.tiny import smollm2_gguf_path
 
     p = smollm2_gguf_path()
     if p is None:

@@ -214,14 +214,14 @@ class Budget:
 
 
 def make_tokenizer(vocab_size: int):
-    """The tiny model's character tokenizer (``oar.models.loading.build_tiny_tokenizer``: ``<pad>`` 0,
+    """The tiny model's character tokenizer (``oar.models.tiny.build_tiny_tokenizer``: ``<pad>`` 0,
     ``<bos>`` 1, ``<eos>`` 2, ``<unk>`` 3, then the 96 characters) with filler tokens ``<k>`` up to
     ``vocab_size``, so every id a model of that vocabulary samples decodes (a filler is several
     characters: text never encodes to one, and none holds a brace or backslash)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from oar.models.loading import TINY_CHARACTERS, TINY_SPECIAL_TOKENS
+    from oar.models.tiny import TINY_CHARACTERS, TINY_SPECIAL_TOKENS
 
     base = list(TINY_SPECIAL_TOKENS) + list(TINY_CHARACTERS)
     if vocab_size < len(base):

@@ -91,7 +91,7 @@ def credit_batch(responses, rewards, prompts=None, task=None, model=None):
     character) tokenizer: prompts left-padded, responses right-padded with eos and two columns of padding.
     ``task`` defaults to the synthetic task with fillers so / ok / well; ``prompts`` to "Compute 4+3-2."."""
     from oar.credit import CreditBatch
-    from oar.models.loading import build_tiny_tokenizer
+    from oar.models.tiny import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
     prompts = prompts or ["Compute 4+3-2.\n"] * len(responses)

@@ -81,7 +81,7 @@ NAMES = [f"model.layers.{i}.{p}.weight" for i in range(3) for p in ("q_proj", "k
 def test_engines_say_whether_they_need_weights():
     assert VLLMEngine.needs_weights is True
     assert HFEngine.needs_weights is False
-    from oar.models.loading import build_tiny
+    from oar.models.tiny import build_tiny
 
     model, tok = build_tiny(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32)
     hf = HFEngine(model, tok)

@@ -117,7 +117,7 @@ class _FakeEngine:
 def test_evaluate_records_in_chunks_with_per_problem_counts():
     from oar.data.prompts import render_prompt
     from oar.evaluate.evaluation import evaluate_records
-    from oar.models.loading import build_tiny
+    from oar.models.tiny import build_tiny
 
     _, tok = build_tiny(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
     records = [{"id": f"p{i}", "question": f"{i} + 1", "answer": str(i + 1)} for i in range(10)]
@@ -153,7 +153,7 @@ def test_evaluate_records_counts_the_reward_checks_that_timed_out():
     import oar.reward.score as R
     from oar.data.prompts import render_prompt
     from oar.evaluate.evaluation import evaluate_records
-    from oar.models.loading import build_tiny
+    from oar.models.tiny import build_tiny
 
     _, tok = build_tiny(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
     records = [{"id": f"p{i}", "question": f"{i} + 1", "answer": str(i + 1)} for i in range(4)]

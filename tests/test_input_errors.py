@@ -452,7 +452,7 @@ def _existing_run(tmp_path: Path) -> Path:
 @pytest.fixture(scope="module")
 def saved_model(tmp_path_factory) -> Path:
     """The smoke config's tiny model and tokenizer, saved with save_pretrained (as SFT leaves them)."""
-    from oar.models.loading import build_tiny
+    from oar.models.tiny import build_tiny
 
     folder = tmp_path_factory.mktemp("saved") / "model"
     model, tok = build_tiny(**SMOKE_TINY)
@@ -528,7 +528,8 @@ def _damaged_model(saved_model: Path, tmp_path: Path, damage: str) -> tuple[Path
 
 
 def test_check_model_files_accepts_what_save_pretrained_writes_whole_or_sharded(saved_model, tmp_path):
-    from oar.models.loading import ModelLoadError, build_tiny, check_model_files
+    from oar.models.checks import ModelLoadError, check_model_files
+    from oar.models.tiny import build_tiny
 
     check_model_files(saved_model)
     check_model_files({"source": "tiny"})
@@ -547,7 +548,8 @@ def test_check_model_files_accepts_what_save_pretrained_writes_whole_or_sharded(
 
 @pytest.mark.parametrize("damage", list(MODEL_DAMAGES))
 def test_load_policy_names_the_file_of_a_model_that_cannot_load(saved_model, tmp_path, damage):
-    from oar.models.loading import ModelLoadError, load_policy
+    from oar.models.checks import ModelLoadError
+    from oar.models.loading import load_policy
 
     source, named, says = _damaged_model(saved_model, tmp_path, damage)
     with pytest.raises(ModelLoadError) as info:
@@ -559,7 +561,8 @@ def test_load_policy_names_the_file_of_a_model_that_cannot_load(saved_model, tmp
 
 def test_load_policy_names_the_model_whose_loader_fails_without_a_traceback(saved_model, tmp_path):
     """What the checks cannot see (pickled weights that do not unpickle) is the loader's first line."""
-    from oar.models.loading import ModelLoadError, load_policy
+    from oar.models.checks import ModelLoadError
+    from oar.models.loading import load_policy
 
     source, _, _ = _damaged_model(saved_model, tmp_path, "no weights")
     (source / "pytorch_model.bin").write_bytes(b"not a pickle")
@@ -865,7 +868,8 @@ def _new_pad_token(saved_model: Path, tmp_path: Path) -> Path:
 
 
 def test_load_policy_refuses_a_tokenizer_past_the_models_embeddings(saved_model, tmp_path):
-    from oar.models.loading import ModelLoadError, load_policy
+    from oar.models.checks import ModelLoadError
+    from oar.models.loading import load_policy
 
     folder = _new_pad_token(saved_model, tmp_path)
     with pytest.raises(ModelLoadError) as info:

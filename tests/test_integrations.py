@@ -185,7 +185,7 @@ def test_verl_oracle_reads_prompts_and_responses():
     from oar.data.prompts import render_prompt
     from oar.data.synthetic import generate
     from oar.integrations.verl import verl_advantage_fn
-    from oar.models.loading import build_tiny_tokenizer
+    from oar.models.tiny import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
     right, wrong = generate("train", 1, seed=0)[0], generate("train", 1, seed=0, demo_error_rate=1.0)[0]
@@ -318,7 +318,7 @@ def test_trl_two_steps_feed_token_advantages_to_the_loss(tmp_path):
     from oar.data.prompts import render_prompt
     from oar.data.synthetic import generate
     from oar.integrations.trl import OarGRPOTrainer
-    from oar.models.loading import build_tiny
+    from oar.models.tiny import build_tiny
 
     model, tok = build_tiny(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
     model.save_pretrained(tmp_path / "tiny")

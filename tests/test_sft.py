@@ -10,7 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from oar.models.loading import build_tiny, build_tiny_tokenizer, load_policy
+from oar.models.loading import load_policy
+from oar.models.tiny import build_tiny, build_tiny_tokenizer
 from helpers import SHARED_DATA
 from oar.reward.answer import extract_boxed
 from oar.trainer.optim import lr_factor

@@ -50,7 +50,7 @@ def test_scheduler_warmup_then_cosine():
 
 
 def test_policy_forward_matches_left_padding_invariance():
-    from oar.models.loading import build_tiny
+    from oar.models.tiny import build_tiny
 
     model, tok = build_tiny(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
     model.eval()

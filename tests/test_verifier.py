@@ -21,7 +21,7 @@ REWARDS = [1.0, 0.0, 0.0, 0.0]
 
 
 def _tiny_tokenizer():
-    from oar.models.loading import build_tiny_tokenizer
+    from oar.models.tiny import build_tiny_tokenizer
 
     return build_tiny_tokenizer()
 
@@ -57,7 +57,7 @@ def trained(tmp_path_factory):
     """A verifier fine-tuned for a few steps from a tiny model on demonstrations with slips."""
     from oar.trainer.verifier import VerifierSettings, save_verifier, train_verifier
     from oar.data.synthetic import generate
-    from oar.models.loading import build_tiny
+    from oar.models.tiny import build_tiny
 
     torch.manual_seed(0)
     records = generate("train", 240, seed=0, demo_error_rate=0.3, fillers=["so", "ok", "well"])

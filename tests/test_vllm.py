@@ -29,7 +29,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    from oar.models.loading import build_tiny
+    from oar.models.tiny import build_tiny
 
     model, tok = build_tiny(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128)
     d = tmp_path_factory.mktemp("tiny")
@@ -169,7 +169,7 @@ MC_SFT_STEPS, MC_NEW_TOKENS = 1000, 40
 @pytest.fixture(scope="module")
 def sft_dir(tmp_path_factory):
     from oar.data.synthetic import generate
-    from oar.models.loading import build_tiny
+    from oar.models.tiny import build_tiny
     from oar.trainer.sft import run_sft
 
     model, tok = build_tiny(**MC_MODEL, seed=0)

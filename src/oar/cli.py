@@ -406,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     restore_ignored_signals()
     try:
         return int(args.fn(args) or 0)
-    # the user's files: ConfigError, oar.models.loading.ModelLoadError, oar.tracking.client.TrackingStoreError and
+    # the user's files: ConfigError, oar.models.checks.ModelLoadError, oar.tracking.client.TrackingStoreError and
     # oar.trainer.runs.CheckpointError are ValueErrors; OutputPathError an OSError (an --output that cannot be written)
     except (FileNotFoundError, ValueError, KeyError, FolderLockedError, DiskFullError, SharedWriteError,
             OutputPathError) as e:

@@ -292,7 +292,7 @@ def evaluate_from_config(config: dict, model_dir: str | Path | None, output_dir:
     Raises:
         oar.core.io.OutputPathError: ``output_dir`` cannot be a folder this process writes.
         oar.core.io.FolderLockedError: another evaluation (or training) writes into ``output_dir`` now.
-        oar.models.loading.ModelLoadError: a file of the model cannot be loaded, or its tokenizer and its
+        oar.models.checks.ModelLoadError: a file of the model cannot be loaded, or its tokenizer and its
             embeddings disagree.
         ValueError: ``transfer`` and ``eval.transfer.benchmarks`` is empty; a prompt does not fit the
             model's context with ``eval.max_new_tokens`` (:func:`oar.evaluate.prompt_checks.check_prompts`). All
@@ -302,7 +302,8 @@ def evaluate_from_config(config: dict, model_dir: str | Path | None, output_dir:
     from datetime import datetime, timezone
 
     from oar.core.io import check_output_folder, exclusive_lock
-    from oar.models.loading import check_model_files, load_policy
+    from oar.models.checks import check_model_files
+    from oar.models.loading import load_policy
 
     started = datetime.now(timezone.utc)
     output_dir = Path(output_dir)

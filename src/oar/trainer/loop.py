@@ -106,7 +106,7 @@ def train(
         oar.trainer.runs.RunMismatchError: the checkpoint belongs to a run with other settings.
         oar.trainer.runs.CheckpointError: a file of the checkpoint cannot be read.
         oar.trainer.runs.DiskFullError: the disk filled up while writing a checkpoint or the model.
-        oar.core.io.OutputPathError, oar.models.loading.ModelLoadError, oar.tracking.client.TrackingStoreError: from
+        oar.core.io.OutputPathError, oar.models.checks.ModelLoadError, oar.tracking.client.TrackingStoreError: from
             :func:`check_train_inputs`, before anything of ``output`` is touched.
     """
     from oar.core.io import exclusive_lock

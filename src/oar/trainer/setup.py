@@ -63,19 +63,19 @@ def check_train_inputs(config: dict, start_spec: dict, output: Path, *, start_ke
     """The user's files a run needs, checked before it touches anything: ``output`` can be a folder
     this process writes (:func:`oar.core.io.check_output_folder`), the MLflow store reads
     (:func:`oar.tracking.client.check_store`, when tracking is on) and the start model's files are whole
-    (:func:`oar.models.loading.check_model_files`; ``start_key`` names where the start model came from:
+    (:func:`oar.models.checks.check_model_files`; ``start_key`` names where the start model came from:
     ``model.source``, ``train.init`` or ``--init``), and the files ``method``'s estimator reads are there
     (:func:`estimator_options`). A failed check leaves an existing run folder as it was.
 
     Raises:
-        oar.core.io.OutputPathError, oar.tracking.client.TrackingStoreError, oar.models.loading.ModelLoadError: naming
+        oar.core.io.OutputPathError, oar.tracking.client.TrackingStoreError, oar.models.checks.ModelLoadError: naming
             the file and what to do.
         FileNotFoundError: the start model is neither an existing path nor a hub id; the verifier a
             method reads is not trained.
     """
 
     from oar.core.io import check_output_folder
-    from oar.models.loading import check_model_files
+    from oar.models.checks import check_model_files
     from oar.tracking.client import check_store
 
     check_output_folder(output, what="the run folder (--output)")

@@ -509,7 +509,7 @@ def sft_from_config(
         (:func:`oar.core.provenance.provenance`, with the end time).
     Raises:
         oar.core.io.OutputPathError: ``output_dir`` cannot be a folder this process writes (checked first).
-        oar.models.loading.ModelLoadError: a file of the model cannot be loaded.
+        oar.models.checks.ModelLoadError: a file of the model cannot be loaded.
     """
     from datetime import datetime, timezone
 

@@ -141,7 +141,8 @@ def verifier_from_config(config: Mapping[str, Any], model_dir: str | Path, outpu
     from oar.data.records import training_records
     from oar.core.io import check_output_folder
     from oar.core.provenance import provenance, with_end_time
-    from oar.models.loading import check_model_files, load_policy
+    from oar.models.checks import check_model_files
+    from oar.models.loading import load_policy
 
     started = datetime.now(timezone.utc)
     check_output_folder(Path(output_dir), what="the verifier folder (--output)")
