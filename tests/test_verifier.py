@@ -180,7 +180,10 @@ def test_the_verifier_joins_the_identity_of_its_runs_only(tmp_path):
     assert run_identity(a, ma["step_verifier_suffix"], 0, "m") != run_identity(b, mb["step_verifier_suffix"], 0, "m")
     views = {e.view: e.target for e in store_entries(a, ma, sft=False)}
     assert views["verifier"] == f"verifier/{verifier_key(a, sft=False)}"
-    assert "verifier" not in {e.view for e in store_entries(a, {"grpo": ma["grpo"]}, sft=False)}
+    # GRPO alone, and no attribution signal reading the verifier: no verifier entry
+    no_attribution = {**a, "attribution": {**a["attribution"], "enabled": False}}
+    assert "verifier" not in {e.view for e in store_entries(no_attribution, {"grpo": ma["grpo"]}, sft=False)}
+    assert "verifier" in {e.view for e in store_entries(a, {"grpo": ma["grpo"]}, sft=False)}  # its step_verifier signal
 
 
 def test_the_trainer_locates_the_trained_verifier(tmp_path, trained):
