@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 __all__ = [
+    "VERIFIER_SUMMARY",
+    "VERIFIER_TRAINED",
     "DISK_FULL_ERRNOS",
     "atomic_path",
     "commit_path",
@@ -120,6 +122,13 @@ class FolderLockedError(RuntimeError):
 
 
 #: The errnos of a full file system (no space; the user's quota reached).
+#: The file a trained step verifier's folder holds beside the model (its settings, accuracy and provenance);
+#: here, torch-free and below every layer, because the workflow (no torch) and the verifier (credit) both name it.
+VERIFIER_SUMMARY = "verifier_summary.json"
+#: The ``verifier`` option's value that names the step verifier a config's workflow trains (credit
+#: ``step_verifier``, attribution signal ``step_verifier``), read by the workflow as well.
+VERIFIER_TRAINED = "trained"
+
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from oar.io import VERIFIER_SUMMARY
 from oar.identity import (attribution_uses_trained_verifier, base_key, data_key, run_key, sft_key, uses_trained_verifier,
                           verifier_key)
 
@@ -99,8 +100,6 @@ def estimator_options(config: Mapping[str, Any], method: Any) -> dict[str, Any]:
     options = method.estimator_options()
     if uses_trained_verifier(method):
         folder = trained_verifier_dir(config)
-        from oar.credit.verifier import VERIFIER_SUMMARY
-
         if not (folder / VERIFIER_SUMMARY).is_file():
             raise FileNotFoundError(
                 f"methods.{method.name}: credit step_verifier reads the verifier this config trains, and "

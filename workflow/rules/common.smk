@@ -22,7 +22,7 @@ from oar.launch import train_launcher as _train_launcher, train_resources as _tr
 from oar.identity import (attribution_fingerprint, data_key, eval_fingerprint, fingerprint, plan_fingerprint,
                           report_fingerprint, resumable_train_values, run_key, sft_key, transfer_fingerprint,
                           uses_trained_verifier, verifier_key, attribution_uses_trained_verifier)
-from oar.credit.verifier import VERIFIER_SUMMARY as VERIFIER_SUMMARY_FILE
+from oar.io import VERIFIER_SUMMARY as VERIFIER_SUMMARY_FILE
 from oar.layout import STORE_DIR, LayoutError, link_views, store_entries, target_problems, trained_verifier_dir
 
 

@@ -38,16 +38,15 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from oar.credit import CreditBatch, CreditResult, register_estimator
+from oar.io import VERIFIER_SUMMARY, VERIFIER_TRAINED
 
 __all__ = ["VerifierSettings", "result_targets", "train_verifier", "save_verifier", "load_verifier", "step_error_probs",
-           "first_wrong_step", "localisation_stats", "verifier_importance", "step_probabilities", "DEFAULT_THRESHOLD", "step_verifier_estimator", "verifier_from_config", "VERIFIER_SUMMARY", "SHAPES", "TRAINED"]
+           "first_wrong_step", "localisation_stats", "verifier_importance", "step_probabilities", "DEFAULT_THRESHOLD", "step_verifier_estimator", "verifier_from_config", "SHAPES", "TRAINED"]
 
-#: The file :func:`save_verifier` writes beside the model: settings, accuracy, provenance.
-VERIFIER_SUMMARY = "verifier_summary.json"
 #: The option ``verifier``'s value (its default) that names the verifier the config's workflow trains:
 #: ``<results_dir>/<name>/verifier/model`` (:func:`oar.layout.trained_verifier_dir`), identified by
 #: :func:`oar.identity.verifier_key`.
-TRAINED = "trained"
+TRAINED = VERIFIER_TRAINED
 #: A step is located as the first mistake from this probability of being wrong on (option ``threshold``).
 DEFAULT_THRESHOLD = 0.5
 #: How the located first mistake becomes credit (:func:`oar.credit.controls.first_mistake_credit`).
@@ -175,7 +174,7 @@ def train_verifier(settings: VerifierSettings, records: Sequence[Mapping[str, An
 
 def save_verifier(model: Any, tokenizer: Any, folder: str | Path, summary: Mapping[str, Any]) -> None:
     """``save_pretrained`` of the verifier and its tokenizer into ``folder`` (atomically), with
-    :data:`VERIFIER_SUMMARY`."""
+    :data:`oar.io.VERIFIER_SUMMARY`."""
     from oar.io import atomic_path
 
     with atomic_path(Path(folder)) as tmp:
