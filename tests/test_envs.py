@@ -390,7 +390,7 @@ def test_every_rule_runs_the_library_from_the_repository(tmp_path):
     proc = snakemake("-n", "-p", "--snakefile", str(SNAKEFILE), "--directory", str(tmp_path),
                      "--configfile", str(path))
     cmds = shell_commands(proc.stdout + proc.stderr)
-    assert set(cmds) == {"data", "sft", "train", "evaluate", "evaluate_base", "attribution", "report"}
+    assert set(cmds) == {"data", "sft", "verifier", "train", "evaluate", "evaluate_base", "attribution", "report"}
     for rule, lines in cmds.items():
         for line in lines:
             assert f"{OAR_ENV} python -m oar.cli {rule.split('_')[0]} --config " in line, line

@@ -150,7 +150,7 @@ def test_dry_run_of_a_hub_model_fetches_it_once_before_every_job_that_loads_it(t
         jobs = _jobs(_dry_run(path, tmp_path))
         (fetch,) = [j for j in jobs if j["rule"] == "fetch_model"]
         assert f"fetch-model --source Qwen/Qwen2.5-Math-1.5B --output {folder}" in fetch["shell"]
-        loaders = {"sft"} if sft else {"train", "evaluate_base"}
+        loaders = {"sft"} if sft else {"train", "evaluate_base", "verifier"}  # the verifier fine-tunes the start model
         for j in jobs:
             assert (marker in j["input"]) == (j["rule"] in loaders), j
             if j["rule"] == "train" and not sft:

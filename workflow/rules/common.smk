@@ -26,8 +26,8 @@ from oar.pipeline.launch import train_launcher as _train_launcher, train_resourc
 from oar.config.identity import (attribution_fingerprint, data_key, eval_fingerprint, fingerprint, plan_fingerprint,
                           report_fingerprint, resumable_train_values, run_key, sft_key, transfer_fingerprint,
                           uses_trained_verifier, verifier_key, attribution_uses_trained_verifier)
-from oar.credit.verifier import VERIFIER_SUMMARY as VERIFIER_SUMMARY_FILE
-from oar.pipeline.store import STORE_DIR, LayoutError, link_views, store_entries, target_problems, trained_verifier_dir
+from oar.config.tree import ResultsTree
+from oar.pipeline.store import STORE_DIR, LayoutError, link_views, store_entries, target_problems
 
 
 # ---------------------------------------------------------------------------------------- config
@@ -56,8 +56,9 @@ ATTRIBUTION = bool(config["attribution"]["enabled"])
 TRANSFER = bool(config["eval"]["transfer"]["benchmarks"])
 TRANSFER_METHODS = list(config["eval"]["transfer"]["methods"]) if TRANSFER else []
 
-# R: every output of this config lives below it
-R = f"{config['results_dir']}/{config['name']}"
+# TREE: every output of this config lives below its root R (oar.config.tree.ResultsTree names each path)
+TREE = ResultsTree.of(config)
+R = TREE.root
 # the resolved config (defaults filled, --config overrides applied) that every `oar` command reads;
 # written by `onstart` (not in dry runs)
 CONFIG_FILE = f"{R}/config.yaml"
@@ -234,8 +235,7 @@ def start_init_param(wildcards, input):
 
 # the step verifier (rules/verifier.smk): trained when a method's credit is step_verifier with the option
 # verifier: trained (oar.config.identity.uses_trained_verifier); its view entry links into the store by its key
-VERIFIER_DIR = str(trained_verifier_dir(config))
-VERIFIER_SUMMARY = f"{VERIFIER_DIR}/{VERIFIER_SUMMARY_FILE}"
+VERIFIER_SUMMARY = TREE.verifier_summary
 
 
 def attribution_verifier_inputs():

@@ -72,6 +72,7 @@ import json
 from typing import TYPE_CHECKING, Any, Mapping
 
 from oar.core.flatten import flatten
+from oar.core.io import VERIFIER_TRAINED
 
 if TYPE_CHECKING:
     from oar.config.methods import ResolvedMethod
@@ -237,20 +238,16 @@ def run_key(config: Mapping[str, Any], method: ResolvedMethod, *, sft: bool) -> 
 
 def uses_trained_verifier(method: ResolvedMethod) -> bool:
     """Whether ``method``'s credit reads the step verifier its config trains (estimator
-    ``step_verifier`` with the option ``verifier`` at :data:`oar.credit.verifier.TRAINED`)."""
-    from oar.credit.verifier import TRAINED
-
-    return method.estimator == "step_verifier" and method.credit_options.get("verifier") in (None, TRAINED)
+    ``step_verifier`` with the option ``verifier`` at :data:`oar.core.io.VERIFIER_TRAINED`)."""
+    return method.estimator == "step_verifier" and method.credit_options.get("verifier") in (None, VERIFIER_TRAINED)
 
 
 def attribution_uses_trained_verifier(config: Mapping[str, Any]) -> bool:
     """Whether the config's attribution benchmark (when enabled) scores a ``step_verifier`` signal with the
-    verifier the config trains (its option ``verifier`` at :data:`oar.credit.verifier.TRAINED`)."""
-    from oar.credit.verifier import TRAINED
-
+    verifier the config trains (its option ``verifier`` at :data:`oar.core.io.VERIFIER_TRAINED`)."""
     attr = config.get("attribution") or {}
     return bool(attr.get("enabled")) and any(
-        s.get("kind") == "step_verifier" and s.get("verifier") in (None, TRAINED) for s in attr.get("signals") or ())
+        s.get("kind") == "step_verifier" and s.get("verifier") in (None, VERIFIER_TRAINED) for s in attr.get("signals") or ())
 
 
 def verifier_key(config: Mapping[str, Any], *, sft: bool) -> str:

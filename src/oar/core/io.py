@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 __all__ = [
+    "VERIFIER_TRAINED",
     "DISK_FULL_ERRNOS",
     "atomic_path",
     "commit_path",
@@ -120,6 +121,10 @@ class FolderLockedError(RuntimeError):
 
 
 #: The errnos of a full file system (no space; the user's quota reached).
+#: The ``verifier`` option's value that names the step verifier a config's workflow trains (credit
+#: ``step_verifier``, attribution signal ``step_verifier``), read by the workflow as well.
+VERIFIER_TRAINED = "trained"
+
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 

@@ -33,6 +33,7 @@ from typing import Any, Sequence
 import torch
 
 from oar.credit import CreditBatch, CreditResult, register_estimator
+from oar.core.io import VERIFIER_TRAINED
 
 __all__ = ["load_verifier", "step_error_probs", "encode_responses", "span_positions", "token_logprobs",
            "first_wrong_step", "localisation_stats", "verifier_importance", "step_probabilities", "DEFAULT_THRESHOLD",
@@ -41,7 +42,7 @@ __all__ = ["load_verifier", "step_error_probs", "encode_responses", "span_positi
 #: The option ``verifier``'s value (its default) that names the verifier the config's workflow trains:
 #: ``<results_dir>/<name>/verifier/model`` (:attr:`oar.config.tree.ResultsTree.verifier_model`), identified by
 #: :func:`oar.config.identity.verifier_key`.
-TRAINED = "trained"
+TRAINED = VERIFIER_TRAINED
 #: A step is located as the first mistake from this probability of being wrong on (option ``threshold``).
 DEFAULT_THRESHOLD = 0.5
 #: How the located first mistake becomes credit (:func:`oar.credit.controls.first_mistake_credit`).

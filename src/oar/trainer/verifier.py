@@ -132,7 +132,7 @@ def verifier_from_config(config: Mapping[str, Any], model_dir: str | Path, outpu
     (the settings, the held-out accuracy, the start model and the provenance of this run).
 
     Raises:
-        oar.io.OutputPathError, oar.models.ModelLoadError: from the checks of the output folder and
+        oar.core.io.OutputPathError, oar.models.ModelLoadError: from the checks of the output folder and
             the start model's files, before anything is written.
     """
     from datetime import datetime, timezone
