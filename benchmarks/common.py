@@ -297,10 +297,10 @@ def bench_overrides(model: str, workdir: Path, *, steps: int, seed_task: int = 1
 
 
 def tiny_sft_model(cache: Path, *, steps: int = 900, progress: bool = False) -> Path:
-    """Folder of the warm-started tiny model (``oar.trainer.sft.sft_from_config`` with ``steps`` SFT
+    """Folder of the warm-started tiny model (``oar.trainer.sft_stage.sft_from_config`` with ``steps`` SFT
     steps and the default config otherwise), trained once and cached in ``cache/tiny_sft<steps>``."""
     from oar.config.load import load_config
-    from oar.trainer.sft import sft_from_config
+    from oar.trainer.sft_stage import sft_from_config
 
     out = cache / f"tiny_sft{steps}"
     if (out / "sft_summary.json").exists():

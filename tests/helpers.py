@@ -158,7 +158,7 @@ def check_mlflow_stage_runs(R: Path, cfg: dict, *, attribution: bool) -> None:
     import pandas as pd
     import pytest
 
-    from oar.tracking.stage_runs import EVAL_SCORES, metric_key
+    from oar.tracking.stage_metrics import EVAL_SCORES, metric_key
 
     def one(stage: str, **tags):
         runs = stage_runs(cfg, stage, **tags)

@@ -421,7 +421,7 @@ def test_oracle_and_step_verifier_signals(tmp_path, monkeypatch):
     assert torch.allclose(scores["verifier"][1], 1.9 * at(4))
     assert torch.allclose(scores["verifier"][0], 0.2 * at(4) + 0.1 * at(14))  # "1+2=3, so 3+1=4": results 3 and 4
     assert torch.allclose(scores["verifier"][2], 0.3 * at(4))
-    from oar.attribution.signals import SignalSpec
+    from oar.attribution.specs import SignalSpec
 
     assert SignalSpec("oracle_p50", "oracle", {"localisation": 0.5}).stochastic
     assert not SignalSpec("oracle", "oracle", {}).stochastic
@@ -478,7 +478,7 @@ def test_signal_options_are_the_credit_layers_options_types():
     with the type's defaults, and the schema's attribution.signals items list exactly their union."""
     from dataclasses import fields
 
-    from oar.attribution.signals import SIGNAL_KINDS
+    from oar.attribution.specs import SIGNAL_KINDS
     from oar.config.validate import schema
     from oar.credit.importance import OarGOptions, OarPOptions, option_defaults
     from oar.credit.mc_value import McValueOptions

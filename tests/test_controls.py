@@ -153,7 +153,7 @@ def test_config_refuses_oracle_on_benchmark_task():
 
 
 def test_nulls_permute_and_invert_oar_g_scores():
-    from oar.credit.controls import invert_scores, shuffle_scores
+    from oar.credit.nulls import invert_scores, shuffle_scores
     from oar.models.tiny import build_tiny
 
     model, _ = build_tiny(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,

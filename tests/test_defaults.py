@@ -13,7 +13,7 @@ from oar.config.validate import schema, section_defaults, validate_config
 ROOT = Path(__file__).resolve().parents[1]
 
 #: Modules that read validated config sections; none may carry a `.get("<schema key>", <fallback>)`.
-READERS = ["plan/settings.py", "plan/shape.py", "plan/memory.py", "trainer/sft.py", "evaluate/evaluation.py",
+READERS = ["plan/settings.py", "plan/shape.py", "plan/memory.py", "trainer/sft.py", "trainer/sft_stage.py", "tracking/stage_metrics.py", "attribution/settings.py", "plan/terms.py", "evaluate/evaluation.py",
            "report/regimes.py", "attribution/benchmark.py", "report/base.py", "trainer/loop.py", "trainer/strategy.py",
            "pipeline/launch.py", "evaluate/heldout.py", "report/build.py", "report/tables.py", "report/scores.py",
            "report/efficiency.py", "report/learning_curves.py", "pipeline/preflight.py", "models/fetch.py",
@@ -67,7 +67,7 @@ def test_the_code_runs_on_the_schema_defaults_alone():
     """A config that omits every optional key: the readers find every key they need, and the values
     they use are the schema's."""
     from oar.attribution import AttributionSettings
-    from oar.attribution.signals import signal_specs
+    from oar.attribution.specs import signal_specs
     from oar.plan import PlanSettings, model_shape
     from oar.plan.settings import memory_gb
     from oar.report import REPORT_DEFAULTS

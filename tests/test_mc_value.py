@@ -266,7 +266,8 @@ def test_refine_keeps_the_step_order_and_orders_tokens_inside_a_step():
 def test_refined_mc_value_signal_breaks_a_steps_ties_by_oar_g():
     """In the attribution benchmark, ``mc_value`` with ``refine`` scores the blamed step's tokens in
     OAR-G's order (one extra OAR-G pass), and a refine that is not OAR-G's options is refused."""
-    from oar.attribution.signals import compute_signals, signal_specs
+    from oar.attribution.signals import compute_signals
+    from oar.attribution.specs import signal_specs
     from oar.models.tiny import build_tiny
 
     model, _ = build_tiny(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=1)

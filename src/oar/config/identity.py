@@ -192,7 +192,7 @@ def sft_key(config: Mapping[str, Any]) -> str:
 
 
 def sft_cache_key(config: Mapping[str, Any]) -> str:
-    """The key of this config's SFT in ``sft.cache_dir`` (:func:`oar.trainer.sft.sft_or_cached`): the sections
+    """The key of this config's SFT in ``sft.cache_dir`` (:func:`oar.trainer.sft_stage.sft_or_cached`): the sections
     of :func:`sft_key` and the device. Unlike :func:`sft_key` (which a changed device does not
     change), it holds the device, so a cache that several configs or machines share never hands a
     config an SFT trained on another device."""

@@ -139,7 +139,7 @@ def _load_builtin() -> None:
     """Import the built-in estimator modules (importing registers their estimators). A module that
     fails to import raises here, in the config's resolution (:func:`oar.config.methods.resolve_method`), not
     as an unknown estimator inside a training job."""
-    from oar.credit import advantages, controls, importance, ktae, mc_value, prm, verifier  # noqa: F401
+    from oar.credit import advantages, controls, importance, ktae, mc_value, nulls, prm, verifier  # noqa: F401
 
 
 def get_estimator(name: str) -> Callable[..., CreditResult]:

@@ -88,9 +88,8 @@ benchmarks/README.md, "Measured numbers".
 """
 
 from oar.plan.format import format_plan
-from oar.plan.memory import (CREDIT_PASSES, FSDP_UNSHARDED_ACCUMULATION, LOGITS_COPIES, MEMORY_PHASES,
-                             PROBE_TAIL_TOKENS, GiB, PlanResult, Term, credit_terms, engine_memory, engine_terms, gib,
-                             layer_activation_bytes, plan, training_memory, training_terms)
+from oar.plan.memory import CREDIT_PASSES, FSDP_UNSHARDED_ACCUMULATION, LOGITS_COPIES, PROBE_TAIL_TOKENS, credit_terms, engine_memory, engine_terms, plan, training_memory, training_terms
+from oar.plan.terms import MEMORY_PHASES, GiB, PlanResult, Term, gib, layer_activation_bytes
 from oar.plan.settings import (VLLM_DEFAULTS, MicroBatchShape, PlanSettings, micro_batch_shape, train_layout,
                                world_size)
 from oar.plan.shape import KNOWN_MODELS, TINY_VOCAB_SIZE, ModelShape, PlanError, dtype_bytes, model_shape

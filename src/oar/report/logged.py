@@ -7,7 +7,8 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from oar.tracking.stage_runs import log_all_metrics, log_stage_files, report_metrics_of, stage_tags, start_run, tracking_uri
+from oar.tracking.stage_metrics import report_metrics_of
+from oar.tracking.stage_runs import log_all_metrics, log_stage_files, stage_tags, start_run, tracking_uri
 
 __all__ = ["log_report_run"]
 

@@ -41,42 +41,14 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from oar.tracking.client import PARENT_RUN_TAG, Tracker, ensure_experiment, search_runs, with_retry
+from oar.tracking.stage_metrics import EVAL_EXTRAS, EVAL_SCORES, as_number, attribution_metrics, eval_metrics, metric_key, sft_metrics
 
-__all__ = [
-    "start_run",
-    "log_all_metrics",
-    "log_stage_files",
-    "STAGES",
-    "BASE_METHOD",
-    "CURRENT_TAG",
-    "LAUNCHED_BY_ENV",
-    "IDENTITY_TAGS",
-    "supersede_older_runs",
-    "EVAL_SCORES",
-    "EVAL_EXTRAS",
-    "PERCENT_KEYS",
-    "EVAL_SET_TAG",
-    "ATTRIBUTION_TABLES",
-    "metric_key",
-    "tracking_uri",
-    "stage_tags",
-    "trained_run_summary",
-    "find_training_run",
-    "eval_metrics",
-    "sft_metrics",
-    "attribution_metrics",
-    "report_metrics_of",
-    "train_run_tags",
-    "log_sft_run",
-    "log_verifier_run",
-    "log_evaluation_run",
-    "log_attribution_run",
-]
+__all__ = ["start_run", "log_all_metrics", "log_stage_files", "STAGES", "BASE_METHOD", "CURRENT_TAG", "LAUNCHED_BY_ENV", "IDENTITY_TAGS", "supersede_older_runs", "EVAL_SET_TAG", "tracking_uri", "stage_tags", "trained_run_summary", "find_training_run", "train_run_tags", "log_sft_run", "log_verifier_run", "log_evaluation_run", "log_attribution_run"]
+
 
 #: The values of the ``oar.stage`` tag.
 STAGES: tuple[str, ...] = ("sft", "verifier", "train", "evaluate", "attribution", "report")
@@ -90,40 +62,14 @@ BASE_METHOD = "base"
 CURRENT_TAG = "oar.current"
 #: What makes two runs the same stage's result: the stage, the config and the output folder.
 IDENTITY_TAGS: tuple[str, ...] = ("oar.stage", "oar.config", "oar.output")
-#: The scores of an evaluation (keys of each benchmark in ``summary.json``), logged onto the
-#: training run too.
-EVAL_SCORES: tuple[str, ...] = ("pass@1", "avg@k", "pass@k")
-#: Further numbers of a benchmark's summary, logged on the evaluation's own run only.
-EVAL_EXTRAS: tuple[str, ...] = ("answered", "mean_response_tokens", "n", "seconds")
-#: The shares an evaluation logs in percent (the tables' unit), not as the summary's fraction.
-PERCENT_KEYS: tuple[str, ...] = ("pass@1", "avg@k", "pass@k", "answered")
 #: The tag that tells an evaluation of ``eval.benchmarks`` (``main``) from the transfer evaluation
 #: (``transfer``, ``eval.transfer.benchmarks``); the value is also the prefix of the transfer's metrics.
 EVAL_SET_TAG = "oar.eval_set"
-#: The attribution benchmark's tables: file stem -> the columns that name a row (the others,
-#: where numeric, are metrics ``attribution/<stem>/<key columns>/<column>``).
-ATTRIBUTION_TABLES: dict[str, tuple[str, ...]] = {
-    "localisation": ("signal", "kind"),
-    "fidelity": ("signal",),
-    "stability": ("signal", "kind", "comparison"),
-    "cost": ("signal",),
-}
-#: Columns of ``main.csv`` logged by the report run, per (metric, row, benchmark).
-_REPORT_COLUMNS: tuple[str, ...] = ("mean", "std", "diff", "ci_low", "ci_high", "start_diff", "mde")
 #: Files of an evaluation folder that are copied into its run (when no larger than tracking.max_artifact_mb).
 _EVAL_FILES: tuple[str, ...] = ("summary.json", "*.json", "*.jsonl")
 #: Files of an attribution folder copied into its run.
 _ATTRIBUTION_FILES: tuple[str, ...] = ("summary.json", "attribution.md", "*.csv", "*.png")
 _BYTES_PER_MB = 1024 * 1024
-_BAD_METRIC_CHARS = re.compile(r"[^\w.\- /]")
-
-
-# ------------------------------------------------------------------------------------- naming
-def metric_key(*parts: Any) -> str:
-    """An MLflow metric name from ``parts`` joined by ``/``: ``@`` becomes ``_at_`` and any other
-    character MLflow refuses becomes ``_`` (``metric_key("eval", "gsm8k", "avg@k") ==
-    "eval/gsm8k/avg_at_k"``)."""
-    return "/".join(_BAD_METRIC_CHARS.sub("_", str(p).replace("@", "_at_")) for p in parts)
 
 
 def tracking_uri(config: Mapping[str, Any]) -> str | None:
@@ -160,7 +106,6 @@ def _store_key(path: str | os.PathLike | None) -> str | None:
     return loc.key if loc is not None else None
 
 
-# ------------------------------------------------------------------------ the training run
 def trained_run_summary(model_dir: str | os.PathLike | None) -> dict | None:
     """The ``train_summary.json`` of the training run whose final model is ``model_dir``
     (``<run>/model``), or None (the start model, a model not trained by ``oar train``)."""
@@ -223,112 +168,6 @@ def train_run_tags(config: Mapping[str, Any], method: str, seed: int, output: st
     return tags
 
 
-# --------------------------------------------------------------------------------- metrics
-def _number(v: Any) -> float | None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return None
-    return float(v)
-
-
-def eval_metrics(summary: Mapping[str, Any], keys: Sequence[str] = EVAL_SCORES, prefix: str = "eval") -> dict[str, float]:
-    """``{"eval/<benchmark>/<key>": value}`` for each benchmark of an evaluation ``summary``
-    (``summary.json``) and ``eval/average/<key>`` for its average; the shares of
-    :data:`PERCENT_KEYS` in percent, as every table shows them (the file holds them in [0, 1]);
-    ``prefix`` in place of ``eval`` (``transfer`` for the transfer evaluation)."""
-    out: dict[str, float] = {}
-
-    def value(k: str, v: Any) -> float | None:
-        x = _number(v)
-        return None if x is None else (100.0 * x if k in PERCENT_KEYS else x)
-
-    for bench, r in (summary.get("benchmarks") or {}).items():
-        for k in keys:
-            v = value(k, r.get(k))
-            if v is not None:
-                out[metric_key(prefix, bench, k)] = v
-    for k, v in (summary.get("average") or {}).items():
-        if k in keys and value(k, v) is not None:
-            out[metric_key(prefix, "average", k)] = value(k, v)
-    return out
-
-
-def sft_metrics(summary: Mapping[str, Any]) -> dict[str, float]:
-    """The SFT's final numbers from ``sft_summary.json``: ``sft/accuracy_<split>``,
-    ``sft/extracted_<split>``, and the numbers of its ``sft`` part (``sft/final_loss``,
-    ``sft/final_loss_mean10``, ``sft/steps_per_s``, ...), and ``sft/seconds``."""
-    out: dict[str, float] = {}
-    for part in ("accuracy", "extracted"):
-        for split, v in (summary.get(part) or {}).items():
-            if _number(v) is not None:
-                out[metric_key("sft", f"{part}_{split}")] = float(v)
-    for k, v in (summary.get("sft") or {}).items():
-        if _number(v) is not None:
-            out[metric_key("sft", k)] = float(v)
-    if _number(summary.get("seconds")) is not None:
-        out["sft/seconds"] = float(summary["seconds"])
-    return out
-
-
-def _table_metrics(path: Path, prefix: str, keys: Sequence[str]) -> dict[str, float]:
-    import csv
-    import math
-
-    out: dict[str, float] = {}
-    if not path.is_file():
-        return out
-    with open(path, newline="", encoding="utf-8") as f:
-        for row in csv.DictReader(f):
-            name = [row.get(k) or "" for k in keys]
-            for col, text in row.items():
-                if col in keys:
-                    continue
-                try:
-                    v = float(text)
-                except (TypeError, ValueError):
-                    continue
-                if math.isfinite(v):
-                    out[metric_key(prefix, *name, col)] = v
-    return out
-
-
-def attribution_metrics(output_dir: str | os.PathLike) -> dict[str, float]:
-    """The attribution benchmark's numbers from its folder: every numeric cell of the tables of
-    :data:`ATTRIBUTION_TABLES` (``attribution/localisation/oar_p/sampled/top1``, ...) and the
-    numbers at the top of ``summary.json`` (``attribution/summary/sample_accuracy``, ...)."""
-    out_dir = Path(output_dir)
-    out: dict[str, float] = {}
-    for stem, keys in ATTRIBUTION_TABLES.items():
-        out.update(_table_metrics(out_dir / f"{stem}.csv", metric_key("attribution", stem), keys))
-    try:
-        summary = json.loads((out_dir / "summary.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        summary = {}
-    for k, v in summary.items():
-        if _number(v) is not None:
-            out[metric_key("attribution", "summary", k)] = float(v)
-    return out
-
-
-def report_metrics_of(main_csv: str | os.PathLike) -> dict[str, float]:
-    """``report/<metric>/<row>/<benchmark>/<column>`` for the columns mean, std, diff, ci_low,
-    ci_high, start_diff and mde of ``main.csv`` (points, as in the file)."""
-    import csv
-    import math
-
-    out: dict[str, float] = {}
-    with open(main_csv, newline="", encoding="utf-8") as f:
-        for row in csv.DictReader(f):
-            for col in _REPORT_COLUMNS:
-                try:
-                    v = float(row.get(col) or "nan")
-                except ValueError:
-                    continue
-                if math.isfinite(v):
-                    out[metric_key("report", row["metric"], row["row"], row["benchmark"], col)] = v
-    return out
-
-
-# ------------------------------------------------------------------------------- artifacts
 def _files(folder: Path, patterns: Sequence[str]) -> list[Path]:
     seen: dict[Path, None] = {}
     for pattern in patterns:
@@ -384,7 +223,6 @@ def log_all_metrics(tracker: Tracker, metrics: Mapping[str, float], step: int = 
     tracker.log_history((k, v, step) for k, v in metrics.items())
 
 
-# ---------------------------------------------------------------------------------- stages
 def evaluated_model(config: Mapping[str, Any], model_dir: str | os.PathLike | None, *,
                     default_seed: int | None) -> tuple[dict | None, str, int | None, Any]:
     """What an evaluation or attribution run measures: (the trained run's summary or None, its method
@@ -440,7 +278,7 @@ def log_verifier_run(config: Mapping[str, Any], output_dir: str | os.PathLike, s
         tracker.log_params({"verifier": config["verifier"], "task": config["task"],
                             "start_model": str(summary.get("start_model"))})
         log_all_metrics(tracker, {metric_key("verifier", k): float(v) for k, v in summary.items()
-                                  if k != "loss_curve" and _number(v) is not None},
+                                  if k != "loss_curve" and as_number(v) is not None},
                         step=int(config["verifier"]["steps"]))
         tracker.log_history([("verifier/loss", v, s) for s, v in summary.get("loss_curve") or []])
         log_stage_files(tracker, _files(out, ["verifier_summary.json"]), config)
