@@ -148,7 +148,6 @@ def paper_settings() -> tuple[dict[str, Any], dict[str, Any], dict[str, tuple[st
 
 
 TRAIN, RECIPE, METHODS = paper_settings()
-MODEL_CREDITS = ("oar_g", "oar_p")  # estimators that call the policy (run inside Strategy.local_phase)
 TEMPLATE = "qwen_boxed"  # prompt template (no chat template: question + boxed instruction + newline)
 WATCHDOG_GRACE_S = 45.0
 #: Largest mean |log p| gap between the rollout's and the update's log-probs of the sampled tokens
@@ -500,7 +499,7 @@ class Check:
         self.method_seconds: dict[str, list[float]] = {}
 
     def setup(self) -> None:
-        from oar.credit import get_estimator
+        from oar.credit import estimator_spec
         from oar.rollout import make_engine
         from oar.trainer.strategy import make_strategy
 
@@ -519,7 +518,9 @@ class Check:
         self.policy = self.strategy.policy(self.model)
         self.engine = make_engine("hf", self.policy, self.tok, batch_size=self.cfg["rollout"]["batch_size"],
                                   sampler=self.sampler)
-        self.estimators = {m: get_estimator(est) for m, (est, _) in METHODS.items()}
+        self.estimators = {m: estimator_spec(est) for m, (est, _) in METHODS.items()}
+        # the methods whose credit calls the policy (run inside Strategy.local_phase), as the registry says
+        self.model_credits = [m for m, spec in self.estimators.items() if spec.needs_model]
         self.backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
         rounds = self.run["rounds"] + 3  # + the fsdp step, the measured step and the warm-up round
         self.prompts = prompt_sets(rounds, self.run["prompts"], seed=self.args.seed + 1234)
@@ -557,8 +558,8 @@ class Check:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
         est, options = METHODS[method]
-        with strategy.local_phase(model) if method in MODEL_CREDITS else contextlib.nullcontext():
-            credit = self.estimators[method](
+        with strategy.local_phase(model) if self.estimators[method].needs_model else contextlib.nullcontext():
+            credit = self.estimators[method].fn(
                 CreditBatch(response_ids=ro.response_ids, response_mask=ro.response_mask, rewards=rewards,
                             group_ids=ro.prompt_index.clone(), prompt_ids=ro.prompt_ids, prompt_mask=ro.prompt_mask,
                             model=self.policy, tokenizer=self.tok,
@@ -763,15 +764,15 @@ class Check:
         d["step_s"] = {m: statistics.fmean(s["step_s"] for s in v) if v else None for m, v in by.items()}
         d["phase_s"] = {m: {k: statistics.fmean(s[f"{k}_s"] for s in v) for k in ("rollout", "credit", "update")}
                         if v else None for m, v in by.items()}
-        d["scored_fraction"] = {m: v[-1]["scored_fraction"] for m, v in by.items() if v and m in MODEL_CREDITS}
+        d["scored_fraction"] = {m: v[-1]["scored_fraction"] for m, v in by.items() if v and m in self.model_credits}
         if self.cuda:
             d["credit_peak_gib"] = {m: max(s["credit_peak"] for s in v) / GiB for m, v in by.items() if v}
         base = d["step_s"].get("grpo")
         d["ratios"] = {f"{m}/grpo": (d["step_s"][m] / base if base and d["step_s"].get(m) else None)
-                       for m in MODEL_CREDITS}
+                       for m in self.model_credits}
         # OAR's credit seconds per GRPO step seconds (GRPO's own credit is a few arithmetic ops)
         d["credit_share_of_grpo_step"] = {m: (d["phase_s"][m]["credit"] / base if base and d["phase_s"].get(m) else None)
-                                          for m in MODEL_CREDITS}
+                                          for m in self.model_credits}
 
 
 # ---------------------------------------------------------------- vLLM, several processes, oar train

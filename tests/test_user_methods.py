@@ -87,13 +87,13 @@ def user_dir(tmp_path, monkeypatch):
     for mod in [m for m in sys.modules if m == "oartest_credit" or m.startswith(("oartest_credit.", "oartest_pkg"))]:
         monkeypatch.delitem(sys.modules, mod)
     # the registry as it was: a user method registered here must not reach another test of this process
-    registered = [(table, dict(table)) for table in (credit._REGISTRY, credit._NEEDS_MODEL)]
+    credit.list_estimators()  # the built-ins registered first: restoring must not drop them
+    registered = dict(credit._REGISTRY)
     yield tmp_path
     for mod in [m for m in sys.modules if m == "oartest_credit" or m.startswith(("oartest_credit.", "oartest_pkg"))]:
         del sys.modules[mod]
-    for table, before in registered:
-        table.clear()
-        table.update(before)
+    credit._REGISTRY.clear()
+    credit._REGISTRY.update(registered)
 
 
 

@@ -38,7 +38,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Mapping
 
-from oar.credit import CreditResult, register_function, estimator_flags
+from oar.credit import CreditResult, register_spec, spec_of
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -295,8 +295,7 @@ def user_estimator(name: str, *, load: bool = True) -> UserEstimator:
     except Exception:  # unresolvable annotations: no type checks
         hints = {}
     est = dataclasses.replace(_options(name, origin, params, hints, fn), source=estimator_source(name, module_name))
-    needs_model, needs_continuations = estimator_flags(fn)
-    register_function(name, fn, needs_model=needs_model, needs_continuations=needs_continuations)
+    register_spec(name, spec_of(fn))
     return est
 
 

@@ -34,7 +34,7 @@ from oar.trainer.batch import StepBatch, collect_batch, continuation_context
 from oar.core.seeds import CONTINUATIONS_SALT, UPDATE_SALT, step_seed
 from oar.trainer.checkpoint import disk_full_named, intact_sentence, save_checkpoint
 from oar.config.methods import ResolvedMethod, resolve_method
-from oar.credit import CreditBatch, estimator_needs_continuations, estimator_needs_model, get_estimator
+from oar.credit import CreditBatch, estimator_spec
 from oar.credit.metrics import credited_concentration, ess_ratio, top_mass
 from oar.config.identity import run_identity
 from oar.trainer.preemption import StopSignal
@@ -225,17 +225,17 @@ def _credit(loop: TrainingRun, batch: "StepBatch", step: int, timings: dict[str,
     """Step 3: the method's estimator (OAR-P / OAR-G / mc_value call the gathered policy). The engine
     sleeps from here on (rollout.sleep_mode: its memory is free for the estimator's passes, as
     ``oar plan``'s credit phase counts it), unless the estimator samples continuations through it."""
-    ro, name = batch.rollout, loop.method.estimator
+    ro, spec = batch.rollout, estimator_spec(loop.method.estimator)
     extras = {"old_logprobs": ro.logprobs, "step": step, "seed": loop.seed, "task": loop.config["task"]}
-    if estimator_needs_continuations(name):  # registered with needs_continuations (mc_value)
+    if spec.needs_continuations:  # mc_value
         extras["continuations"] = continuation_context(loop.engine, batch, loop.prompts_all, loop.records,
                                                  config=loop.config, recipe=loop.recipe,
                                                  seed=step_seed(loop.seed, step, CONTINUATIONS_SALT))
     else:
         loop.engine.sleep()
-    with loop.strategy.local_phase(loop.model) if estimator_needs_model(name) else contextlib.nullcontext():
+    with loop.strategy.local_phase(loop.model) if spec.needs_model else contextlib.nullcontext():
         with marked_timer("importance", timings):
-            return get_estimator(name)(
+            return spec.fn(
                 CreditBatch(response_ids=ro.response_ids, response_mask=ro.response_mask, rewards=batch.rewards,
                             group_ids=batch.group_ids, prompt_ids=ro.prompt_ids, prompt_mask=ro.prompt_mask,
                             model=loop.policy, tokenizer=loop.tokenizer, extras=extras),
