@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"seed {s} rewards baseline {[round(r['reward'], 4) for r in base['rows'][s]]}")
         print(f"seed {s} rewards current  {[round(r['reward'], 4) for r in cur['rows'][s]]}")
     sys.path.insert(0, str(ROOT / "src"))
-    from oar.config import load_config
+    from oar.config.load import load_config
     from oar.data.prompts import render_prompt
     from oar.data.records import training_records
     from transformers import AutoTokenizer

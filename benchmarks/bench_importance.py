@@ -2,7 +2,7 @@
 
 Batch: ``--batch`` responses (default 64) of about 45 characters = tokens (character tokenizer):
 ``--reasoning`` (default 30) reasoning characters, then ``\\boxed{<2-3 digits>}`` and eos; prompts
-of 15-25 characters. The tiny model is ``oar.models.build_tiny`` with its defaults (d=128, 4 layers)
+of 15-25 characters. The tiny model is ``oar.models.tiny.build_tiny`` with its defaults (d=128, 4 layers)
 unless overridden. The probe uses the default conclude text unless ``--conclude`` is given.
 
 Also checks that the cached and naive OAR-P scores agree (max abs difference printed), and prints
@@ -36,7 +36,7 @@ import torch
 
 from oar.credit.importance import gradient_importance, perturbation_importance
 from oar.credit.probe import DEFAULT_CONCLUDE, Probe, build_probe
-from oar.models import build_tiny
+from oar.models.tiny import build_tiny
 
 
 def make_probe(tok, batch: int, reasoning: int, conclude: str, seed: int) -> Probe:

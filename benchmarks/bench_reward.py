@@ -1,4 +1,4 @@
-"""Benchmark oar.reward: score 1,000 typical responses with 2 worker processes.
+"""Benchmark oar.reward.score: score 1,000 typical responses with 2 worker processes.
 
 Responses are synthetic: half arithmetic-chain-like ("12 + 7 = 19, 19 * 3 = 57 ... \\boxed{57}"),
 half LaTeX-fraction-like ("... \\boxed{\\frac{3}{8}}", gold sometimes written "0.375"), in groups
@@ -21,7 +21,8 @@ import sys
 import time
 from fractions import Fraction
 
-from oar.reward import RewardPool, score_one
+from oar.reward.pool import RewardPool
+from oar.reward.verify import score_one
 
 if os.environ.get("OAR_BENCH_IMPORT_TORCH") == "1":  # look like a trainer: multiprocessing
     import torch  # noqa: F401  (forkserver/spawn) children re-import the main module, so torch

@@ -16,12 +16,12 @@ prompts x n``, ``ppo_epochs=1``). Loss settings matched to oar's ``grpo`` recipe
 model, = ``kl_coef 0``), ``epsilon=0.2`` (= ``eps_low = eps_high = 0.2``); TRL also runs with
 ``bf16=False`` (CPU), ``gradient_checkpointing=False`` (oar does not checkpoint) and
 ``use_cpu=True``. Both take the old log-probs from the rollout (TRL skips its extra forward when
-generation and optimisation are aligned). Reward: ``oar.reward.score_batch`` (1 correct / 0 wrong)
+generation and optimisation are aligned). Reward: ``oar.reward.score.score_batch`` (1 correct / 0 wrong)
 for both.
 
 Timing: TRL's step is the time between the ``on_step_begin`` and ``on_step_end`` callbacks
 (generation, reward, loss, backward, optimizer step; logging excluded); oar's is ``time_step`` of
-``metrics.jsonl``. After each TRL step the callback runs one oar step (``oar.train.train`` resuming
+``metrics.jsonl``. After each TRL step the callback runs one oar step (``oar.trainer.loop.train`` resuming
 from its checkpoint), so the two alternate. The first ``--warmup`` steps of each are discarded.
 Last line: ``RATIOS oar/trl=<mean oar step / mean TRL step>``.
 
@@ -72,11 +72,11 @@ def main() -> None:
     import transformers
 
     from oar.data.prompts import render_prompt
-    from oar.models import load_policy
-    from oar.reward import score_batch
-    from oar.batch import PromptStream
+    from oar.models.loading import load_policy
+    from oar.reward.score import score_batch
+    from oar.trainer.batch import PromptStream
     from oar.data.records import training_records
-    from oar.train import train
+    from oar.trainer.loop import train
 
     work = Path(args.cache) / f"trl_{args.model}"
     if work.exists():

@@ -57,7 +57,7 @@ SMOLLM2_TEMPLATE = "qwen_boxed"
 #: box three times, so a few hundred examples (40 x 8 = 320) should make nearly every response
 #: boxed; a guess, not a measurement -- the summary's ``boxed`` share says how well it worked.
 SMOLLM2_SFT_STEPS = 40
-#: ``oar.sft.run_sft`` settings of the SmolLM2 warm start. lr 5e-5: the top of the usual range
+#: ``oar.trainer.sft.run_sft`` settings of the SmolLM2 warm start. lr 5e-5: the top of the usual range
 #: for fully fine-tuning a small pretrained LM, because only 40 steps are there to learn the
 #: format; low enough (with clipping at 1.0 and cosine decay to 0) that a few hundred examples do
 #: not wipe out what the model knows. No weight decay (40 steps: it would do nothing), betas of
@@ -113,7 +113,7 @@ SMOLLM2_LONG_CHECKS = 14
 #: A guess, not a measurement: the summary's ``boxed`` share and ``eval_response_tokens`` say how
 #: well it worked (and ``bench_methods.py`` exits when GRPO's responses are under 256 tokens).
 SMOLLM2_LONG_SFT_STEPS = 24
-#: ``oar.sft.run_sft`` settings of the long warm start. batch_size 2: a step trains on ~2 x 480
+#: ``oar.trainer.sft.run_sft`` settings of the long warm start. batch_size 2: a step trains on ~2 x 480
 #: tokens (prompt + target), so the SFT should take a few minutes at most on 2 cores. lr 1e-4, twice
 #: :data:`SMOLLM2_SFT_SETTINGS`'s: with 24 optimizer steps the model must learn a 14-line format
 #: and where it stops (eos after the box), and a truncated response has no answer for OAR's probe;
@@ -190,7 +190,7 @@ def smollm2_long_solution(record: dict, checks: int = SMOLLM2_LONG_CHECKS) -> st
 
 def smollm2_path() -> Path:
     """Path of the SmolLM2-135M GGUF file, or exit with the install command."""
-    from oar.models import smollm2_gguf_path
+    from oar.models.tiny import smollm2_gguf_path
 
     p = smollm2_gguf_path()
     if p is None:
@@ -200,10 +200,10 @@ def smollm2_path() -> Path:
 
 def smollm2_model(cache: Path) -> Path:
     """SmolLM2-135M converted once from GGUF (dequantised, float32) to a plain Hugging Face folder
-    ``cache/smollm2_hf`` (``oar.models.load_policy`` + ``save_pretrained``), so that each benchmark
+    ``cache/smollm2_hf`` (``oar.models.loading.load_policy`` + ``save_pretrained``), so that each benchmark
     run does not dequantise the GGUF again."""
-    from oar.io import atomic_path
-    from oar.models import load_policy
+    from oar.core.io import atomic_path
+    from oar.models.loading import load_policy
 
     out = cache / "smollm2_hf"
     if (out / "config.json").exists():
@@ -252,7 +252,7 @@ def bench_config(model: str, workdir: Path, *, steps: int, seed_task: int = 1234
                  **train_over: Any) -> dict:
     """Validated config for a benchmark of ``model``: :func:`bench_overrides` applied to
     ``config/config.yaml``."""
-    from oar.config import load_config
+    from oar.config.load import load_config
 
     return load_config(CONFIG, bench_overrides(model, workdir, steps=steps, seed_task=seed_task, cache=cache,
                                                **train_over))
@@ -297,10 +297,10 @@ def bench_overrides(model: str, workdir: Path, *, steps: int, seed_task: int = 1
 
 
 def tiny_sft_model(cache: Path, *, steps: int = 900, progress: bool = False) -> Path:
-    """Folder of the warm-started tiny model (``oar.sft.sft_from_config`` with ``steps`` SFT
+    """Folder of the warm-started tiny model (``oar.trainer.sft_stage.sft_from_config`` with ``steps`` SFT
     steps and the default config otherwise), trained once and cached in ``cache/tiny_sft<steps>``."""
-    from oar.config import load_config
-    from oar.sft import sft_from_config
+    from oar.config.load import load_config
+    from oar.trainer.sft_stage import sft_from_config
 
     out = cache / f"tiny_sft{steps}"
     if (out / "sft_summary.json").exists():
@@ -330,7 +330,7 @@ def smollm2_sft_model(
     Start: the dequantised model of :func:`smollm2_model`. Data: ``train_size`` synthetic ``train``
     problems (:data:`SMOLLM2_SYNTHETIC`, seed ``data_seed``) asked as the benchmark asks them
     (:func:`smollm2_question` in the :data:`SMOLLM2_TEMPLATE` template), the response being the
-    record's reference solution (``"a+b=c. \\boxed{c}"``) + eos. Training: ``oar.sft.run_sft`` with
+    record's reference solution (``"a+b=c. \\boxed{c}"``) + eos. Training: ``oar.trainer.sft.run_sft`` with
     :data:`SMOLLM2_SFT_SETTINGS`, any of them replaced by ``settings`` (e.g. ``batch_size=2``).
     Afterwards ``eval_size`` held-out ``test`` problems (0: none) are answered greedily with the
     benchmark's ``max_new_tokens``; the share answered right (``accuracy``), the share with a
@@ -340,7 +340,7 @@ def smollm2_sft_model(
 
     The folder is ``cache/smollm2_sft<steps>_<hash>``, the hash covering every setting above (and
     the shots and synthetic options), so a different setting trains a new model; model, tokenizer
-    and summary are written by :func:`oar.sft.save_sft_model` (complete or absent).
+    and summary are written by :func:`oar.trainer.sft.save_sft_model` (complete or absent).
 
     Raises:
         ValueError: ``steps`` or ``train_size`` below 1, ``eval_size`` below 0, or an unknown setting.
@@ -405,10 +405,10 @@ def _smollm2_warm_start(cache: Path, *, long: bool, steps: int, train_size: int,
 
     import torch
 
-    from oar.answer import extract_boxed
+    from oar.reward.answer import extract_boxed
     from oar.data.synthetic import generate
-    from oar.models import load_policy
-    from oar.sft import greedy_accuracy, run_sft, save_sft_model
+    from oar.models.loading import load_policy
+    from oar.trainer.sft import greedy_accuracy, run_sft, save_sft_model
 
     base = smollm2_model(cache)
     print(f"[bench] warm-start SFT of SmolLM2-135M ({'long responses, ' if long else ''}{steps} steps, "
@@ -448,7 +448,7 @@ def start_model(model: str, cache: Path, *, tiny_sft_steps: int, smollm2_sft_ste
                 smollm2_long_sft_steps: int = SMOLLM2_LONG_SFT_STEPS) -> tuple[str | None, str]:
     """Start model of a benchmark of ``model`` (``tiny`` | ``smollm2`` | ``smollm2_long``): ``(init, description)``.
 
-    ``init`` is the folder to pass as ``oar.train.train(init=...)``, None for the config's model
+    ``init`` is the folder to pass as ``oar.trainer.loop.train(init=...)``, None for the config's model
     (raw SmolLM2 when ``smollm2_sft_steps`` is 0); ``description`` is one line for the header.
     ``tiny``: :func:`tiny_sft_model` with ``tiny_sft_steps``; ``smollm2``: :func:`smollm2_sft_model`
     with ``smollm2_sft_steps`` (default settings), or :func:`smollm2_model` when it is 0;

@@ -27,15 +27,15 @@ Stages 2 and 3 run the library's own trainer (``python -m oar.cli train``) on a 
 config/paper.yaml (:func:`paper_check_config`); stage 1 as follows.
 
 Imports only torch, transformers (with its tokenizers), accelerate, PyYAML, the standard library and
-the ``oar`` modules that need nothing else (``oar.strategy``, ``oar.rollout``, ``oar.packing``,
-``oar.loss``, ``oar.credit``, ``oar.update``, ``oar.plan``, ``oar.models``, ``oar.data``,
-``oar.config``), so it runs on a stock CUDA image without ``pip install``. The update is the
-trainer's own ``oar.update.update_policy`` (:func:`update_policy` passes it this run's layout); the
-settings are config/paper.yaml's, read by ``oar.config`` with the schema's defaults and without
-validation, which would need jsonschema (:func:`paper_settings`); ``oar.reward`` (math-verify) is
+the ``oar`` modules that need nothing else (``oar.trainer.strategy``, ``oar.rollout``, ``oar.models.packing``,
+``oar.trainer.loss``, ``oar.credit``, ``oar.trainer.update``, ``oar.plan``, ``oar.models.loading``, ``oar.data``,
+``oar.config.load``), so it runs on a stock CUDA image without ``pip install``. The update is the
+trainer's own ``oar.trainer.update.update_policy`` (:func:`update_policy` passes it this run's layout); the
+settings are config/paper.yaml's, read by ``oar.config.load`` with the schema's defaults and without
+validation, which would need jsonschema (:func:`paper_settings`); ``oar.reward.score`` (math-verify) is
 not used: rewards are set, see below.
 
-What runs (one process; ``oar.strategy.FSDPStrategy`` = ``fully_shard`` per decoder layer and on
+What runs (one process; ``oar.trainer.strategy.FSDPStrategy`` = ``fully_shard`` per decoder layer and on
 the root with ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``, its
 one-member process group over NCCL on a GPU and gloo on CPU; the settings of config/paper.yaml:
 its gradient checkpointing, AdamW, clipping, packing and positions per forward, GRPO's clip range and
@@ -61,7 +61,7 @@ loss aggregation, and the OAR-P/OAR-G options of its methods):
    untimed warm-up round then ``--rounds`` timed rounds, the method order rotating each round, the
    same prompts for every method within a round, one policy shared by all (each step updates it).
    A step = rollout (``oar.rollout.HFEngine``, lean sampler) + credit + update (trainer layout), as
-   ``oar.train`` times it, without the reward.
+   ``oar.trainer.loop`` times it, without the reward.
 
 A random model never writes ``\\boxed{}``, and OAR-P/OAR-G score only responses with a boxed answer
 and a nonzero advantage; so each sampled response is cut to a length drawn in
@@ -135,9 +135,10 @@ def paper_settings() -> tuple[dict[str, Any], dict[str, Any], dict[str, tuple[st
     """``(train, recipe, methods)`` of :data:`PAPER_CONFIG`: the :data:`TRAIN_KEYS` of its ``train``,
     the :data:`RECIPE_KEYS` of GRPO's recipe, and ``{method: (estimator, options)}`` of
     :data:`METHOD_NAMES` (``ResolvedMethod.estimator_options()``). Read with the schema's defaults but
-    without validation (``oar.config.load_config(validate=False)``: the stock image has no jsonschema;
+    without validation (``oar.config.load.load_config(validate=False)``: the stock image has no jsonschema;
     the tests validate paper.yaml)."""
-    from oar.config import load_config, resolve_method
+    from oar.config.load import load_config
+    from oar.config.methods import resolve_method
 
     cfg = load_config(PAPER_CONFIG, validate=False)
     resolved = {name: resolve_method(cfg, name, source=str(PAPER_CONFIG), validate=False) for name in METHOD_NAMES}
@@ -147,7 +148,6 @@ def paper_settings() -> tuple[dict[str, Any], dict[str, Any], dict[str, tuple[st
 
 
 TRAIN, RECIPE, METHODS = paper_settings()
-MODEL_CREDITS = ("oar_g", "oar_p")  # estimators that call the policy (run inside Strategy.local_phase)
 TEMPLATE = "qwen_boxed"  # prompt template (no chat template: question + boxed instruction + newline)
 WATCHDOG_GRACE_S = 45.0
 #: Largest mean |log p| gap between the rollout's and the update's log-probs of the sampled tokens
@@ -213,14 +213,14 @@ class Budget:
 
 
 def make_tokenizer(vocab_size: int):
-    """The tiny model's character tokenizer (``oar.models.build_tiny_tokenizer``: ``<pad>`` 0,
+    """The tiny model's character tokenizer (``oar.models.tiny.build_tiny_tokenizer``: ``<pad>`` 0,
     ``<bos>`` 1, ``<eos>`` 2, ``<unk>`` 3, then the 96 characters) with filler tokens ``<k>`` up to
     ``vocab_size``, so every id a model of that vocabulary samples decodes (a filler is several
     characters: text never encodes to one, and none holds a brace or backslash)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from oar.models import TINY_CHARACTERS, TINY_SPECIAL_TOKENS
+    from oar.models.tiny import TINY_CHARACTERS, TINY_SPECIAL_TOKENS
 
     base = list(TINY_SPECIAL_TOKENS) + list(TINY_CHARACTERS)
     if vocab_size < len(base):
@@ -263,26 +263,27 @@ def transformers_compat(model: Any) -> dict[str, Any]:
     """How ``oar`` adapts to this transformers version, probed on ``model`` (unsharded):
 
     - ``cache_argument``: the forward's name for the KV cache that ``oar.rollout.lean_generate``
-      hands over (``cache``, or ``past_key_values`` up to transformers 5.21: :func:`oar.models.cache_argument`);
+      hands over (``cache``, or ``past_key_values`` up to transformers 5.21: :func:`oar.models.loading.cache_argument`);
       ``rollout_logprob_gap`` checks that the lean sampler's log-probs equal a fresh forward's.
     - ``logits_to_keep_mask``: whether the packed layouts pass ``logits_to_keep`` as a boolean
       ``(rows, length)`` mask (transformers >= 5.21) or compute every logit and select
-      (``oar.packing.accepts_logits_to_keep``); the loss is the same either way.
+      (``oar.models.packing.accepts_logits_to_keep``); the loss is the same either way.
     """
     import transformers
 
-    from oar.models import cache_argument
-    from oar.packing import accepts_logits_to_keep
+    from oar.models.loading import cache_argument
+    from oar.models.packing import accepts_logits_to_keep
 
     return {"transformers": transformers.__version__, "cache_argument": cache_argument(model),
             "logits_to_keep_mask": accepts_logits_to_keep(model), "fallbacks": []}
 
 
 def run_config(size: str, run: dict[str, int], *, device: str, prompt_tokens: int, gpu_gb: float) -> dict:
-    """The config ``oar.strategy.make_strategy`` and ``oar.plan`` read: :data:`TRAIN`, the run's batch,
+    """The config ``oar.trainer.strategy.make_strategy`` and ``oar.plan`` read: :data:`TRAIN`, the run's batch,
     one process (``resources.train.gpu: 1``), the rest the schema's defaults
-    (:func:`oar.config.section_defaults`; no validation: the stock image has no jsonschema)."""
-    from oar.config import deep_merge, section_defaults
+    (:func:`oar.config.validate.section_defaults`; no validation: the stock image has no jsonschema)."""
+    from oar.config.source import deep_merge
+    from oar.config.validate import section_defaults
 
     given = {
         "model": {"source": f"gpu_check:{size}", "dtype": "float32"},
@@ -364,18 +365,18 @@ def update_policy(model: Any, optimizer: Any, strategy: Any, ro: Any, token_adv:
                   micro_batch_size: int, mini_batch_size: int, micro_batch_tokens: int | None,
                   pack_length: int | None, grad_clip: float, recipe: dict, generator: Any,
                   marks: Any = None, temperature: float = 1.0) -> dict[str, Any]:
-    """One policy update by the trainer's own ``oar.update.update_policy``: one PPO epoch, no KL
+    """One policy update by the trainer's own ``oar.trainer.update.update_policy``: one PPO epoch, no KL
     reference, the given layout and clipping.
 
     ``marks`` (a :class:`PhaseMarks`, optional) follows the update's events
-    (``oar.update.UPDATE_EVENTS``): reset at each micro-batch's start, marked at its backward's end
+    (``oar.trainer.update.UPDATE_EVENTS``): reset at each micro-batch's start, marked at its backward's end
     (``backward end``), reset before and marked after ``optimizer.step`` (``step``).
 
     Returns:
         ``tokens_real`` / ``tokens_computed`` (positions of the forwards, summed), ``loss`` and
         ``grad_norm`` per mini-batch, ``nonfinite`` (skipped updates).
     """
-    from oar.update import update_policy as trainer_update
+    from oar.trainer.update import update_policy as trainer_update
 
     def observe(event: str) -> None:
         if event in ("micro-batch", "step start"):
@@ -498,9 +499,9 @@ class Check:
         self.method_seconds: dict[str, list[float]] = {}
 
     def setup(self) -> None:
-        from oar.credit import get_estimator
+        from oar.credit import estimator_spec
         from oar.rollout import make_engine
-        from oar.strategy import make_strategy
+        from oar.trainer.strategy import make_strategy
 
         torch = self.torch
         t0 = time.monotonic()
@@ -517,7 +518,9 @@ class Check:
         self.policy = self.strategy.policy(self.model)
         self.engine = make_engine("hf", self.policy, self.tok, batch_size=self.cfg["rollout"]["batch_size"],
                                   sampler=self.sampler)
-        self.estimators = {m: get_estimator(est) for m, (est, _) in METHODS.items()}
+        self.estimators = {m: estimator_spec(est) for m, (est, _) in METHODS.items()}
+        # the methods whose credit calls the policy (run inside Strategy.local_phase), as the registry says
+        self.model_credits = [m for m, spec in self.estimators.items() if spec.needs_model]
         self.backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
         rounds = self.run["rounds"] + 3  # + the fsdp step, the measured step and the warm-up round
         self.prompts = prompt_sets(rounds, self.run["prompts"], seed=self.args.seed + 1234)
@@ -555,8 +558,8 @@ class Check:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
         est, options = METHODS[method]
-        with strategy.local_phase(model) if method in MODEL_CREDITS else contextlib.nullcontext():
-            credit = self.estimators[method](
+        with strategy.local_phase(model) if self.estimators[method].needs_model else contextlib.nullcontext():
+            credit = self.estimators[method].fn(
                 CreditBatch(response_ids=ro.response_ids, response_mask=ro.response_mask, rewards=rewards,
                             group_ids=ro.prompt_index.clone(), prompt_ids=ro.prompt_ids, prompt_mask=ro.prompt_mask,
                             model=self.policy, tokenizer=self.tok,
@@ -610,7 +613,7 @@ class Check:
         """One GRPO step (trainer layout): sharded float32 master weights, bfloat16 layers, weights moved."""
         from torch.distributed.tensor import DTensor
 
-        from oar.strategy import decoder_layers
+        from oar.trainer.strategy import decoder_layers
 
         torch, model = self.torch, self.model
 
@@ -654,10 +657,10 @@ class Check:
 
     def logprob_gap(self, raw: Any) -> dict[str, float]:
         """``|log p|`` of the sampled tokens as the rollout recorded them against a forward of the same
-        sequences in the update's layout (``oar.packing``, no gradient, after the step's lr-1e-6
+        sequences in the update's layout (``oar.models.packing``, no gradient, after the step's lr-1e-6
         update): both in bfloat16, so a few hundredths at most; far more means the rollout's
         decoding and the trainer's forward see different things (e.g. a dropped KV cache)."""
-        from oar.packing import micro_batch_logprobs, plan_micro_batches
+        from oar.models.packing import micro_batch_logprobs, plan_micro_batches
 
         torch = self.torch
         N = raw.response_ids.shape[0]
@@ -761,15 +764,15 @@ class Check:
         d["step_s"] = {m: statistics.fmean(s["step_s"] for s in v) if v else None for m, v in by.items()}
         d["phase_s"] = {m: {k: statistics.fmean(s[f"{k}_s"] for s in v) for k in ("rollout", "credit", "update")}
                         if v else None for m, v in by.items()}
-        d["scored_fraction"] = {m: v[-1]["scored_fraction"] for m, v in by.items() if v and m in MODEL_CREDITS}
+        d["scored_fraction"] = {m: v[-1]["scored_fraction"] for m, v in by.items() if v and m in self.model_credits}
         if self.cuda:
             d["credit_peak_gib"] = {m: max(s["credit_peak"] for s in v) / GiB for m, v in by.items() if v}
         base = d["step_s"].get("grpo")
         d["ratios"] = {f"{m}/grpo": (d["step_s"][m] / base if base and d["step_s"].get(m) else None)
-                       for m in MODEL_CREDITS}
+                       for m in self.model_credits}
         # OAR's credit seconds per GRPO step seconds (GRPO's own credit is a few arithmetic ops)
         d["credit_share_of_grpo_step"] = {m: (d["phase_s"][m]["credit"] / base if base and d["phase_s"].get(m) else None)
-                                          for m in MODEL_CREDITS}
+                                          for m in self.model_credits}
 
 
 # ---------------------------------------------------------------- vLLM, several processes, oar train
@@ -820,7 +823,7 @@ def logprob_gap(engine: Any, model: Any, seed: int) -> float:
     """Max |engine log-prob - policy log-prob| over the tokens ``engine`` samples for :data:`ENGINE_PROMPTS`."""
     import torch
 
-    from oar.update import policy_forward
+    from oar.trainer.update import policy_forward
 
     ro = engine.generate(ENGINE_PROMPTS, n=4, temperature=1.0, top_p=1.0, max_new_tokens=16, seed=seed)
     dev = next(model.parameters()).device
@@ -834,7 +837,7 @@ def nudge(model: Any, engine: Any, steps: int, seed: int) -> None:
     """``steps`` AdamW steps (lr 1e-2) fitting the policy to its own samples: every weight moves."""
     import torch
 
-    from oar.update import policy_forward
+    from oar.trainer.update import policy_forward
 
     ro = engine.generate(ENGINE_PROMPTS, n=4, temperature=1.0, top_p=1.0, max_new_tokens=16, seed=seed)
     dev = next(model.parameters()).device
@@ -962,8 +965,8 @@ def paper_check_config(folder: Path, model_dir: Path, *, size: str, cuda: bool, 
     repository), else the synthetic task. Returns the config's path and what the task is."""
     import yaml
 
-    from oar.config import load_config
-    from oar.preflight import path_problems
+    from oar.config.load import load_config
+    from oar.pipeline.preflight import path_problems
 
     vllm = vllm_importable()
     over: dict[str, Any] = {

@@ -9,7 +9,7 @@ from helpers import ROOT, SHARED_DATA, small_overrides  # noqa: F401  (re-export
 
 @pytest.fixture
 def small_config(tmp_path):
-    from oar.config import load_config
+    from oar.config.load import load_config
 
     return load_config(ROOT / "config" / "config.yaml", small_overrides(tmp_path))
 

@@ -29,7 +29,7 @@ def _shared_sources() -> list[str]:
 
 
 #: Whether the data files of config/paper.yaml and the SmolLM2 configs (../shared/data/...) are here:
-#: the pre-flight (oar.preflight) stops a workflow or `oar plan` run of a config whose files are missing.
+#: the pre-flight (oar.pipeline.preflight) stops a workflow or `oar plan` run of a config whose files are missing.
 PAPER_DATA = all((ROOT / s).exists() for s in _shared_sources())
 
 
@@ -67,7 +67,7 @@ def with_stub_data(config: dict, folder: Path) -> dict:
 
 def small_overrides(tmp_path: Path, **extra) -> dict:
     """Overrides that shrink config/config.yaml to a run of a few seconds (tiny model, few prompts)."""
-    from oar.config import deep_merge
+    from oar.config.source import deep_merge
 
     base = {
         "model": {"tiny": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64,
@@ -91,7 +91,7 @@ def credit_batch(responses, rewards, prompts=None, task=None, model=None):
     character) tokenizer: prompts left-padded, responses right-padded with eos and two columns of padding.
     ``task`` defaults to the synthetic task with fillers so / ok / well; ``prompts`` to "Compute 4+3-2."."""
     from oar.credit import CreditBatch
-    from oar.models import build_tiny_tokenizer
+    from oar.models.tiny import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
     prompts = prompts or ["Compute 4+3-2.\n"] * len(responses)
@@ -158,7 +158,7 @@ def check_mlflow_stage_runs(R: Path, cfg: dict, *, attribution: bool) -> None:
     import pandas as pd
     import pytest
 
-    from oar.stage_runs import EVAL_SCORES, metric_key
+    from oar.tracking.stage_metrics import EVAL_SCORES, metric_key
 
     def one(stage: str, **tags):
         runs = stage_runs(cfg, stage, **tags)
@@ -273,7 +273,7 @@ def _first_time(response: str, marker: str) -> bool:
 
 def hang_for_test(response: str, gold: str, *, parsing_timeout: int = 2, seconds: float = 3600.0) -> bool | None:
     """A reward pool's ``work_fn`` for the tests (importable by its workers, which get the parent's
-    ``sys.path``): like ``oar.reward.check_one``, but sleeps ``seconds`` in a loop
+    ``sys.path``): like ``oar.reward.verify.check_one``, but sleeps ``seconds`` in a loop
     (ignoring signals, as C code would) when the response contains ``TEST_HANG_MARKER``,
     exits the process at once when it contains ``TEST_CRASH_MARKER`` (``TEST_CRASH_ONCE_MARKER``:
     the first time only), and reports math-verify's timeout (None) for ``TEST_MV_TIMEOUT_MARKER``."""
@@ -291,7 +291,7 @@ def hang_for_test(response: str, gold: str, *, parsing_timeout: int = 2, seconds
         while time.monotonic() < end:
             time.sleep(0.05)
         return True  # a "correct" verdict that must never be seen: the parent kills us first
-    from oar.reward import check_one
+    from oar.reward.verify import check_one
 
     return check_one(response, gold, parsing_timeout=parsing_timeout)
 

@@ -225,7 +225,7 @@ def test_token_char_spans_general_tokenizers(cls):
 
 
 def test_label_responses_tiny_tokenizer_and_status():
-    from oar.models import build_tiny_tokenizer
+    from oar.models.tiny import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
     texts = ["47+18=65, so 65-25=40. \\boxed{40}", "47+18=65. \\boxed{", "4+5=9 ok \\boxed{9}"]
@@ -299,7 +299,7 @@ def test_fidelity_table_rejects_labels_outside_reasoning():
 
 def _tiny_signal_batch():
     """A random tiny model and a batch of 4 responses in 2 groups, rows 0-2 to score."""
-    from oar.models import build_tiny
+    from oar.models.tiny import build_tiny
 
     model, tok = build_tiny(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
                             max_position_embeddings=128, seed=0)
@@ -398,7 +398,7 @@ def test_oracle_and_step_verifier_signals(tmp_path, monkeypatch):
     ``step_verifier``: each step's result tokens carry the verifier's probability that the step is
     wrong, the located first mistake's raised by 1 (the probabilities set by hand)."""
     from oar.credit import verifier as V
-    from oar.models import build_tiny
+    from oar.models.tiny import build_tiny
 
     model, tok, resp, kw = _tiny_signal_batch()
     folder = tmp_path / "verifier"
@@ -421,7 +421,7 @@ def test_oracle_and_step_verifier_signals(tmp_path, monkeypatch):
     assert torch.allclose(scores["verifier"][1], 1.9 * at(4))
     assert torch.allclose(scores["verifier"][0], 0.2 * at(4) + 0.1 * at(14))  # "1+2=3, so 3+1=4": results 3 and 4
     assert torch.allclose(scores["verifier"][2], 0.3 * at(4))
-    from oar.attribution.signals import SignalSpec
+    from oar.attribution.specs import SignalSpec
 
     assert SignalSpec("oracle_p50", "oracle", {"localisation": 0.5}).stochastic
     assert not SignalSpec("oracle", "oracle", {}).stochastic
@@ -478,8 +478,8 @@ def test_signal_options_are_the_credit_layers_options_types():
     with the type's defaults, and the schema's attribution.signals items list exactly their union."""
     from dataclasses import fields
 
-    from oar.attribution.signals import SIGNAL_KINDS
-    from oar.config import schema
+    from oar.attribution.specs import SIGNAL_KINDS
+    from oar.config.validate import schema
     from oar.credit.importance import OarGOptions, OarPOptions, option_defaults
     from oar.credit.mc_value import McValueOptions
 
@@ -548,7 +548,7 @@ def test_check_steps_reduction_order_and_signs():
 
 
 def test_mistake_spans_label_the_result_and_the_other_steps():
-    from oar.models import build_tiny_tokenizer
+    from oar.models.tiny import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
     text = "12-47=35, so 35+20=55. ok \\boxed{55}"
@@ -705,9 +705,9 @@ def test_attribution_from_config_end_to_end(tmp_path, capfd):
     import pandas as pd
 
     from oar.attribution import attribution_from_config, format_tables
-    from oar.config import load_config
-    from oar.models import build_tiny
-    from oar.sft import run_sft
+    from oar.config.load import load_config
+    from oar.models.tiny import build_tiny
+    from oar.trainer.sft import run_sft
 
     model, tok = build_tiny(**E2E_MODEL, seed=0)
     recs = generate("train", 400, seed=0, **E2E_TASK)

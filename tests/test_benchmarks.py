@@ -261,7 +261,7 @@ def _true_equations(line: str) -> int:
 
 
 def test_smollm2_long_sft_targets():
-    from oar.answer import extract_boxed
+    from oar.reward.answer import extract_boxed
 
     bc = _bench_common()
     # hand-counted: SmolLM2's tokenizer splits this into 26 tokens (Check, ' ', 3, :, ' ', 6, 5, -,

@@ -137,7 +137,9 @@ def test_oracles_refuse_other_tasks(name):
 
 
 def test_config_refuses_oracle_on_benchmark_task():
-    from oar.config import ConfigError, load_config, resolve_method
+    from oar.config.load import load_config
+    from oar.config.methods import resolve_method
+    from oar.config.source import ConfigError
 
     cfg = load_config(ROOT / "config" / "config.yaml")
     cfg["methods"]["oracle"] = {"recipe": "grpo", "credit": "oracle_first_mistake"}
@@ -151,8 +153,8 @@ def test_config_refuses_oracle_on_benchmark_task():
 
 
 def test_nulls_permute_and_invert_oar_g_scores():
-    from oar.credit.controls import invert_scores, shuffle_scores
-    from oar.models import build_tiny
+    from oar.credit.nulls import invert_scores, shuffle_scores
+    from oar.models.tiny import build_tiny
 
     model, _ = build_tiny(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
                           max_position_embeddings=128, seed=0)

@@ -8,15 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from oar.config import schema, section_defaults, validate_config
+from oar.config.validate import schema, section_defaults, validate_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
 #: Modules that read validated config sections; none may carry a `.get("<schema key>", <fallback>)`.
-READERS = ["plan/settings.py", "plan/shape.py", "plan/memory.py", "sft.py", "evaluate.py", "regimes.py", "attribution/benchmark.py", "report/base.py", "train.py",
-           "strategy.py", "launch.py", "heldout.py", "report/build.py", "report/tables.py", "report/scores.py",
-           "report/efficiency.py", "learning_curves.py", "preflight.py", "fetch.py", "stage_runs.py",
-           "provenance.py"]
+READERS = ["plan/settings.py", "plan/shape.py", "plan/memory.py", "trainer/sft.py", "trainer/sft_stage.py", "tracking/stage_metrics.py", "attribution/settings.py", "plan/terms.py", "evaluate/evaluation.py",
+           "report/regimes.py", "attribution/benchmark.py", "report/base.py", "trainer/loop.py", "trainer/strategy.py",
+           "pipeline/launch.py", "evaluate/heldout.py", "report/build.py", "report/tables.py", "report/scores.py",
+           "report/efficiency.py", "report/learning_curves.py", "pipeline/preflight.py", "models/fetch.py",
+           "tracking/stage_runs.py", "core/provenance.py"]
 
 
 def minimal_config() -> dict:
@@ -66,7 +67,7 @@ def test_the_code_runs_on_the_schema_defaults_alone():
     """A config that omits every optional key: the readers find every key they need, and the values
     they use are the schema's."""
     from oar.attribution import AttributionSettings
-    from oar.attribution.signals import signal_specs
+    from oar.attribution.specs import signal_specs
     from oar.plan import PlanSettings, model_shape
     from oar.plan.settings import memory_gb
     from oar.report import REPORT_DEFAULTS
@@ -121,7 +122,8 @@ def test_section_defaults_are_what_validation_fills(section):
 def test_unvalidated_loading_fills_what_validation_fills(path):
     """load_config(validate=False) (benchmarks/gpu_check.py's, without jsonschema) gives every config
     of config/ exactly as validation leaves it, and its methods resolve the same."""
-    from oar.config import load_config, resolve_method
+    from oar.config.load import load_config
+    from oar.config.methods import resolve_method
 
     checked, unchecked = load_config(path), load_config(path, validate=False)
     assert unchecked == checked

@@ -173,3 +173,25 @@ def test_the_checks_see_what_they_check(tmp_path: Path):
     assert [t for _, t in links(page)] == ["#44-bi-level-reshaping", "#top-ab-x-1"]
     hits = [m.group(0) for _, line in _prose_lines(page.read_text()) for m in _ISSUE_REF.finditer(line)]
     assert hits == ["issue 30", "#31"]
+
+
+def test_the_contributor_guide_names_what_exists():
+    """CONTRIBUTING.md's checks name test files that exist, its paths exist, and every ``oar.x.y`` it
+    names imports (a move of a module or a symbol must move the guide too)."""
+    import importlib
+
+    text = (ROOT / "CONTRIBUTING.md").read_text()
+    tests = set(re.findall(r"tests/test_\w+\.py", text))
+    assert tests and all((ROOT / t).is_file() for t in tests), sorted(t for t in tests if not (ROOT / t).is_file())
+    paths = set(re.findall(r"`((?:src|benchmarks|docs|config|workflow)/[\w./-]+)`", text))
+    assert paths and all((ROOT / p).exists() for p in paths), sorted(p for p in paths if not (ROOT / p).exists())
+    for dotted in sorted(set(re.findall(r"`(oar(?:\.\w+)+)`", text))):
+        parts = dotted.split(".")
+        for cut in range(len(parts), 0, -1):  # the longest importable prefix, then attributes
+            try:
+                obj = importlib.import_module(".".join(parts[:cut]))
+                break
+            except ImportError:
+                continue
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr)  # AttributeError names what the guide names wrongly

@@ -81,7 +81,7 @@ NAMES = [f"model.layers.{i}.{p}.weight" for i in range(3) for p in ("q_proj", "k
 def test_engines_say_whether_they_need_weights():
     assert VLLMEngine.needs_weights is True
     assert HFEngine.needs_weights is False
-    from oar.models import build_tiny
+    from oar.models.tiny import build_tiny
 
     model, tok = build_tiny(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32)
     hf = HFEngine(model, tok)
@@ -197,7 +197,7 @@ def test_a_training_engine_per_process_uses_the_external_launcher(fake_vllm, mon
     executor and the run seed; an evaluation engine (not colocated) never takes the launcher. The
     trainer's random generators are as they were before the engine's start-up."""
     import oar.rollout.vllm as mod
-    from oar.seeds import rank_seed
+    from oar.core.seeds import rank_seed
 
     monkeypatch.setattr(mod, "_process_group", lambda: (rank, world))
     env = {}
@@ -220,7 +220,7 @@ def test_a_training_engine_per_process_uses_the_external_launcher(fake_vllm, mon
 
 
 def test_rank_seeds_differ_between_ranks_and_runs():
-    from oar.seeds import rank_seed
+    from oar.core.seeds import rank_seed
 
     seeds = {rank_seed(s, r) for s in range(4) for r in range(8)}
     assert len(seeds) == 32 and all(0 <= x < 2**32 for x in seeds)

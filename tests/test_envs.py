@@ -183,8 +183,8 @@ def _rule_blocks() -> dict[str, str]:
 
 
 def _conda_envs_table() -> dict[str, str]:
-    """oar.launch.CONDA_ENVS (env name -> path relative to workflow/rules/), what common.smk's CONDA_ENV picks from."""
-    from oar.launch import CONDA_ENVS
+    """oar.pipeline.launch.CONDA_ENVS (env name -> path relative to workflow/rules/), what common.smk's CONDA_ENV picks from."""
+    from oar.pipeline.launch import CONDA_ENVS
 
     return dict(CONDA_ENVS)
 
@@ -288,7 +288,7 @@ def test_snakemake_deploys_the_env_from_its_copy(configfile, env_name, tmp_path,
     assert copy.read_text() == (ENVS / f"{env_name}.yaml").read_text()
     env = _load(copy)
     assert local_paths(env) == [] and unresolved(env, copy.parent) == []
-    # nothing ran: at most the config's links into the results store and its empty folders (oar.layout)
+    # nothing ran: at most the config's links into the results store and its empty folders (oar.pipeline.store)
     made = list((tmp_path / "results").rglob("*"))
     assert not [p for p in made if p.is_file() and not p.is_symlink()], made
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from oar.config import load_config
-from oar.evaluate import evaluate_from_config, load_eval_benchmarks
+from oar.config.load import load_config
+from oar.evaluate.evaluation import evaluate_from_config, load_eval_benchmarks
 
 from helpers import ROOT, small_overrides
 
@@ -72,7 +72,7 @@ def test_cli_evaluate_transfer_scores_the_transfer_benchmarks_only(tmp_path, cap
     assert main(["evaluate", "--config", str(path), "--output", str(out), "--transfer"]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert list(summary["benchmarks"]) == ["synthetic-ood"] and summary["benchmarks"]["synthetic-ood"]["n"] == 3
-    # and the lock file the evaluation held (oar.io.exclusive_lock; released with the process)
+    # and the lock file the evaluation held (oar.core.io.exclusive_lock; released with the process)
     assert sorted(p.name for p in out.iterdir()) == [".lock", "summary.json", "synthetic-ood.json", "synthetic-ood.jsonl"]
     rows = [json.loads(l) for l in (out / "synthetic-ood.jsonl").read_text().splitlines()]
     assert [r["sample"] for r in rows] == [-1] * 3  # greedy only: eval.samples is 0
@@ -116,8 +116,8 @@ class _FakeEngine:
 
 def test_evaluate_records_in_chunks_with_per_problem_counts():
     from oar.data.prompts import render_prompt
-    from oar.evaluate import evaluate_records
-    from oar.models import build_tiny
+    from oar.evaluate.evaluation import evaluate_records
+    from oar.models.tiny import build_tiny
 
     _, tok = build_tiny(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
     records = [{"id": f"p{i}", "question": f"{i} + 1", "answer": str(i + 1)} for i in range(10)]
@@ -150,10 +150,10 @@ def test_evaluate_records_in_chunks_with_per_problem_counts():
 def test_evaluate_records_counts_the_reward_checks_that_timed_out():
     """An answer whose check never ends (math-verify's comparison of 9^{9^{9^9}}): timed out, retried
     under twice the limit, timed out again, marked; counted in the summary's reward entry."""
-    import oar.reward as R
+    import oar.reward.score as R
     from oar.data.prompts import render_prompt
-    from oar.evaluate import evaluate_records
-    from oar.models import build_tiny
+    from oar.evaluate.evaluation import evaluate_records
+    from oar.models.tiny import build_tiny
 
     _, tok = build_tiny(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
     records = [{"id": f"p{i}", "question": f"{i} + 1", "answer": str(i + 1)} for i in range(4)]
@@ -180,7 +180,7 @@ def test_evaluate_records_counts_the_reward_checks_that_timed_out():
 
 
 def test_evaluation_summary_sums_the_reward_counts_and_warns_when_answers_were_marked(tmp_path, monkeypatch, capsys):
-    import oar.reward as R
+    import oar.reward.score as R
 
     real = R.score_batch
 
@@ -207,7 +207,7 @@ def test_evaluation_summary_sums_the_reward_counts_and_warns_when_answers_were_m
 
 
 def test_heldout_records_are_the_test_split_not_training(tmp_path):
-    from oar.heldout import heldout_records
+    from oar.evaluate.heldout import heldout_records
     from oar.data.records import training_records
 
     cfg = load_config(ROOT / "config" / "config.yaml", small_overrides(tmp_path, train={"heldout": {"every": 1, "size": 7}}))
@@ -228,7 +228,7 @@ def test_heldout_hook_logs_step0_every_k_and_last_and_resumes_without_duplicates
     import torch
     from safetensors.torch import load_file
 
-    from oar.train import train
+    from oar.trainer.loop import train
 
     def rows(run):
         return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -268,12 +268,12 @@ def test_heldout_hook_logs_step0_every_k_and_last_and_resumes_without_duplicates
 
 
 def test_two_evaluations_into_one_folder_the_second_stops_naming_the_first(tmp_path, capsys):
-    """evaluate takes the trainer's lock (oar.io.exclusive_lock): a second one into the same folder
+    """evaluate takes the trainer's lock (oar.core.io.exclusive_lock): a second one into the same folder
     exits 2 at once with one line naming the holder, and writes nothing."""
     import yaml
 
     from oar.cli import main
-    from oar.io import exclusive_lock
+    from oar.core.io import exclusive_lock
 
     over = small_overrides(tmp_path, eval={"benchmarks": [{"name": "synthetic-test", "n": 2}], "samples": 0,
                                            "max_new_tokens": 8})
@@ -295,7 +295,7 @@ def test_a_full_disk_while_evaluating_is_one_line_and_keeps_the_finished_benchma
 
     import yaml
 
-    import oar.evaluate as ev
+    import oar.evaluate.evaluation as ev
     from oar.cli import main
 
     over = small_overrides(tmp_path, eval={"benchmarks": [{"name": "synthetic-test", "n": 2},

@@ -1,4 +1,4 @@
-"""A hub model.source fetched once (src/oar/fetch.py, workflow/rules/model.smk): which sources are hub
+"""A hub model.source fetched once (src/oar/models/fetch.py, workflow/rules/model.smk): which sources are hub
 ids and where their copy goes, the fetch offline (one line naming model.source and what to do; a
 complete copy in the local Hugging Face cache is used), `oar sft` reading the fetched copy, and a
 dry run of a hub-model config: one fetch_model job, every job that loads the model after it and
@@ -18,8 +18,8 @@ import pytest
 import yaml
 
 from helpers import ROOT
-from oar.config import load_config
-from oar.fetch import MARKER, HubModel, ModelFetchError, fetch_model, hub_model, is_hub_model_id, with_fetched_model
+from oar.config.load import load_config
+from oar.models.fetch import MARKER, HubModel, ModelFetchError, fetch_model, hub_model, is_hub_model_id, with_fetched_model
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

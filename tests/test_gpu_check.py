@@ -74,13 +74,13 @@ def test_cpu_run_prints_one_json_line_with_every_check():
 
 
 def test_composed_update_equals_the_trainers():
-    """gpu_check.update_policy is the trainer's oar.update.update_policy with gpu_check's layout: same
+    """gpu_check.update_policy is the trainer's oar.trainer.update.update_policy with gpu_check's layout: same
     rollout, advantages, seeds, shared_prompt layout with two micro-batches -> the same weights after
     the step, and the memory marks it passes see every micro-batch's backward and the step."""
     from oar.credit import CreditBatch, get_estimator
     from oar.rollout import make_engine
-    from oar.strategy import make_strategy
-    from oar.update import update_policy
+    from oar.trainer.strategy import make_strategy
+    from oar.trainer.update import update_policy
 
     gc = _gpu_check()
     torch.set_num_threads(1)
@@ -132,7 +132,8 @@ def test_composed_update_equals_the_trainers():
 def test_settings_are_paper_yamls(tmp_path, monkeypatch):
     """gpu_check's TRAIN, RECIPE and METHODS are config/paper.yaml's as validation resolves it (read
     without jsonschema), and come from the file: a changed paper.yaml changes them."""
-    from oar.config import load_config, resolve_method
+    from oar.config.load import load_config
+    from oar.config.methods import resolve_method
 
     gc = _gpu_check()
     cfg = load_config(ROOT / "config" / "paper.yaml")

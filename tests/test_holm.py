@@ -12,7 +12,7 @@ import pytest
 from scipy import stats as sps
 
 from oar.report.render import format_difference, wide
-from oar.stats import holm_significant, seed_interval, seed_p_value
+from oar.core.stats import holm_significant, seed_interval, seed_p_value
 
 
 def test_seed_p_value_is_the_one_sample_t_test_the_interval_inverts():
@@ -59,7 +59,7 @@ def test_fieller_interval_hand_computed_and_widens_with_an_uncertain_oracle():
 
     from scipy.stats import t
 
-    from oar.stats import fieller_ratio_interval
+    from oar.core.stats import fieller_ratio_interval
 
     # N = 1, 2, 3 (mean 2, var of mean 1/3); D = 4, 4, 4 (no spread): the ratio's interval is the
     # t interval of mean(N) divided by 4
@@ -74,7 +74,7 @@ def test_fieller_interval_hand_computed_and_widens_with_an_uncertain_oracle():
     # an oracle whose own interval contains 0: unbounded
     assert fieller_ratio_interval([1.0, 2.0, 3.0], [-1.0, 0.5, 1.0])[1:] == (-math.inf, math.inf)
     # the interval holds every ratio the paired test of mean(N - r D) = 0 does not reject
-    from oar.stats import seed_p_value
+    from oar.core.stats import seed_p_value
 
     n, d = [0.5, 1.5, 1.0, 2.0], [2.5, 3.0, 2.0, 3.5]
     _, lo, hi = fieller_ratio_interval(n, d)
@@ -83,7 +83,7 @@ def test_fieller_interval_hand_computed_and_widens_with_an_uncertain_oracle():
 
 
 def test_welch_interval_hand_values():
-    from oar.stats import welch_interval
+    from oar.core.stats import welch_interval
 
     diff, low, high, se, p = welch_interval([1.0, 2.0, 3.0], [0.0, 0.0, 1.0, 1.0])
     # means 2 and 0.5; var/n 1/3 and (1/3)/4 = 1/12; se = sqrt(5/12); Welch df = (5/12)^2 / ((1/3)^2/2 + (1/12)^2/3)
@@ -100,7 +100,7 @@ def test_welch_interval_hand_values():
 def test_unpaired_fieller_covers_the_ratio_and_reduces_to_the_delta_method_when_the_oracle_is_far():
     """Simulated seeds: the interval holds the true efficiency about 95% of the time; with the oracle's
     lead far from 0 its half-width is t x the delta method's SE."""
-    from oar.stats import fieller_ratio_interval_unpaired
+    from oar.core.stats import fieller_ratio_interval_unpaired
 
     rng = np.random.default_rng(0)
     cover = 0

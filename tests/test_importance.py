@@ -18,7 +18,7 @@ from oar.credit.advantages import grpo_advantages
 from oar.credit.importance import MODES, gradient_importance, perturbation_importance
 from oar.credit.probe import build_probe
 from oar.credit.reshape import bilevel_weights
-from oar.models import build_tiny
+from oar.models.tiny import build_tiny
 
 CONC = " A:{"
 WEIGHT_SCALE = 10.0

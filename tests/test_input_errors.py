@@ -23,7 +23,7 @@ CONFIG = ROOT / "config" / "config.yaml"
 
 def _write_config(tmp_path: Path, change: dict, name: str = "config.yaml") -> Path:
     """config/config.yaml with ``change`` merged in, written to ``tmp_path/name``."""
-    from oar.config import deep_merge
+    from oar.config.source import deep_merge
 
     path = tmp_path / name
     path.write_text(yaml.safe_dump(deep_merge(yaml.safe_load(CONFIG.read_text()), change), sort_keys=False))
@@ -66,7 +66,7 @@ def test_hub_model_id_offline_is_one_line_exit_2(offline, tmp_path, capsys, wher
 
 
 def test_hub_model_id_offline_from_load_policy_is_a_file_not_found(offline):
-    from oar.models import load_policy
+    from oar.models.loading import load_policy
 
     with pytest.raises(FileNotFoundError, match=r"'SomeOrg/some-model'.*cannot be loaded offline") as info:
         load_policy({"source": "SomeOrg/some-model"})
@@ -125,7 +125,7 @@ def test_every_numeric_cli_flag_is_range_checked():
 
 
 def test_cli_steps_override_still_reaches_the_config(monkeypatch, tmp_path):
-    import oar.train
+    import oar.trainer.loop
 
     got = {}
 
@@ -133,7 +133,7 @@ def test_cli_steps_override_still_reaches_the_config(monkeypatch, tmp_path):
         got.update(steps=config["train"]["steps"], seed=seed)
         return {}
 
-    monkeypatch.setattr(oar.train, "train", fake_train)
+    monkeypatch.setattr(oar.trainer.loop, "train", fake_train)
     from oar.cli import main
 
     assert main(["train", "--config", str(CONFIG), "--method", "grpo", "--output", str(tmp_path), "--steps", "1",
@@ -189,7 +189,7 @@ def test_snakemake_nested_config_override_resolves_to_typed_values(tmp_path):
 
 def test_typed_override_helper():
     """oar.config.typed_override (the workflow's --config values), on the values Snakemake's BaseLoader leaves as strings."""
-    from oar.config import typed_override as typed
+    from oar.config.overrides import typed_override as typed
 
     raw = {"a": "0.001", "b": "1e-3", "c": "30", "d": "true", "e": "null", "f": ["1", "x"], "g": "results/x",
            "h": "2024-01-01", "i": "", "j": {"k": "-2"}}
@@ -200,7 +200,8 @@ def test_typed_override_helper():
 # --------------------------------------------------------------------- 4. bounded dynamic sampling
 @pytest.mark.parametrize("value", [-1, 0])
 def test_max_num_gen_batches_must_be_positive_in_a_recipe(tmp_path, value):
-    from oar.config import ConfigError, load_config
+    from oar.config.load import load_config
+    from oar.config.source import ConfigError
 
     path = _write_config(tmp_path, {"recipes": {"dapo": {"max_num_gen_batches": value}}})
     with pytest.raises(ConfigError, match=rf"{path}:\d+: key recipes\.dapo\.max_num_gen_batches: {value} is less than"):
@@ -208,7 +209,8 @@ def test_max_num_gen_batches_must_be_positive_in_a_recipe(tmp_path, value):
 
 
 def test_max_num_gen_batches_must_be_positive_in_a_method_override(tmp_path):
-    from oar.config import ConfigError, load_config
+    from oar.config.load import load_config
+    from oar.config.source import ConfigError
 
     path = _write_config(tmp_path, {"methods": {"dapo": {"max_num_gen_batches": -1}}})
     with pytest.raises(ConfigError, match=r"key methods\.dapo\.max_num_gen_batches: -1 is less than"):
@@ -217,7 +219,7 @@ def test_max_num_gen_batches_must_be_positive_in_a_method_override(tmp_path):
 
 @pytest.mark.parametrize("name", ["config.yaml", "smoke.yaml", "paper.yaml"])
 def test_shipped_configs_still_validate(name):
-    from oar.config import load_config
+    from oar.config.load import load_config
 
     config = load_config(ROOT / "config" / name)
     for recipe in config["recipes"].values():
@@ -226,7 +228,7 @@ def test_shipped_configs_still_validate(name):
 
 # ------------------------------------------------------------------------------- 5. non-UTF-8 data
 def test_read_jsonl_non_utf8_names_file_and_line(tmp_path):
-    from oar.io import read_jsonl
+    from oar.core.io import read_jsonl
 
     path = tmp_path / "rows.jsonl"
     path.write_bytes(b'{"a": 1}\n\n{"b": "caf\xe9"}\n')
@@ -235,7 +237,7 @@ def test_read_jsonl_non_utf8_names_file_and_line(tmp_path):
 
 
 def test_read_jsonl_valid_utf8_still_reads(tmp_path):
-    from oar.io import read_jsonl
+    from oar.core.io import read_jsonl
 
     path = tmp_path / "rows.jsonl"
     path.write_text('{"q": "café ∑"}\r\n{"q": "x"}\n', encoding="utf-8")
@@ -298,7 +300,7 @@ def test_oar_data_fails_on_an_empty_training_set(tmp_path, capsys):
 
 
 def test_data_manifest_fails_when_filters_leave_no_training_records(tmp_path):
-    from oar.config import load_config
+    from oar.config.load import load_config
     from oar.report import data_manifest
 
     src = tmp_path / "train.jsonl"
@@ -310,7 +312,7 @@ def test_data_manifest_fails_when_filters_leave_no_training_records(tmp_path):
 
 
 def test_data_manifest_accepts_non_empty_sets(tmp_path):
-    from oar.config import load_config
+    from oar.config.load import load_config
     from oar.report import data_manifest
 
     src = tmp_path / "train.jsonl"
@@ -322,7 +324,7 @@ def test_data_manifest_accepts_non_empty_sets(tmp_path):
 
 @pytest.mark.parametrize("content, levels", [(b"", None), (b"\n\n", None), (_math_train_rows([1]), [3, 4, 5])])
 def test_training_records_empty_is_a_clear_value_error(tmp_path, content, levels):
-    from oar.config import load_config
+    from oar.config.load import load_config
     from oar.data.records import training_records
 
     src = tmp_path / "train.jsonl"
@@ -335,7 +337,7 @@ def test_training_records_empty_is_a_clear_value_error(tmp_path, content, levels
 
 
 def test_training_records_folder_source_names_its_file(tmp_path):
-    from oar.config import load_config
+    from oar.config.load import load_config
     from oar.data.records import training_records
 
     (tmp_path / "train.jsonl").write_bytes(b"")
@@ -349,7 +351,8 @@ def test_training_records_folder_source_names_its_file(tmp_path):
 
 
 def test_ablations_config_extends_the_default_adding_methods():
-    from oar.config import load_config, resolve_methods
+    from oar.config.load import load_config
+    from oar.config.methods import resolve_methods
 
     base = load_config(ROOT / "config" / "config.yaml")
     abl = load_config(ROOT / "config" / "ablations.yaml")
@@ -361,7 +364,8 @@ def test_ablations_config_extends_the_default_adding_methods():
 
 
 def test_extends_chain_merges_and_names_the_file_for_a_missing_base_or_a_loop(tmp_path):
-    from oar.config import ConfigError, resolve_extends
+    from oar.config.load import resolve_extends
+    from oar.config.source import ConfigError
 
     (tmp_path / "a.yaml").write_text("name: a\ntrain: {steps: 5, lr: 0.1}\n")
     (tmp_path / "b.yaml").write_text("extends: a.yaml\ntrain: {steps: 7}\n")
@@ -376,7 +380,8 @@ def test_extends_chain_merges_and_names_the_file_for_a_missing_base_or_a_loop(tm
 
 
 def test_extends_replace_drops_the_base_mapping_instead_of_merging(tmp_path):
-    from oar.config import ConfigError, load_config, resolve_extends
+    from oar.config.load import load_config, resolve_extends
+    from oar.config.source import ConfigError
 
     (tmp_path / "a.yaml").write_text("name: a\ntrain: {steps: 5, lr: 0.1}\nrecipes: {x: {a: 1}, y: {b: 2}}\n")
     (tmp_path / "b.yaml").write_text("extends: a.yaml\nreplace: [recipes, train]\nrecipes: {z: {c: 3}}\n"
@@ -412,7 +417,7 @@ GGUF_HEADER = b"GGUF" + (3).to_bytes(4, "little") + bytes(16)
 
 def _smoke_config(tmp_path: Path, change: dict) -> Path:
     """config/smoke.yaml with ``change`` merged in, written to ``tmp_path/smoke.yaml``."""
-    from oar.config import deep_merge
+    from oar.config.source import deep_merge
 
     path = tmp_path / "smoke.yaml"
     path.write_text(yaml.safe_dump(deep_merge(yaml.safe_load(SMOKE.read_text()), change), sort_keys=False))
@@ -447,7 +452,7 @@ def _existing_run(tmp_path: Path) -> Path:
 @pytest.fixture(scope="module")
 def saved_model(tmp_path_factory) -> Path:
     """The smoke config's tiny model and tokenizer, saved with save_pretrained (as SFT leaves them)."""
-    from oar.models import build_tiny
+    from oar.models.tiny import build_tiny
 
     folder = tmp_path_factory.mktemp("saved") / "model"
     model, tok = build_tiny(**SMOKE_TINY)
@@ -523,7 +528,8 @@ def _damaged_model(saved_model: Path, tmp_path: Path, damage: str) -> tuple[Path
 
 
 def test_check_model_files_accepts_what_save_pretrained_writes_whole_or_sharded(saved_model, tmp_path):
-    from oar.models import ModelLoadError, build_tiny, check_model_files
+    from oar.models.checks import ModelLoadError, check_model_files
+    from oar.models.tiny import build_tiny
 
     check_model_files(saved_model)
     check_model_files({"source": "tiny"})
@@ -542,7 +548,8 @@ def test_check_model_files_accepts_what_save_pretrained_writes_whole_or_sharded(
 
 @pytest.mark.parametrize("damage", list(MODEL_DAMAGES))
 def test_load_policy_names_the_file_of_a_model_that_cannot_load(saved_model, tmp_path, damage):
-    from oar.models import ModelLoadError, load_policy
+    from oar.models.checks import ModelLoadError
+    from oar.models.loading import load_policy
 
     source, named, says = _damaged_model(saved_model, tmp_path, damage)
     with pytest.raises(ModelLoadError) as info:
@@ -554,7 +561,8 @@ def test_load_policy_names_the_file_of_a_model_that_cannot_load(saved_model, tmp
 
 def test_load_policy_names_the_model_whose_loader_fails_without_a_traceback(saved_model, tmp_path):
     """What the checks cannot see (pickled weights that do not unpickle) is the loader's first line."""
-    from oar.models import ModelLoadError, load_policy
+    from oar.models.checks import ModelLoadError
+    from oar.models.loading import load_policy
 
     source, _, _ = _damaged_model(saved_model, tmp_path, "no weights")
     (source / "pytorch_model.bin").write_bytes(b"not a pickle")
@@ -655,7 +663,7 @@ def test_check_output_folder_on_a_read_only_file_system_says_it_cannot_write(tmp
     import errno
     import tempfile
 
-    from oar.io import OutputPathError, check_output_folder
+    from oar.core.io import OutputPathError, check_output_folder
 
     def read_only(*args, **kwargs):
         raise OSError(errno.EROFS, os.strerror(errno.EROFS))
@@ -668,7 +676,7 @@ def test_check_output_folder_on_a_read_only_file_system_says_it_cannot_write(tmp
 
 
 def test_check_output_folder_leaves_nothing_behind(tmp_path):
-    from oar.io import check_output_folder
+    from oar.core.io import check_output_folder
 
     (tmp_path / "run").mkdir()
     check_output_folder(tmp_path / "run")
@@ -697,7 +705,7 @@ def test_a_corrupt_mlflow_store_stops_before_any_work(tmp_path, capsys, monkeypa
 
 
 def test_check_store_accepts_a_missing_an_empty_and_a_real_store(tmp_path):
-    from oar.tracking import check_store, ensure_experiment
+    from oar.tracking.client import check_store, ensure_experiment
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     check_store(uri)  # missing: MLflow makes it
@@ -770,8 +778,8 @@ def test_oar_data_warns_of_training_prompts_that_leave_less_than_the_rollout_and
 
 
 def test_oar_data_checks_prompts_against_a_local_model_folder(saved_model, tmp_path):
-    from oar.config import load_config
-    from oar.data_checks import prompt_model
+    from oar.config.load import load_config
+    from oar.evaluate.prompt_checks import prompt_model
 
     config = load_config(_smoke_config(tmp_path, {"model": {"source": str(saved_model)}}))
     model = prompt_model(config)
@@ -808,7 +816,7 @@ def test_evaluate_checks_the_prompts_again_before_it_makes_its_folder(tmp_path, 
 
 
 def test_gold_readable_is_the_rewards_reading():
-    from oar.reward import gold_readable, score_one
+    from oar.reward.verify import gold_readable, score_one
 
     for gold in ("42", "\\frac{1}{2}", "(3, 4)", "\\sqrt{51}", "27"):
         assert gold_readable(gold, timeout_s=5.0), gold
@@ -834,9 +842,9 @@ def test_oar_data_warns_about_gold_answers_the_reward_cannot_read(tmp_path, caps
 @pytest.mark.slow  # parses every gold of ../shared/data: 15-30 s
 @pytest.mark.skipif(not (ROOT.parent / "shared" / "data").is_dir(), reason="../shared/data not here")
 def test_the_shipped_benchmarks_hold_a_few_golds_the_reward_cannot_read():
-    """Why unreadable golds are a warning (oar.data_checks): refusing them would stop the shipped files."""
+    """Why unreadable golds are a warning (oar.evaluate.prompt_checks): refusing them would stop the shipped files."""
     from oar.data.benchmarks import load_benchmark_located
-    from oar.data_checks import unreadable_golds
+    from oar.evaluate.prompt_checks import unreadable_golds
 
     data = ROOT.parent / "shared" / "data"
     counts = {name: len(unreadable_golds(load_benchmark_located(name, data / name), timeout_s=5.0))
@@ -860,7 +868,8 @@ def _new_pad_token(saved_model: Path, tmp_path: Path) -> Path:
 
 
 def test_load_policy_refuses_a_tokenizer_past_the_models_embeddings(saved_model, tmp_path):
-    from oar.models import ModelLoadError, load_policy
+    from oar.models.checks import ModelLoadError
+    from oar.models.loading import load_policy
 
     folder = _new_pad_token(saved_model, tmp_path)
     with pytest.raises(ModelLoadError) as info:
@@ -908,8 +917,8 @@ def test_a_tokenizer_json_that_is_not_one_is_named_and_makes_no_folder(saved_mod
 def test_preflight_requires_a_tokenizer_beside_a_local_models_config(saved_model, tmp_path):
     import shutil
 
-    from oar.config import load_config
-    from oar.preflight import path_problems
+    from oar.config.load import load_config
+    from oar.pipeline.preflight import path_problems
 
     folder = tmp_path / "model"
     shutil.copytree(saved_model, folder)

@@ -185,7 +185,7 @@ def test_verl_oracle_reads_prompts_and_responses():
     from oar.data.prompts import render_prompt
     from oar.data.synthetic import generate
     from oar.integrations.verl import verl_advantage_fn
-    from oar.models import build_tiny_tokenizer
+    from oar.models.tiny import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
     right, wrong = generate("train", 1, seed=0)[0], generate("train", 1, seed=0, demo_error_rate=1.0)[0]
@@ -280,7 +280,7 @@ def late_credit(batch: CreditBatch, *, norm_by_std: bool = True, late: float = 3
 
 def _digit_share(completions: list[str], **_: Any) -> list[float]:
     """Reward: the share of digits in the completion. An untrained tiny model never answers right
-    (oar.reward.score_batch would give every completion 0), this gives a group mixed rewards."""
+    (oar.reward.score.score_batch would give every completion 0), this gives a group mixed rewards."""
     return [sum(c.isdigit() for c in text) / max(len(text), 1) for text in completions]
 
 
@@ -318,7 +318,7 @@ def test_trl_two_steps_feed_token_advantages_to_the_loss(tmp_path):
     from oar.data.prompts import render_prompt
     from oar.data.synthetic import generate
     from oar.integrations.trl import OarGRPOTrainer
-    from oar.models import build_tiny
+    from oar.models.tiny import build_tiny
 
     model, tok = build_tiny(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
     model.save_pretrained(tmp_path / "tiny")

@@ -1,25 +1,31 @@
-"""The package's layers point down only, and no module imports another module's private name.
+"""The package's layers point down only, no two packages import each other (not even through others),
+no module imports another module's private name, and the package stays readable: at most 6 modules at
+the top of ``src/oar`` beside the packages, no module over 500 lines, no function over 80.
 
 Every import of ``src/oar`` (module level and inside functions, read from the source with ``ast``)
-is checked against the layer of the importing and the imported module: an import from a higher
-layer fails. Layers, bottom to top (a module may import its own layer and those below):
+is checked against the layer of the importing and the imported package: an import from a higher
+layer fails. Layers, bottom to top (a package may import its own layer and those below; there are no
+exemptions):
 
-0. foundations: io, answer, stats, preemption, tracking, provenance, seeds, markdown (the table writer),
-   optim (the schedule and weight-decay groups SFT, RL and the step verifier share)
-1. data and task: data, task, models, fetch, packing, reward
-2. credit: credit
-3. configuration: config, preflight, identity (what identifies each result: fingerprints, store keys)
-4. training and measuring: rollout, loss, strategy, runs, evaluate, heldout, sft, train (with run_setup, batch, update,
-   checkpoint, run_end), attribution,
-   plan, launch, layout, stage_runs (the MLflow runs of every stage; the report's is oar.report.logged),
-   integrations (oar's estimators inside verl and TRL), manifest and data_checks (the data stage, oar data)
-5. reports: report, learning_curves, regimes
-6. the command line: cli
+0. core: atomic files (io), seeds, the markdown table writer, statistics, provenance, the untruncated
+   flatten, the device a job runs on, the problems a check reports
+1. task, data, models (loading, fetch, packing), reward (answer, verification, the pool)
+2. credit (the estimators and their registry), rollout (the engines)
+3. config (loading, overrides, method resolution, typed settings, identity, the results tree)
+4. plan (the memory plan), tracking (MLflow, stage runs)
+5. evaluate (benchmarks, the held-out evaluation, prompt checks)
+6. trainer (the loop and its phases, setup, end, batch, update, loss, optim, checkpoint, preemption,
+   the parallel strategy, run folders, SFT, the verifier's training)
+7. attribution, integrations (oar's estimators inside verl and TRL)
+8. pipeline (what the workflow calls: the results store's links, launch, pre-flight, the data stage)
+9. report (tables, figures, learning curves, the regime map)
+10. cli
 """
 
 from __future__ import annotations
 
 import ast
+from collections import defaultdict
 from pathlib import Path
 
 from helpers import ROOT
@@ -27,16 +33,20 @@ from helpers import ROOT
 SRC = ROOT / "src" / "oar"
 
 LAYERS: dict[str, int] = {
-    **dict.fromkeys(["io", "answer", "stats", "preemption", "tracking", "provenance", "seeds", "markdown", "optim"], 0),
-    **dict.fromkeys(["data", "task", "models", "fetch", "packing", "reward"], 1),
-    "credit": 2,
-    **dict.fromkeys(["config", "preflight", "identity"], 3),
-    **dict.fromkeys(["rollout", "loss", "strategy", "runs", "evaluate", "heldout", "sft", "train", "run_setup", "batch", "update", "checkpoint",
-                     "run_end", "attribution",
-                     "plan", "launch", "layout", "stage_runs", "integrations", "manifest", "data_checks"], 4),
-    **dict.fromkeys(["report", "learning_curves", "regimes"], 5),
-    "cli": 6,
+    "core": 0,
+    **dict.fromkeys(["task", "data", "models", "reward"], 1),
+    **dict.fromkeys(["credit", "rollout"], 2),
+    "config": 3,
+    **dict.fromkeys(["plan", "tracking"], 4),
+    "evaluate": 5,
+    "trainer": 6,
+    **dict.fromkeys(["attribution", "integrations"], 7),
+    "pipeline": 8,
+    "report": 9,
+    "cli": 10,
 }
+#: The most modules the top of ``src/oar`` may hold beside the packages, and the size limits.
+MAX_TOP_MODULES, MAX_MODULE_LINES, MAX_FUNCTION_LINES = 6, 500, 80
 
 
 def _top(module: str) -> str:
@@ -98,3 +108,54 @@ def test_no_module_imports_another_modules_private_name():
             if bad or any(part.startswith("_") and not part.startswith("__") for part in module.split(".")):
                 private.append(f"{path.relative_to(ROOT)}:{line}: from {module} import {', '.join(bad) or '...'}")
     assert not private, "imports of another module's private name:\n" + "\n".join(private)
+
+
+def _package_edges() -> dict[str, dict[str, list[str]]]:
+    """``{package: {imported package: ["file:line", ...]}}`` between different top-level packages."""
+    edges: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
+    for path in _files():
+        here = _top(_module_name(path))
+        for line, module, _ in _imports(path):
+            there = _top(module)
+            if here and there and there != here:
+                edges[here][there].append(f"{path.relative_to(ROOT)}:{line}")
+    return edges
+
+
+def test_no_two_packages_import_each_other():
+    """No loop between packages, also within one layer (a loop through several is found too)."""
+    edges = _package_edges()
+    loops = []
+
+    def walk(start: str, node: str, path: list[str]) -> None:
+        for nxt in edges.get(node, {}):
+            if nxt == start:
+                loops.append(" -> ".join(path + [start]))
+            elif nxt not in path and nxt > start:  # each loop once, from its smallest name
+                walk(start, nxt, path + [nxt])
+
+    for pkg in sorted(edges):
+        walk(pkg, pkg, [pkg])
+    assert not loops, "loops between packages:\n" + "\n".join(
+        f"{loop}: " + "; ".join(edges[a][b][0] for a, b in zip(loop.split(" -> "), loop.split(" -> ")[1:]))
+        for loop in loops)
+
+
+def test_the_top_of_the_package_stays_small():
+    tops = sorted(p.name for p in SRC.glob("*.py"))
+    assert len(tops) <= MAX_TOP_MODULES, f"{len(tops)} modules at the top of src/oar (at most {MAX_TOP_MODULES}): {tops}"
+
+
+def test_no_module_or_function_is_too_long():
+    long_modules, long_functions = [], []
+    for path in _files():
+        text = path.read_text()
+        if len(text.splitlines()) > MAX_MODULE_LINES:
+            long_modules.append(f"{path.relative_to(ROOT)}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    long_functions.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {n} lines")
+    assert not long_modules + long_functions, (
+        f"modules over {MAX_MODULE_LINES} lines, functions over {MAX_FUNCTION_LINES}:\n" + "\n".join(long_modules + long_functions))

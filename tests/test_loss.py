@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oar.loss import AGG_MODES, aggregate, k3_kl, policy_loss
+from oar.trainer.loss import AGG_MODES, aggregate, k3_kl, policy_loss
 
 LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
 MASK = torch.tensor([[1, 1, 0], [1, 0, 0]])

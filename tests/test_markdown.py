@@ -1,10 +1,10 @@
-"""The markdown-table writer (oar.markdown): hand-written expected lines."""
+"""The markdown-table writer (oar.core.markdown): hand-written expected lines."""
 
 from __future__ import annotations
 
 import pytest
 
-from oar.markdown import markdown_row, markdown_table
+from oar.core.markdown import markdown_row, markdown_table
 
 
 def test_markdown_table_lines():

@@ -42,7 +42,7 @@ class PrefixEngine:
 
 def _context(engine, n_rows):
     from oar.credit.mc_value import ContinuationContext
-    from oar.reward import score_batch
+    from oar.reward.score import score_batch
 
     return ContinuationContext(engine=engine, prompts=["Compute 4+3-2.\n"] * n_rows, golds=["5"] * n_rows,
                                score=lambda texts, golds: score_batch(texts, golds, workers=1), max_new_tokens=40)
@@ -189,7 +189,7 @@ def test_mc_value_errors_name_what_is_missing():
 def test_value_ties_and_tied_perturbation():
     from oar.credit.importance import perturbation_importance, value_tie_ids
     from oar.credit.probe import build_probe
-    from oar.models import build_tiny
+    from oar.models.tiny import build_tiny
 
     model, _ = build_tiny(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=1)
     b = _batch(RESPONSES, REWARDS)
@@ -218,12 +218,12 @@ def test_copy_aware_methods_train(small_config, tmp_path, monkeypatch, method):
     builds none); the credit itself is checked on hand-built responses above."""
     import json
 
-    import oar.train
-    from oar.models import build_tiny
-    from oar.train import train
+    import oar.trainer.loop
+    from oar.models.tiny import build_tiny
+    from oar.trainer.loop import train
 
     if method["credit"] != "mc_value":  # not registered with needs_continuations: the trainer builds none
-        monkeypatch.setattr(oar.train, "continuation_context", lambda *a, **k: pytest.fail("continuations built"))
+        monkeypatch.setattr(oar.trainer.loop, "continuation_context", lambda *a, **k: pytest.fail("continuations built"))
 
     small_config["methods"]["copy_aware"] = method
     init = tmp_path / "init"
@@ -266,8 +266,9 @@ def test_refine_keeps_the_step_order_and_orders_tokens_inside_a_step():
 def test_refined_mc_value_signal_breaks_a_steps_ties_by_oar_g():
     """In the attribution benchmark, ``mc_value`` with ``refine`` scores the blamed step's tokens in
     OAR-G's order (one extra OAR-G pass), and a refine that is not OAR-G's options is refused."""
-    from oar.attribution.signals import compute_signals, signal_specs
-    from oar.models import build_tiny
+    from oar.attribution.signals import compute_signals
+    from oar.attribution.specs import signal_specs
+    from oar.models.tiny import build_tiny
 
     model, _ = build_tiny(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=1)
     b = _batch(RESPONSES, REWARDS)
@@ -293,7 +294,7 @@ def test_refine_spreads_each_steps_credit_by_oar_g_and_keeps_its_sum():
     """``refine`` (training): a step's delta goes to its tokens in proportion to OAR-G's scores
     (floor + (1 - floor) * g / mean g over the step), so every step keeps its total credit."""
     from oar.credit.mc_value import segment_ids, segment_weights, step_boundaries
-    from oar.models import build_tiny
+    from oar.models.tiny import build_tiny
 
     gen = torch.Generator().manual_seed(0)
     seg = torch.tensor([[0, 0, 0, 1, 1, 2, -1]])

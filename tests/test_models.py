@@ -1,4 +1,4 @@
-"""Tests for oar.models: the tiny model/tokenizer factory and policy loading."""
+"""Tests for oar.models.loading: the tiny model/tokenizer factory and policy loading."""
 
 from __future__ import annotations
 
@@ -10,15 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from oar.models import (
-    TINY_CHARACTERS,
-    TINY_SPECIAL_TOKENS,
-    build_tiny,
-    build_tiny_tokenizer,
-    load_policy,
-    resolve_dtype,
-    smollm2_gguf_path,
-)
+from oar.models.loading import load_policy, resolve_dtype
+from oar.models.tiny import TINY_CHARACTERS, TINY_SPECIAL_TOKENS, build_tiny, build_tiny_tokenizer, smollm2_gguf_path
 
 SMALL = dict(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_position_embeddings=64)
 
@@ -187,7 +180,7 @@ def test_load_policy_missing_path(tmp_path):
 
 def test_load_policy_gguf_dispatch(monkeypatch, tmp_path):
     """A .gguf file and a folder + gguf_file both reach the GGUF loader with (folder, name)."""
-    import oar.models as om
+    import oar.models.loading as om
 
     calls = []
 
@@ -197,7 +190,9 @@ def test_load_policy_gguf_dispatch(monkeypatch, tmp_path):
 
     monkeypatch.setattr(om, "_load_gguf", fake)
     # a GGUF header (magic, version 3, no tensors, no metadata): load_policy checks it before loading
-    (tmp_path / "m.Q4.gguf").write_bytes(om.GGUF_MAGIC + struct.pack("<IQQ", 3, 0, 0))
+    from oar.models.checks import GGUF_MAGIC
+
+    (tmp_path / "m.Q4.gguf").write_bytes(GGUF_MAGIC + struct.pack("<IQQ", 3, 0, 0))
     load_policy(str(tmp_path / "m.Q4.gguf"))
     load_policy({"source": str(tmp_path), "gguf_file": "m.Q4.gguf", "dtype": "bfloat16", "trust_remote_code": True})
     assert calls == [(tmp_path, "m.Q4.gguf", torch.float32, False), (tmp_path, "m.Q4.gguf", torch.bfloat16, True)]

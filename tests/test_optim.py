@@ -1,4 +1,4 @@
-"""The shared learning-rate schedule and weight-decay groups (oar.optim): hand-computed values."""
+"""The shared learning-rate schedule and weight-decay groups (oar.trainer.optim): hand-computed values."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from oar.optim import decay_groups, lr_factor, make_scheduler
+from oar.trainer.optim import decay_groups, lr_factor, make_scheduler
 
 
 def test_lr_factor_rl_floor_one_past_the_last_step():
@@ -60,7 +60,7 @@ def test_decay_groups_exempt_norms_and_biases_and_count_tied_weights_once():
 def test_the_rl_optimizer_decays_matrices_only_and_keeps_one_group_without_decay(weight_decay):
     """``train.weight_decay`` > 0: the RL optimizer (``Strategy.prepare``) spares norms and biases, as
     SFT does; 0 (the default): one group of every parameter, as its checkpoints have always held."""
-    from oar.strategy import make_strategy
+    from oar.trainer.strategy import make_strategy
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))

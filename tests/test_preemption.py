@@ -36,9 +36,9 @@ import pytest
 import torch
 import yaml
 
-from oar.config import deep_merge
-from oar.preemption import EXIT_INTERRUPTED, CheckpointSchedule, StopSignal
-from oar.runs import CheckpointError, check_checkpoint_files, is_disk_full, write_manifest
+from oar.config.source import deep_merge
+from oar.trainer.preemption import EXIT_INTERRUPTED, CheckpointSchedule, StopSignal
+from oar.trainer.runs import CheckpointError, check_checkpoint_files, is_disk_full, write_manifest
 
 from helpers import ROOT, filled_slurm_profile, small_overrides, with_stub_data
 
@@ -217,7 +217,7 @@ def test_checkpoint_manifest_names_a_truncated_or_missing_shard(tmp_path):
 
 
 def test_disk_full_is_recognised_in_every_writer_s_words(tmp_path, monkeypatch):
-    import oar.runs
+    import oar.trainer.runs
 
     assert is_disk_full(OSError(errno.ENOSPC, "No space left on device"), tmp_path, 10)
     assert is_disk_full(OSError(errno.EDQUOT, "Disk quota exceeded"), tmp_path, 10)
@@ -231,7 +231,7 @@ def test_disk_full_is_recognised_in_every_writer_s_words(tmp_path, monkeypatch):
     assert is_disk_full(wrapped, tmp_path, 10)
     # torch.save's zip writer loses the errno: a full disk when less is free than was needed
     torch_zip = RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 320 vs 218")
-    monkeypatch.setattr(oar.runs, "free_bytes", lambda path: 100)
+    monkeypatch.setattr(oar.trainer.runs, "free_bytes", lambda path: 100)
     assert is_disk_full(torch_zip, tmp_path, 1000) and not is_disk_full(torch_zip, tmp_path, 10)
     assert not is_disk_full(ValueError("bad value"), tmp_path, 1000)
 
@@ -243,8 +243,8 @@ def _signal_during(monkeypatch, phase: str, sig: signal.Signals, *, times: int =
     """Send ``sig`` (``times`` times in a row) to this process in ``phase`` of step index
     ``STOP_AT - 1``: before its rollout, before its update, or after it ("boundary"), the first
     time it runs. Returns the list the steps that ran are appended to."""
-    import oar.heldout
-    import oar.train as tr
+    import oar.evaluate.heldout
+    import oar.trainer.loop as tr
 
     ran: list[int] = []
     target = STOP_AT - 1
@@ -256,7 +256,7 @@ def _signal_during(monkeypatch, phase: str, sig: signal.Signals, *, times: int =
             for _ in range(times):
                 os.kill(os.getpid(), sig)
 
-    real_collect, real_update, real_after = tr.collect_batch, tr.update_policy, oar.heldout.HeldoutEval.after_step
+    real_collect, real_update, real_after = tr.collect_batch, tr.update_policy, oar.evaluate.heldout.HeldoutEval.after_step
 
     def collect(*a, **k):
         ran.append(k["step"])
@@ -276,7 +276,7 @@ def _signal_during(monkeypatch, phase: str, sig: signal.Signals, *, times: int =
 
     monkeypatch.setattr(tr, "collect_batch", collect)
     monkeypatch.setattr(tr, "update_policy", update)
-    monkeypatch.setattr(oar.heldout.HeldoutEval, "after_step", after)
+    monkeypatch.setattr(oar.evaluate.heldout.HeldoutEval, "after_step", after)
     return ran
 
 
@@ -326,7 +326,7 @@ _DRIVER = textwrap.dedent('''
     phase, at, who, sig, *again = os.environ["OAR_TEST_HOOK"].split(":")
     at, sig = int(at), getattr(signal, sig)
     mine = os.environ.get("RANK", "0") == os.environ.get("OAR_TEST_RANK", "0")
-    import oar.heldout, oar.strategy, oar.train as tr
+    import oar.evaluate.heldout, oar.trainer.strategy, oar.trainer.loop as tr
 
     def everyone():  # torchrun and its workers (each in a session of its own), or this process alone
         if "RANK" not in os.environ:
@@ -347,7 +347,7 @@ _DRIVER = textwrap.dedent('''
             send(sig)
 
     steps = []
-    real_collect, real_update, real_after = tr.collect_batch, tr.update_policy, oar.heldout.HeldoutEval.after_step
+    real_collect, real_update, real_after = tr.collect_batch, tr.update_policy, oar.evaluate.heldout.HeldoutEval.after_step
 
     def collect(*a, **k):
         steps.append(k["step"])
@@ -365,9 +365,9 @@ _DRIVER = textwrap.dedent('''
             fire()
         return real_after(self, step, seconds)
 
-    tr.collect_batch, tr.update_policy, oar.heldout.HeldoutEval.after_step = collect, update, after
+    tr.collect_batch, tr.update_policy, oar.evaluate.heldout.HeldoutEval.after_step = collect, update, after
     saves = []
-    real_save = oar.strategy.FSDPStrategy.save_training_state
+    real_save = oar.trainer.strategy.FSDPStrategy.save_training_state
 
     def save(self, *a, **k):
         out = real_save(self, *a, **k)
@@ -376,7 +376,7 @@ _DRIVER = textwrap.dedent('''
             fire()
         return out
 
-    oar.strategy.FSDPStrategy.save_training_state = save
+    oar.trainer.strategy.FSDPStrategy.save_training_state = save
     from oar.cli import main
     sys.exit(main(sys.argv[1:]))
 ''')
@@ -454,8 +454,8 @@ def test_sigterm_from_outside_stops_after_the_step_in_progress(tmp_path, capsys)
 @pytest.fixture(scope="module")
 def checkpointed(tmp_path_factory, tracking_uri):
     """A run stopped after 2 steps with its checkpoint (save_every 1), to damage copies of."""
-    from oar.config import load_config
-    from oar.train import train
+    from oar.config.load import load_config
+    from oar.trainer.loop import train
 
     tmp = tmp_path_factory.mktemp("checkpointed")
     cfg = _config_file(tmp, "cfg.yaml", save_every=1)
@@ -515,12 +515,12 @@ def test_an_unreadable_trainer_state_without_a_manifest_keeps_its_named_error(ch
 @pytest.mark.slow
 def test_a_full_disk_names_the_intact_checkpoint_and_leaves_nothing_half_written(reference, tmp_path, monkeypatch,
                                                                                  capsys):
-    import oar.strategy
+    import oar.trainer.strategy
 
     ref, _ = reference
     cfg = _config_file(tmp_path, "cfg.yaml", save_every=1)
     run = tmp_path / "run"
-    real = oar.strategy.DDPStrategy.save_training_state
+    real = oar.trainer.strategy.DDPStrategy.save_training_state
     saves = []
 
     def full(self, model, optimizer, folder, tokenizer):
@@ -530,7 +530,7 @@ def test_a_full_disk_names_the_intact_checkpoint_and_leaves_nothing_half_written
             raise OSError(errno.ENOSPC, "No space left on device", str(folder / "model.safetensors"))
         return real(self, model, optimizer, folder, tokenizer)
 
-    monkeypatch.setattr(oar.strategy.DDPStrategy, "save_training_state", full)
+    monkeypatch.setattr(oar.trainer.strategy.DDPStrategy, "save_training_state", full)
     args = ["train", "--config", str(cfg), "--method", METHOD, "--output", str(run), "--no-progress"]
     rc, err = _oar(capsys, *args)
     assert rc == 2 and "Traceback" not in err, err
@@ -538,7 +538,7 @@ def test_a_full_disk_names_the_intact_checkpoint_and_leaves_nothing_half_written
     assert f"{run / 'checkpoint'}: no space left on device writing the step-{STOP_AT} checkpoint: it needs about" in line
     assert f"The step-{STOP_AT - 1} checkpoint {run / 'checkpoint'} is intact" in line, line
     assert not _leftovers(run) and not saves[-1].exists() and _checkpoint_step(run) == STOP_AT - 1
-    monkeypatch.setattr(oar.strategy.DDPStrategy, "save_training_state", real)
+    monkeypatch.setattr(oar.trainer.strategy.DDPStrategy, "save_training_state", real)
     assert _oar(capsys, *args)[0] == 0
     assert _same_weights(ref, run) and _rows(run) == _rows(ref)
     print("LOSS full disk (simulated ENOSPC): 1 step (the one whose checkpoint failed) trained again")
@@ -686,8 +686,8 @@ def test_slurm_training_jobs_ask_for_the_sized_early_sigterm(tmp_path):
     limit shorter than the signal is refused; the profile resubmits and lets SLURM requeue."""
     from types import SimpleNamespace
 
-    from oar.config import load_config
-    from oar.launch import checkpoint_bytes, preemption_signal_seconds
+    from oar.config.load import load_config
+    from oar.pipeline.launch import checkpoint_bytes, preemption_signal_seconds
 
     submit_string = pytest.importorskip("snakemake_executor_plugin_slurm.submit_string")
     from snakemake_executor_plugin_slurm.validation import validate_slurm_extra
@@ -791,8 +791,8 @@ def test_keep_checkpoints_keeps_the_newest_and_prunes_after_a_newer_one_is_compl
     """train.keep_checkpoints: 3 with a checkpoint every step of 4: checkpoint/ is step 4, and
     checkpoints/ keeps steps 3 and 2 (1 pruned); each kept one is a whole, loadable checkpoint. The
     default (1) keeps the latest only, as before."""
-    from oar.config import load_config
-    from oar.train import train
+    from oar.config.load import load_config
+    from oar.trainer.loop import train
 
     cfg = _config_file(tmp_path, "cfg.yaml", save_every=1, keep_checkpoints=3)
     run = tmp_path / "run"
@@ -814,18 +814,18 @@ def _same_weights_files(a: Path, b: Path) -> bool:
 
 
 def test_a_command_under_a_shell_that_ignores_sigterm_ends_on_sigterm(tmp_path):
-    """A rule's shell ignores SIGTERM (oar.launch.SHELL_PREFIX) and its children inherit that; every
+    """A rule's shell ignores SIGTERM (oar.pipeline.launch.SHELL_PREFIX) and its children inherit that; every
     oar command but the trainer gives SIGTERM its default action back, so an evaluation under
     Snakemake ends on SLURM's SIGTERM (or scancel) at once instead of at the SIGKILL."""
     import subprocess
     import sys
 
-    from oar.launch import SHELL_PREFIX
-    from oar.preemption import restore_ignored_signals
+    from oar.pipeline.launch import SHELL_PREFIX
+    from oar.trainer.preemption import restore_ignored_signals
 
     code = ("import signal, sys, time\n"
             "assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN  # inherited from the shell\n"
-            "from oar.preemption import restore_ignored_signals\n"
+            "from oar.trainer.preemption import restore_ignored_signals\n"
             "print(restore_ignored_signals(), flush=True)\n"
             "time.sleep(60)\n")
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))

@@ -1,4 +1,4 @@
-"""Pre-flight (src/oar/preflight.py): every path a config names is resolved before anything runs, each
+"""Pre-flight (src/oar/pipeline/preflight.py): every path a config names is resolved before anything runs, each
 problem one line naming the config file, the key and what to do -- in `oar plan`, `oar data`,
 `oar train` and `oar evaluate` (exit 2) and while the workflow loads (so `snakemake -n` stops too); and a profile's
 placeholders (`<your-account>`) stop the workflow, naming the profile file and keys."""
@@ -17,8 +17,11 @@ import torch
 import yaml
 
 from helpers import ROOT, small_overrides
-from oar.config import deep_merge, load_config, resolve_methods
-from oar.preflight import PreflightError, check_config, path_problems, profile_files, profile_problems
+from oar.config.load import load_config
+from oar.config.methods import resolve_methods
+from oar.config.source import deep_merge
+from oar.pipeline.preflight import check_config, path_problems, profile_files, profile_problems
+from oar.core.problems import PreflightError
 
 GSM8K_RECORD = {"question": "Tom has 2 apples and buys 3. How many?", "answer": "2 + 3 = 5\n#### 5"}
 
@@ -242,7 +245,7 @@ BIG_MODEL = {"hidden_size": 8192, "num_layers": 80, "num_heads": 64, "num_kv_hea
 
 
 def test_a_training_keeps_its_checkpoints_and_its_model(tmp_path):
-    from oar.launch import checkpoint_bytes, model_bytes, training_disk_bytes
+    from oar.pipeline.launch import checkpoint_bytes, model_bytes, training_disk_bytes
     from oar.plan import model_shape
 
     config = _config(tmp_path, model={"source": "smollm2"})
@@ -257,7 +260,7 @@ def test_a_training_keeps_its_checkpoints_and_its_model(tmp_path):
 
 
 def test_disk_problems_count_what_each_unfinished_training_still_needs(tmp_path):
-    from oar.launch import checkpoint_bytes, disk_problems, model_bytes, training_disk_bytes
+    from oar.pipeline.launch import checkpoint_bytes, disk_problems, model_bytes, training_disk_bytes
 
     config = _config(tmp_path, model={"source": "smollm2"})
     per_run, ckpt = training_disk_bytes(config), checkpoint_bytes(config)
@@ -304,7 +307,7 @@ def test_a_run_whose_trainings_do_not_fit_stops_before_any_job(tmp_path):
 
 
 # ---------------------------------------------------------------------------------- the device
-from oar.preflight import CUDA_MIN_DRIVER, check_device, device_problem, nvidia_driver_version  # noqa: E402
+from oar.core.device import CUDA_MIN_DRIVER, check_device, device_problem, nvidia_driver_version  # noqa: E402
 
 
 @pytest.mark.parametrize("driver, build, expect", [
@@ -345,7 +348,7 @@ def test_cuda_here_is_refused_by_every_job_and_by_the_strategy(repo, capsys):
     """On this GPU-less machine: ``oar train`` / ``evaluate`` / ``sft`` / ``attribution`` with ``device: cuda``
     exit 2 with one line and write nothing; the library's strategy refuses it too (no CPU fallback)."""
     from helpers import one_error_line, run_cli
-    from oar.strategy import make_strategy
+    from oar.trainer.strategy import make_strategy
 
     path = _write(repo / "gpu.yaml", _config(repo, device="cuda"))
     out = repo / "out"

@@ -32,7 +32,7 @@ def test_prm_inputs_are_trls_layout():
     """[bos] prompt (step separator)*: the label of step k at the last token of its separator, as TRL's
     PRMTrainer.tokenize_row places it (trl/experimental/prm/prm_trainer.py, separator after every step)."""
     from oar.credit.prm import prm_inputs
-    from oar.models import build_tiny_tokenizer
+    from oar.models.tiny import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
     ids, at = prm_inputs(tok, "Q", ["1+1=2", "2+2=5"])
@@ -47,7 +47,7 @@ def prm_folder(tmp_path_factory):
     """A random two-label token-classification model with the tiny tokenizer, saved as a PRM would be."""
     from transformers import AutoModelForTokenClassification
 
-    from oar.models import build_tiny
+    from oar.models.tiny import build_tiny
 
     lm, tok = build_tiny(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, max_position_embeddings=128,
                          seed=0)
@@ -111,7 +111,7 @@ def test_step_prm_runs_a_real_prm_forward(prm_folder):
 
 
 def test_step_prm_refuses_what_it_cannot_read(tmp_path):
-    from oar.models import build_tiny
+    from oar.models.tiny import build_tiny
 
     lm, tok = build_tiny(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, max_position_embeddings=128)
     lm.save_pretrained(tmp_path / "lm")

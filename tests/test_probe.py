@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from oar.credit.probe import DEFAULT_CONCLUDE, Probe, build_probe, locate_answer_tokens
-from oar.models import build_tiny_tokenizer
+from oar.models.tiny import build_tiny_tokenizer
 
 PAD = 0
 

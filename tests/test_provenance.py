@@ -1,4 +1,4 @@
-"""Provenance (oar.provenance): every key present, the git commit and dirty state of a checkout, None
+"""Provenance (oar.core.provenance): every key present, the git commit and dirty state of a checkout, None
 outside git or without git, the MLflow tags, and the one-line account of main.md's footer."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from oar.provenance import PACKAGES, describe, git_state, provenance, provenance_tags, with_end_time
+from oar.core.provenance import PACKAGES, describe, git_state, provenance, provenance_tags, with_end_time
 
 KEYS = {"git_commit", "git_dirty", "python", "versions", "device", "cpu_model", "cpu_capability", "gpu", "hostname",
         "argv", "start_time"}

@@ -47,8 +47,8 @@ ALIGN_PROMPTS, ALIGN_N = 40, 8
 @pytest.fixture(scope="module")
 def warm(tmp_path_factory):
     """(config, folder of the SmolLM2 after the short format SFT)."""
-    from oar.config import load_config
-    from oar.sft import sft_from_config
+    from oar.config.load import load_config
+    from oar.trainer.sft_stage import sft_from_config
 
     torch.set_num_threads(1)
     tmp = tmp_path_factory.mktemp("smollm2")
@@ -63,7 +63,7 @@ def _metrics(folder):
 
 
 def test_every_token_credit_method_gives_nonzero_credit_that_is_not_uniform(warm, tmp_path):
-    from oar.train import train
+    from oar.trainer.loop import train
 
     config, sft = warm
     methods = config["only_methods"]
@@ -86,7 +86,7 @@ def sampled(warm):
     """The warm model's own responses to ALIGN_PROMPTS synthetic-test questions, ALIGN_N each, at T = 1."""
     from oar.data.prompts import render_prompt
     from oar.data.synthetic import generate
-    from oar.models import load_policy
+    from oar.models.loading import load_policy
     from oar.rollout import make_engine
 
     config, sft = warm
@@ -108,7 +108,7 @@ def _covered(tok, ids, starts, ends, span):
 
 
 def test_alignment_on_the_bpe_tokenizer_over_real_responses(sampled):
-    from oar.answer import last_boxed_span
+    from oar.reward.answer import last_boxed_span
     from oar.credit import CreditBatch
     from oar.credit.controls import oracle_labels
     from oar.credit.mc_value import STEP_SPLITS, step_boundaries

@@ -1,4 +1,4 @@
-"""The regime map (oar.regimes, config/regimes.yaml) and the configs that run a subset of methods."""
+"""The regime map (oar.report.regimes, config/regimes.yaml) and the configs that run a subset of methods."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from oar.config import ConfigError, load_config, resolve_methods
+from oar.config.load import load_config
+from oar.config.methods import resolve_methods
+from oar.config.source import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,7 +32,7 @@ def test_controls_and_regimes_configs_resolve():
 
 
 def test_cell_configs_extend_the_regime_config(tmp_path):
-    from oar.regimes import cell_names, write_cell_configs
+    from oar.report.regimes import cell_names, write_cell_configs
 
     path = ROOT / "config" / "regimes.yaml"
     config = load_config(path)
@@ -63,7 +65,7 @@ def test_cell_configs_extend_the_regime_config(tmp_path):
 
 
 def test_selected_cells_by_name_and_optional():
-    from oar.regimes import selected_cells
+    from oar.report.regimes import selected_cells
 
     config = {"name": "m", "regimes": {"cells": [{"name": "a", "optional": False, "set": {}},
                                                  {"name": "b", "optional": True, "set": {}},
@@ -87,7 +89,7 @@ def _main_csv(path: Path, rows: dict[str, tuple[float, float, float, str]], mde:
 
 
 def test_regime_table_efficiency_and_report(tmp_path):
-    from oar.regimes import cell_names, write_regime_report
+    from oar.report.regimes import cell_names, write_regime_report
 
     config = load_config(ROOT / "config" / "regimes.yaml")
     names = cell_names(config)

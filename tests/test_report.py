@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from oar.config import validate_config
+from oar.config.validate import validate_config
 from oar.report import ReportError, build_report, efficiency_table, main_table, paired_bootstrap
 
 # per-problem greedy correctness: row -> seed -> benchmark -> list over problems p0, p1, ...
@@ -66,7 +66,7 @@ def _write_eval(d: Path, per_bench: dict[str, list[int]]) -> None:
 def _write_metrics(d: Path, times: list[float], importance: float, method_rank: int,
                    heldout: list[float] | None = None) -> None:
     """Training rows, and (``heldout``) a held-out row before each step and after the last, as
-    oar.heldout writes them: step = updates done, train_seconds = summed time_step so far."""
+    oar.evaluate.heldout writes them: step = updates done, train_seconds = summed time_step so far."""
     d.mkdir(parents=True, exist_ok=True)
     rows = []
     spent = 0.0
@@ -381,7 +381,7 @@ def tree3x10(tmp_path):
 
 
 def test_paired_se_and_mde_hand_values():
-    from oar.stats import mde, paired_se, per_seed_differences, z_power
+    from oar.core.stats import mde, paired_se, per_seed_differences, z_power
 
     d = np.array(METHOD_3x10, float) - np.array(GRPO_3x10, float)
     assert paired_se([d]) * 100 == pytest.approx(SE_3x10)
@@ -420,7 +420,7 @@ def test_main_table_paired_columns_and_mde_hand_values(tree3x10):
     assert df.loc[df["benchmark"] == "synthetic-test", "mde"].tolist() == [pytest.approx(mde, rel=1e-5)] * 3
     assert "median over 1 method" in c["mde_source"]
     # seeds for a 2-point MDE with that sd: the first S with (t + t) sd / sqrt(S) <= 2 (about (2.8 sd / 2)^2)
-    from oar.stats import seed_mde
+    from oar.core.stats import seed_mde
 
     need = int(c["seeds_for_target"])
     assert seed_mde(math.sqrt(300.0), need) <= 2.0 < seed_mde(math.sqrt(300.0), need - 1)
@@ -472,7 +472,7 @@ def test_pass_at_k_scores(tree3x10):
 
 # ---------------------------------------------------------------------------------- learning curves
 def test_first_crossing_interpolates_and_says_not_reached():
-    from oar.stats import first_crossing
+    from oar.core.stats import first_crossing
 
     assert first_crossing([0, 5, 10], [0.2, 0.4, 0.6], 0.5) == pytest.approx(7.5)  # 5 + 0.1 / 0.2 * 5
     assert first_crossing([0, 5, 10], [0.2, 0.4, 0.6], 0.4) == pytest.approx(5.0)
@@ -485,7 +485,7 @@ def test_first_crossing_interpolates_and_says_not_reached():
 
 
 def test_steps_to_threshold_table_and_heldout_rows(tree):
-    from oar.learning_curves import auto_threshold, load_heldout, steps_to_threshold
+    from oar.report.learning_curves import auto_threshold, load_heldout, steps_to_threshold
 
     cfg, root = tree
     heldout = {m: {s: load_heldout(root / m / f"seed{s}" / "metrics.jsonl") for s in (0, 1)} for m in HELDOUT}
@@ -515,7 +515,7 @@ def test_steps_to_threshold_table_and_heldout_rows(tree):
 
 
 def test_learning_speed_endpoints_with_seed_level_intervals(tree):
-    from oar.learning_curves import heldout_auc, learning_speed_table, load_heldout
+    from oar.report.learning_curves import heldout_auc, learning_speed_table, load_heldout
 
     cfg, root = tree
     heldout = {m: {s: load_heldout(root / m / f"seed{s}" / "metrics.jsonl") for s in (0, 1)} for m in HELDOUT}
@@ -606,11 +606,11 @@ def test_credit_efficiency_fieller_interval_endpoints_are_where_the_paired_t_tes
 
 
 def test_credit_efficiency_unpaired_uses_the_three_rows_seeds_as_independent_samples():
-    """report.pairing none: the efficiency and its interval are oar.stats' unpaired Fieller over the
+    """report.pairing none: the efficiency and its interval are oar.core.stats' unpaired Fieller over the
     method's, the oracle's and the reference's per-seed scores; the differences Welch's; the section
     says so and counts the oracle's own lead in its Holm family."""
     from oar.report.capture import credit_efficiency_markdown, credit_efficiency_table
-    from oar.stats import fieller_ratio_interval_unpaired, welch_interval
+    from oar.core.stats import fieller_ratio_interval_unpaired, welch_interval
 
     rows = {"grpo": "20;22;21;25", "m": "30;26;31", "orc": "40;44;41;43;39"}
     table = pd.DataFrame.from_records([

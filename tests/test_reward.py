@@ -1,4 +1,4 @@
-"""Tests for oar.reward: answer checking with math-verify in worker processes, DAPO overlong shaping."""
+"""Tests for oar.reward.score: answer checking with math-verify in worker processes, DAPO overlong shaping."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import oar.reward as R
+import oar.reward.pool as P
+import oar.reward.score as R
 from helpers import (
     TEST_CRASH_MARKER,
     TEST_CRASH_ONCE_MARKER,
@@ -17,7 +18,9 @@ from helpers import (
     TEST_TERM_MARKER,
     hang_for_test,
 )
-from oar.reward import PoolStats, RewardPool, check_one, extracted_answer, overlong_penalty, score_batch, score_one
+from oar.reward.pool import PoolStats, RewardPool
+from oar.reward.score import extracted_answer, overlong_penalty, score_batch
+from oar.reward.verify import check_one, score_one
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -134,7 +137,7 @@ def test_limits_follow_timeout_s():
     of it; the parent's guard per item allows every long math-verify call of an item, plus a margin."""
     p = RewardPool(workers=1, timeout_s=5.0)
     assert p.inner_timeout_s == 5
-    assert p.guard_s == R.CALLS_PER_ITEM * 5 + R.GUARD_MARGIN_S > p.inner_timeout_s
+    assert p.guard_s == P.CALLS_PER_ITEM * 5 + P.GUARD_MARGIN_S > p.inner_timeout_s
     assert RewardPool(workers=1, timeout_s=0.5).inner_timeout_s == 1
     assert RewardPool(workers=1, timeout_s=2.5, guard_s=0.5).guard_s == 0.5
     with pytest.raises(ValueError, match="guard_s"):

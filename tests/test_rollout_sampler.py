@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 
-from oar.models import build_tiny
+from oar.models.tiny import build_tiny
 from oar.rollout import (
     HFEngine,
     multinomial_rows,

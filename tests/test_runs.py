@@ -18,10 +18,11 @@ import pytest
 import torch
 import yaml
 
-from oar.config import deep_merge, load_config
-from oar.io import FolderLockedError, atomic_path, exclusive_lock, recover_atomic_dir
-from oar.runs import RunMismatchError, identity_diff, load_trainer_state, restore_rng, save_trainer_state
-from oar.train import train
+from oar.config.load import load_config
+from oar.config.source import deep_merge
+from oar.core.io import FolderLockedError, atomic_path, exclusive_lock, recover_atomic_dir
+from oar.trainer.runs import RunMismatchError, identity_diff, load_trainer_state, restore_rng, save_trainer_state
+from oar.trainer.loop import train
 
 from helpers import ROOT, small_overrides
 
@@ -72,7 +73,7 @@ def test_resume_refuses_other_settings_method_or_start_model(tmp_path, capsys):
     rc, err = _oar(capsys, *base, "dapo", "--steps", "3")
     assert rc == 2 and 'method.method: grpo -> dapo' in err and "--restart" in err, err
 
-    from oar.models import build_tiny
+    from oar.models.tiny import build_tiny
 
     other = tmp_path / "other_start"
     model, tok = build_tiny(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
@@ -108,8 +109,8 @@ def test_identity_diff_names_changed_added_and_removed_keys():
 
 @pytest.mark.slow
 def test_evaluate_reruns_when_the_model_at_the_path_is_replaced(tmp_path):
-    from oar.evaluate import evaluate_from_config
-    from oar.models import build_tiny
+    from oar.evaluate.evaluation import evaluate_from_config
+    from oar.models.tiny import build_tiny
 
     cfg = load_config(ROOT / "config" / "config.yaml", small_overrides(
         tmp_path, eval={"benchmarks": [{"name": "synthetic-test", "n": 4}], "samples": 0, "max_new_tokens": 8}))
@@ -282,7 +283,7 @@ def test_a_second_writer_fails_at_once_naming_the_holder(tmp_path):
     holder = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(f"""
             import sys, time
-            from oar.io import exclusive_lock
+            from oar.core.io import exclusive_lock
             with exclusive_lock({str(folder)!r}, purpose="oar train grpo seed 0"):
                 print("locked", flush=True)
                 sys.stdin.readline()
@@ -309,7 +310,7 @@ def test_train_into_a_folder_in_use_fails_before_writing(tmp_path, capsys):
 
 
 def _open_tracker(uri: str, barrier, out) -> None:
-    from oar.tracking import Tracker
+    from oar.tracking.client import Tracker
 
     barrier.wait()
     try:

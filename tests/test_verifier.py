@@ -4,6 +4,8 @@ every mistake gives the oracle's credit), and how the workflow and the run ident
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -19,14 +21,14 @@ REWARDS = [1.0, 0.0, 0.0, 0.0]
 
 
 def _tiny_tokenizer():
-    from oar.models import build_tiny_tokenizer
+    from oar.models.tiny import build_tiny_tokenizer
 
     return build_tiny_tokenizer()
 
 
 def test_result_targets_are_the_right_steps_results_only():
     """Two steps, the second a demonstration slip: only the first step's result is a target."""
-    from oar.credit.verifier import result_targets
+    from oar.trainer.verifier import result_targets
 
     tok = _tiny_tokenizer()
     rec = {"solution": "4+3=7, so 7-2=4. \\boxed{4}", "result_spans": [[4, 5], [14, 15]], "demo_errors": [1]}
@@ -53,9 +55,9 @@ def test_first_wrong_step():
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A verifier fine-tuned for a few steps from a tiny model on demonstrations with slips."""
-    from oar.credit.verifier import VerifierSettings, save_verifier, train_verifier
+    from oar.trainer.verifier import VerifierSettings, save_verifier, train_verifier
     from oar.data.synthetic import generate
-    from oar.models import build_tiny
+    from oar.models.tiny import build_tiny
 
     torch.manual_seed(0)
     records = generate("train", 240, seed=0, demo_error_rate=0.3, fillers=["so", "ok", "well"])
@@ -156,7 +158,8 @@ def test_estimator_refuses_what_it_cannot_read(options, match):
 
 
 def _config(tmp_path, **verifier):
-    from oar.config import load_config, resolve_methods
+    from oar.config.load import load_config
+    from oar.config.methods import resolve_methods
 
     cfg = load_config("config/ranking_decisive.yaml", overrides={"results_dir": str(tmp_path), "verifier": verifier,
                                                                   "only_methods": ["grpo", "step_verifier_pinpoint",
@@ -167,8 +170,8 @@ def _config(tmp_path, **verifier):
 def test_the_verifier_joins_the_identity_of_its_runs_only(tmp_path):
     """A verifier setting changed: the step_verifier runs' keys change (they retrain), GRPO's does not;
     the view gets a verifier entry keyed by the verifier's settings."""
-    from oar.identity import run_identity, run_key, uses_trained_verifier, verifier_key
-    from oar.layout import store_entries
+    from oar.config.identity import run_identity, run_key, uses_trained_verifier, verifier_key
+    from oar.pipeline.store import store_entries
 
     a, ma = _config(tmp_path)
     b, mb = _config(tmp_path, steps=301)
@@ -191,12 +194,13 @@ def test_the_trainer_locates_the_trained_verifier(tmp_path, trained):
     says how to train it."""
     import shutil
 
-    from oar.layout import estimator_options, trained_verifier_dir
+    from oar.config.tree import ResultsTree
+    from oar.trainer.setup import estimator_options
 
     cfg, methods = _config(tmp_path)
     with pytest.raises(FileNotFoundError, match=r"verifier_summary.json is missing; train it first"):
         estimator_options(cfg, methods["step_verifier_pinpoint"])
-    folder = trained_verifier_dir(cfg)
+    folder = Path(ResultsTree.of(cfg).verifier_model)
     assert folder == tmp_path / "ranking_decisive" / "verifier" / "model"
     shutil.copytree(trained["folder"], folder)
     assert estimator_options(cfg, methods["step_verifier_pinpoint"])["verifier"] == str(folder)

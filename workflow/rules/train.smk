@@ -6,7 +6,7 @@
 # changed data set) every training job drops its checkpoint, model and metrics and starts over from
 # the new start model instead of "resuming" a finished run trained from the old one.
 # Signals (SLURM's time limit, preemption, scancel; Ctrl-C): the trainer finishes its step, writes a
-# checkpoint and exits 75 (oar.preemption). On SLURM the job asks for SIGTERM
+# checkpoint and exits 75 (oar.trainer.preemption). On SLURM the job asks for SIGTERM
 # train.preemption.signal_seconds before its time limit (train_resources: slurm_extra), the rules'
 # shell outlives the signal (common.smk: shell.prefix), torchrun waits that long for its workers,
 # and the SLURM profile's retries resubmit the job, which resumes from the checkpoint.

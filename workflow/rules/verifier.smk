@@ -2,7 +2,7 @@
 # config trains (option verifier: trained, the default): the start model fine-tuned on the task's
 # demonstrations with the next-token loss on the right steps' results only; results/<name>/verifier/model/
 # (save_pretrained, verifier_summary.json with its held-out step accuracy), in the store by its key
-# (oar.identity.verifier_key: the verifier section, the task, the start model).
+# (oar.config.identity.verifier_key: the verifier section, the task, the start model).
 
 
 rule verifier:

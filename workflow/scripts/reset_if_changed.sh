@@ -8,7 +8,7 @@
 # results) is MOVED ASIDE into DIR/superseded-<old fingerprint>/ before the command runs, so
 # resuming never mixes two configurations and nothing trained is deleted. Resuming with an
 # unchanged fingerprint keeps everything. (Settings that identify a run do not reach here: they
-# select another folder of the results store, oar.layout.)
+# select another folder of the results store, oar.pipeline.store.)
 set -euo pipefail
 dir=$1
 fp=$2

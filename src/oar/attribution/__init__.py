@@ -17,13 +17,8 @@ Modules:
 - :mod:`~oar.attribution.report`: printed and markdown tables, figures, files.
 """
 
-from oar.attribution.benchmark import (
-    AttributionSettings,
-    KINDS,
-    AttributionResult,
-    attribution_from_config,
-    run_attribution,
-)
+from oar.attribution.benchmark import attribution_from_config, run_attribution
+from oar.attribution.settings import AttributionSettings, KINDS, AttributionResult
 from oar.task.grammar import (
     STEP_STATUSES,
     Counterfactual,
@@ -64,12 +59,8 @@ from oar.attribution.report import (
     plot_localisation,
     write_outputs,
 )
-from oar.attribution.signals import (
-    SIGNAL_KINDS,
-    SignalSpec,
-    compute_signals,
-    signal_specs,
-)
+from oar.attribution.signals import compute_signals
+from oar.attribution.specs import SIGNAL_KINDS, SignalSpec, signal_specs
 from oar.attribution.stats import auroc, average_ranks, spearman, summarize, topk_hit
 
 __all__ = [

@@ -26,101 +26,35 @@ wrong response, and does it hold still?
 
 from __future__ import annotations
 
-import hashlib
 import os
 import random
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
 
-from oar.task.grammar import StepCheck, check_steps, draw_counterfactual, mistake_spans, question_terms
 from oar.attribution.metrics import cost_table, fidelity_table, localisation_table, stability_table
-from oar.task.parsing import UNLABELED, ParsedResponse, parse_response, token_char_spans, token_labels
-from oar.attribution.signals import SignalSpec, compute_signals, signal_specs
-from oar.credit.verifier import TRAINED
+from oar.attribution.settings import AttributionResponse, AttributionResult, AttributionSettings, KINDS, derived_seed, fidelity_labels, mistake_labels, pad_rows, seed_kind
+from oar.attribution.signals import compute_signals
+from oar.attribution.specs import SignalSpec, signal_specs
+from oar.task.grammar import check_steps, draw_counterfactual, question_terms
+from oar.task.parsing import parse_response, token_char_spans
 
-__all__ = ["KINDS", "AttributionSettings", "AttributionResult", "run_attribution", "attribution_from_config"]
-
-#: Kinds of responses of the error-localisation benchmark.
-KINDS: tuple[str, ...] = ("sampled", "counterfactual")
-
-def _derived_seed(*parts: object) -> int:
-    return int.from_bytes(hashlib.sha256("\x00".join(map(str, parts)).encode()).digest()[:4], "big")
-
-
-@dataclass
-class _Response:
-    """One response of the benchmark (sampled or edited): real tokens, text, parse, check."""
-
-    prompt: int  # index into the records
-    prompt_ids: list[int]
-    ids: list[int]
-    reward: float
-    text: str
-    starts: np.ndarray
-    ends: np.ndarray
-    parsed: ParsedResponse | None
-    check: StepCheck | None
-    kind: str = ""
-    source: "_Response | None" = None  # counterfactual: the response it edits
-    edit: Any = None
-
-
-@dataclass
-class AttributionResult:
-    """Result of :func:`run_attribution`.
-
-    Attributes:
-        localisation: one row per (signal, kind) (:func:`oar.attribution.metrics.localisation_columns`).
-        stability: one row per (stochastic signal, kind) (:data:`~oar.attribution.metrics.STABILITY_COLUMNS`).
-        cost: one row per signal (:data:`~oar.attribution.metrics.COST_COLUMNS`).
-        fidelity: pivotal vs filler, one row per signal (:data:`~oar.attribution.metrics.FIDELITY_COLUMNS`).
-        per_response: one row per scored response (kind, prompt, texts, metrics).
-        summary: counts, settings and timings.
-    """
-
-    localisation: Any
-    stability: Any
-    cost: Any
-    fidelity: Any
-    per_response: Any
-    summary: dict = field(default_factory=dict)
-
-
-def _located_signals(config: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """``attribution.signals`` with a ``step_verifier`` signal's ``verifier: trained`` (its default) made
-    the folder of the verifier the config trains (:func:`oar.layout.trained_verifier_dir`)."""
-    from oar.layout import trained_verifier_dir
-
-    out = []
-    for sig in config["attribution"]["signals"]:
-        if sig.get("kind") == "step_verifier" and sig.get("verifier") in (None, TRAINED):
-            sig = {**sig, "verifier": str(trained_verifier_dir(config))}
-        out.append(sig)
-    return out
-
-
-def _pad(prompts: Sequence[list[int]], responses: Sequence[list[int]], pad_id: int) -> tuple[torch.Tensor, ...]:
-    """Left-padded prompts and right-padded responses: ``(B, P)`` ids and mask, ``(B, T)`` ids and mask
-    (:func:`oar.rollout.base.pad_batch`, the rollout's layout)."""
-    from oar.rollout.base import pad_batch
-
-    return pad_batch(prompts, responses, pad_id)
+__all__ = ["run_attribution", "attribution_from_config"]
 
 
 class _Batch:
     """Responses grouped for KTAE; ``add_group`` returns the rows of its members."""
 
     def __init__(self) -> None:
-        self.members: list[_Response] = []
+        self.members: list[AttributionResponse] = []
         self.groups: list[int] = []
         self.n_groups = 0
 
-    def add_group(self, members: Sequence[_Response]) -> list[int]:
+    def add_group(self, members: Sequence[AttributionResponse]) -> list[int]:
         start = len(self.members)
         self.members.extend(members)
         self.groups.extend([self.n_groups] * len(members))
@@ -128,7 +62,7 @@ class _Batch:
         return list(range(start, len(self.members)))
 
     def tensors(self, pad_id: int) -> dict[str, torch.Tensor]:
-        p_ids, p_mask, r_ids, r_mask = _pad([m.prompt_ids for m in self.members], [m.ids for m in self.members], pad_id)
+        p_ids, p_mask, r_ids, r_mask = pad_rows([m.prompt_ids for m in self.members], [m.ids for m in self.members], pad_id)
         return {
             "prompt_ids": p_ids,
             "prompt_mask": p_mask,
@@ -136,123 +70,6 @@ class _Batch:
             "response_mask": r_mask,
             "rewards": torch.tensor([m.reward for m in self.members], dtype=torch.float32),
             "group_ids": torch.tensor(self.groups, dtype=torch.long),
-        }
-
-
-def _mistake_labels(r: _Response, T: int) -> np.ndarray:
-    """``(T,)`` labels: 1 on the mistake's result tokens, 0 on the other steps' tokens, -1 elsewhere."""
-    out = np.full(T, UNLABELED, dtype=np.int64)
-    i = r.check.mistake_step if r.check is not None else None
-    if r.parsed is None or i is None:
-        return out
-    pos, neg = mistake_spans(r.parsed, i)
-    lab = token_labels(r.starts, r.ends, pos, neg, len(r.text))
-    out[: len(lab)] = lab
-    return out
-
-
-def _fidelity_labels(r: _Response, T: int) -> np.ndarray:
-    out = np.full(T, UNLABELED, dtype=np.int64)
-    if r.parsed is not None:
-        lab = token_labels(r.starts, r.ends, r.parsed.pivotal_spans, r.parsed.filler_spans, len(r.text))
-        out[: len(lab)] = lab
-    return out
-
-
-@dataclass(frozen=True)
-class AttributionSettings:
-    """Every setting of one benchmark run, read from a validated config by :meth:`from_config` (the
-    schema holds the defaults; nothing here repeats them).
-
-    Sampling (config ``rollout``): ``n_samples`` (the group size, ``rollout.n``), ``temperature``,
-    ``top_p``, ``max_new_tokens``, ``batch_size``, ``sampler``. Task (``task``): ``template`` and ``task_options``
-    (``task.synthetic``, the keywords of :func:`oar.data.synthetic.generate`). Reward (``reward``):
-    ``reward_timeout_s``, ``reward_workers``. The benchmark (``attribution``): ``n_sampled``,
-    ``n_counterfactual`` (wanted responses of each kind), ``max_prompts``, ``prompts_per_round``,
-    ``propagated_only``, ``min_steps``, ``max_per_prompt``, ``max_delta``, ``top_k``, ``seed``,
-    ``split``, ``signals`` (:func:`oar.attribution.signals.signal_specs`), ``conclude``,
-    ``cost_reference``, ``stability``, ``repeats`` (``timing_repeats``). Not config keys:
-    ``correct`` / ``wrong`` (reward values; correct when ``> 0``), ``ktae_options`` (see
-    :func:`oar.attribution.signals.compute_signals`). A signal's options (OAR-P's chunk size, OAR-G's
-    noise, ...) are its own, with the defaults of its kind's options type.
-    """
-
-    n_samples: int
-    temperature: float
-    top_p: float
-    max_new_tokens: int
-    batch_size: int
-    sampler: str
-    template: str
-    task_options: Mapping[str, Any]
-    reward_timeout_s: float
-    reward_workers: int | None
-    n_sampled: int
-    n_counterfactual: int
-    max_prompts: int
-    prompts_per_round: int
-    propagated_only: bool
-    min_steps: int
-    max_per_prompt: int
-    max_delta: int
-    top_k: tuple[int, ...]
-    seed: int
-    split: str
-    signals: tuple[Any, ...]
-    conclude: str | None
-    cost_reference: str
-    stability: bool
-    repeats: int
-    correct: float = 1.0
-    wrong: float = 0.0
-    ktae_options: Mapping[str, Any] | None = None
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any], **overrides: Any) -> "AttributionSettings":
-        """The settings of a validated config (:func:`oar.config.load_config`), with ``overrides``.
-
-        Raises:
-            ValueError: the task is not the synthetic one.
-        """
-        attr, ro, task, reward = config["attribution"], config["rollout"], config["task"], config["reward"]
-        if task["kind"] != "synthetic":
-            raise ValueError(f"config: task.kind={task['kind']!r}: the attribution benchmark needs 'synthetic'")
-        settings = cls(
-            n_samples=int(ro["n"]), temperature=float(ro["temperature"]), top_p=float(ro["top_p"]),
-            max_new_tokens=int(ro["max_new_tokens"]), batch_size=int(ro["batch_size"]),
-            sampler=str(ro["sampler"]), template=str(task["template"]), task_options=dict(task["synthetic"]),
-            reward_timeout_s=float(reward["timeout_s"]), reward_workers=reward["workers"],
-            n_sampled=int(attr["n_sampled"]), n_counterfactual=int(attr["n_counterfactual"]),
-            max_prompts=int(attr["max_prompts"]), prompts_per_round=int(attr["prompts_per_round"]),
-            propagated_only=bool(attr["propagated_only"]), min_steps=int(attr["min_steps"]),
-            max_per_prompt=int(attr["max_per_prompt"]), max_delta=int(attr["max_delta"]),
-            top_k=tuple(int(k) for k in attr["top_k"]), seed=int(attr["seed"]), split=str(attr["split"]),
-            signals=tuple(_located_signals(config)), conclude=attr["conclude"], cost_reference=str(attr["cost_reference"]),
-            stability=bool(attr["stability"]), repeats=int(attr["timing_repeats"]),
-        )
-        return replace(settings, **overrides)
-
-    def check(self) -> None:
-        """Raise ``ValueError`` for settings the benchmark cannot run."""
-        if self.n_samples < 1 or self.max_prompts < 1 or self.prompts_per_round < 1:
-            raise ValueError("oar.attribution.run_attribution: n_samples, max_prompts and prompts_per_round must be >= 1")
-        if self.n_sampled < 0 or self.n_counterfactual < 0:
-            raise ValueError("oar.attribution.run_attribution: n_sampled and n_counterfactual must be >= 0")
-        if self.repeats < 1:
-            raise ValueError(f"oar.attribution.run_attribution: repeats must be >= 1, got {self.repeats}")
-
-    def as_summary(self, fillers: Sequence[str]) -> dict[str, Any]:
-        """The settings as recorded in ``summary.json``."""
-        return {
-            "split": self.split, "template": self.template, "seed": self.seed, "n_samples": self.n_samples,
-            "temperature": self.temperature, "top_p": self.top_p, "max_new_tokens": self.max_new_tokens,
-            "sampler": self.sampler, "n_sampled": self.n_sampled, "n_counterfactual": self.n_counterfactual, "max_prompts": self.max_prompts,
-            "prompts_per_round": self.prompts_per_round, "propagated_only": self.propagated_only,
-            "min_steps": self.min_steps, "max_per_prompt": self.max_per_prompt, "max_delta": self.max_delta,
-            "top_k": list(self.top_k),
-            "signals": [{"name": s.name, "kind": s.kind, **dict(s.options)} for s in signal_specs(self.signals)],
-            "conclude": self.conclude, "cost_reference": self.cost_reference, "timing_repeats": self.repeats,
-            "fillers": list(fillers), "torch_threads": torch.get_num_threads(),
         }
 
 
@@ -287,12 +104,12 @@ class _Run:
                    engine=HFEngine(model, tokenizer, batch_size=s.batch_size, sampler=s.sampler), pad_id=int(tokenizer.pad_token_id))
 
     def reward_of(self, texts: Sequence[str], golds: Sequence[str]) -> list[float]:
-        from oar.reward import score_batch
+        from oar.reward.score import score_batch
 
         return score_batch(list(texts), list(golds), correct=self.s.correct, wrong=self.s.wrong,
                            timeout_s=self.s.reward_timeout_s, workers=self.s.reward_workers)
 
-    def responses_of(self, ro: Any, prompt_list: Sequence[int]) -> list[_Response]:
+    def responses_of(self, ro: Any, prompt_list: Sequence[int]) -> list[AttributionResponse]:
         """The responses of a rollout of ``prompt_list``: scored, parsed and checked against the question."""
         golds = [self.records[prompt_list[i]]["answer"] for i in ro.prompt_index.tolist()]
         rewards = self.reward_of(ro.texts, golds)
@@ -303,12 +120,12 @@ class _Run:
             out.append(self.response(pi, ro.prompt_ids[b][ro.prompt_mask[b].bool()].tolist(), ids, float(rewards[b])))
         return out
 
-    def response(self, prompt: int, prompt_ids: list[int], ids: list[int], reward: float, **kw: Any) -> _Response:
+    def response(self, prompt: int, prompt_ids: list[int], ids: list[int], reward: float, **kw: Any) -> AttributionResponse:
         """One response: decoded with token spans, parsed and checked."""
         text, starts, ends = token_char_spans(self.tokenizer, ids)
         parsed = parse_response(text, fillers=self.fillers)
         check = None if parsed is None else check_steps(parsed.steps, *self.terms[prompt], parsed.answer)
-        return _Response(prompt, prompt_ids, ids, reward, text, starts, ends, parsed, check, **kw)
+        return AttributionResponse(prompt, prompt_ids, ids, reward, text, starts, ends, parsed, check, **kw)
 
     def continuations(self, batch: "_Batch") -> Any:
         """The continuation context of ``mc_value`` signals, row-aligned with ``batch``."""
@@ -324,15 +141,15 @@ class _Run:
 class _Collected:
     """Phase 1's output: the sampled groups and the scored responses of both kinds."""
 
-    groups: dict[int, list[_Response]]
-    sampled: list[_Response]
-    edited: list[_Response]
+    groups: dict[int, list[AttributionResponse]]
+    sampled: list[AttributionResponse]
+    edited: list[AttributionResponse]
     counts: dict[str, int]
     n_prompts_used: int
     seconds: float
 
     @property
-    def scored(self) -> list[_Response]:
+    def scored(self) -> list[AttributionResponse]:
         return self.sampled + self.edited
 
     @property
@@ -386,7 +203,7 @@ def _collect(run: _Run, progress: bool = False) -> _Collected:
 
     s, tok = run.s, run.tokenizer
     eos = getattr(tok, "eos_token_id", None)
-    edit_rng = random.Random(_derived_seed("oar-attribution-edits", s.seed))
+    edit_rng = random.Random(derived_seed("oar-attribution-edits", s.seed))
     c = _Collected(groups={}, sampled=[], edited=[], counts={}, n_prompts_used=0, seconds=0.0)
     per_prompt: dict[str, dict[int, int]] = {k: {} for k in KINDS}
 
@@ -404,7 +221,7 @@ def _collect(run: _Run, progress: bool = False) -> _Collected:
         plist = list(range(r0, min(r0 + s.prompts_per_round, s.max_prompts)))
         ro = run.engine.generate([run.prompts[i] for i in plist], n=s.n_samples, temperature=s.temperature,
                                  top_p=s.top_p, max_new_tokens=s.max_new_tokens,
-                                 seed=_derived_seed("oar-attribution-sample", s.seed, r0))
+                                 seed=derived_seed("oar-attribution-sample", s.seed, r0))
         c.n_prompts_used = plist[-1] + 1
         for r in run.responses_of(ro, plist):
             c.groups.setdefault(r.prompt, []).append(r)
@@ -496,8 +313,8 @@ def _measure(run: _Run, c: _Collected, sc: _Scored) -> tuple[Any, Any, Any, Any,
 
     names, kinds, n = [sp.name for sp in run.specs], c.kinds, len(c.scored)
     empty = torch.zeros(0, 1, dtype=torch.long)
-    mistake = torch.from_numpy(np.stack([_mistake_labels(r, sc.T) for r in c.scored])) if n else empty
-    fid_lab = torch.from_numpy(np.stack([_fidelity_labels(r, sc.T) for r in c.scored])) if n else empty
+    mistake = torch.from_numpy(np.stack([mistake_labels(r, sc.T) for r in c.scored])) if n else empty
+    fid_lab = torch.from_numpy(np.stack([fidelity_labels(r, sc.T) for r in c.scored])) if n else empty
     loc, loc_per = localisation_table(sc.scores, mistake, sc.reasoning, kinds, top_k=run.s.top_k)
     present = set(kinds)
     blank = {col: float("nan") for col in loc.columns}
@@ -528,14 +345,14 @@ def _stability(run: _Run, c: _Collected, sc: _Scored) -> tuple[Any, Any, float]:
                                           seed=s.seed + 1, warmup=False, continuations=sc.continuations,
                                           **_signal_kwargs(run))
             for sp in stoch:
-                pairs[sp.name] = (sc.scores[sp.name], again[sp.name], _seed_kind(sp))
+                pairs[sp.name] = (sc.scores[sp.name], again[sp.name], seed_kind(sp))
         ktae = [sp for sp in run.specs if sp.kind == "ktae"]
         if ktae and s.n_samples > 1:
             plist = sorted({r.prompt for r in c.scored})
             ro = run.engine.generate([run.prompts[i] for i in plist], n=s.n_samples - 1, temperature=s.temperature,
                                      top_p=s.top_p, max_new_tokens=s.max_new_tokens,
-                                     seed=_derived_seed("oar-attribution-group2", s.seed))
-            fresh: dict[int, list[_Response]] = {}
+                                     seed=derived_seed("oar-attribution-group2", s.seed))
+            fresh: dict[int, list[AttributionResponse]] = {}
             for r in run.responses_of(ro, plist):
                 fresh.setdefault(r.prompt, []).append(r)
             b2 = _Batch()
@@ -550,17 +367,6 @@ def _stability(run: _Run, c: _Collected, sc: _Scored) -> tuple[Any, Any, float]:
                 pairs[sp.name] = (sc.scores[sp.name], b, "sampled group")
     stab, stab_per = stability_table(pairs, sc.reasoning, c.kinds)
     return stab, stab_per, (time.perf_counter() - t0) if s.stability and c.scored else 0.0
-
-
-#: What the second computation of a stochastic signal changes (the stability table's comparison).
-_SEED_KIND = {"oar_g": "noise seed", "mc_value": "continuation seed"}
-
-
-def _seed_kind(spec: Any) -> str:
-    """The stability comparison of ``spec``: greedy ``mc_value`` refined by OAR-G varies by OAR-G's noise only."""
-    if spec.kind == "mc_value" and spec.options.get("greedy"):
-        return _SEED_KIND["oar_g"]
-    return _SEED_KIND.get(spec.kind, "random seed")
 
 
 def _per_response(run: _Run, c: _Collected, loc_per: Any, fid_per: Any, stab_per: Any) -> Any:
@@ -619,8 +425,8 @@ def attribution_from_config(
     ``localisation.png``, ``fidelity.png``, ``cost_curve.png`` and ``summary.json``.
 
     Args:
-        config: a validated config (:func:`oar.config.load_config`).
-        model_dir: the policy (loaded with :func:`oar.models.load_policy`).
+        config: a validated config (:func:`oar.config.load.load_config`).
+        model_dir: the policy (loaded with :func:`oar.models.loading.load_policy`).
         output_dir: output folder (created).
         repeats: timing repeats per signal (default ``attribution.timing_repeats``).
         progress: progress bars on stderr (:func:`run_attribution`).
@@ -631,9 +437,9 @@ def attribution_from_config(
     from datetime import datetime, timezone
 
     from oar.attribution.report import write_outputs
-    from oar.models import load_policy
-    from oar.preflight import job_device
-    from oar.provenance import provenance, with_end_time
+    from oar.models.loading import load_policy
+    from oar.core.device import job_device
+    from oar.core.provenance import provenance, with_end_time
 
     started = datetime.now(timezone.utc)
     settings = AttributionSettings.from_config(config, **({} if repeats is None else {"repeats": int(repeats)}))

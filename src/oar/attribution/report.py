@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from oar.markdown import markdown_table
+from oar.core.markdown import markdown_table
 
 __all__ = ["frame_markdown", "localisation_wide", "format_tables", "plot_localisation", "plot_fidelity", "write_outputs"]
 
@@ -26,7 +26,7 @@ def _fmt(v: Any, digits: int = 3) -> str:
 
 
 def frame_markdown(df: Any, digits: int = 3) -> str:
-    """A DataFrame as a markdown table (:func:`oar.markdown.markdown_table`; numbers right-aligned,
+    """A DataFrame as a markdown table (:func:`oar.core.markdown.markdown_table`; numbers right-aligned,
     floats to ``digits``)."""
     align = "".join("r" if df[c].dtype.kind in "fiu" else "l" for c in df.columns)
     rows = [[_fmt(row[c], digits) for c in df.columns] for _, row in df.iterrows()]
@@ -120,7 +120,7 @@ def plot_localisation(result: Any, path: str | os.PathLike, *, title: str | None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from oar.io import atomic_path
+    from oar.core.io import atomic_path
 
     loc, stab, cost = result.localisation, result.stability, result.cost
     names = list(dict.fromkeys(loc["signal"]))
@@ -180,7 +180,7 @@ def plot_fidelity(fidelity: Any, path: str | os.PathLike, *, title: str | None =
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from oar.io import atomic_path
+    from oar.core.io import atomic_path
 
     names = list(fidelity["signal"])
     x = np.arange(len(names))
@@ -208,7 +208,7 @@ def plot_fidelity(fidelity: Any, path: str | os.PathLike, *, title: str | None =
 
 
 def _write_csv(df: Any, path: Path) -> None:
-    from oar.io import atomic_path
+    from oar.core.io import atomic_path
 
     with atomic_path(path, suffix=".csv") as tmp:
         df.to_csv(tmp, index=False)
@@ -226,7 +226,7 @@ def plot_cost_curve(result: Any, path: str | os.PathLike, *, title: str | None =
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from oar.io import atomic_path
+    from oar.core.io import atomic_path
 
     by_pos = _by_position(result)
     if by_pos is None:
@@ -270,7 +270,7 @@ def write_outputs(result: Any, out: str | os.PathLike) -> None:
     ``per_response.csv``, ``attribution.md``, ``localisation.png``, ``fidelity.png``,
     ``cost_curve.png`` (:func:`plot_cost_curve`) and ``summary.json`` into ``out`` (created), each
     atomically."""
-    from oar.io import atomic_write_json, atomic_write_text
+    from oar.core.io import atomic_write_json, atomic_write_text
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -23,7 +23,11 @@ __all__ = [
     "CreditBatch",
     "CreditResult",
     "Estimator",
+    "EstimatorSpec",
     "register_estimator",
+    "register_spec",
+    "spec_of",
+    "estimator_spec",
     "get_estimator",
     "list_estimators",
     "estimator_needs_model",
@@ -81,27 +85,35 @@ class Estimator(Protocol):
     def __call__(self, batch: CreditBatch, **options: Any) -> CreditResult: ...
 
 
-_REGISTRY: dict[str, Callable[..., CreditResult]] = {}
-_NEEDS_MODEL: dict[str, bool] = {}
-_NEEDS_CONTINUATIONS: dict[str, bool] = {}
-#: The attribute :func:`register_estimator` sets on a function: its (needs_model, needs_continuations).
-_FLAGS_ATTR = "_oar_estimator_flags"
+@dataclass(frozen=True)
+class EstimatorSpec:
+    """One registered estimator: the function and what the trainer must build before calling it.
+
+    Attributes:
+        fn: the estimator, ``fn(batch, **options) -> CreditResult``.
+        needs_model: it calls ``CreditBatch.model`` (OAR-P, OAR-G and the nulls built on them); the
+            trainer gathers a sharded policy for it.
+        needs_continuations: it samples continuations of the responses (``mc_value``) and reads
+            ``CreditBatch.extras["continuations"]``, which the trainer builds only for it.
+    """
+
+    fn: Callable[..., CreditResult]
+    needs_model: bool = False
+    needs_continuations: bool = False
+
+
+#: The one registry: name (what configs write as ``credit: <name>``) -> its spec.
+_REGISTRY: dict[str, EstimatorSpec] = {}
 
 
 def register_estimator(
     name: str, *, needs_model: bool = False, needs_continuations: bool = False
 ) -> Callable[[Callable[..., CreditResult]], Callable[..., CreditResult]]:
-    """Decorator: register ``fn`` as the estimator called ``name``.
+    """Decorator: register ``fn`` as the estimator called ``name`` (:class:`EstimatorSpec` gives the
+    flags' meaning).
 
-    Args:
-        name: the name configs use (``credit: <name>``).
-        needs_model: the estimator calls ``CreditBatch.model`` (OAR-P, OAR-G and the nulls built on
-            them); the trainer gathers a sharded policy for it.
-        needs_continuations: the estimator samples continuations of the responses (``mc_value``) and
-            reads ``CreditBatch.extras["continuations"]``, which the trainer builds only for it.
-
-    The flags are also kept on the function (:func:`estimator_flags`), so that a user estimator
-    named ``module:attr`` in a config (:mod:`oar.credit.user`) that is decorated with them keeps them.
+    A user estimator named ``module:attr`` in a config (:mod:`oar.credit.user`) that is decorated
+    with this keeps its flags under the ``module:attr`` name too (:func:`spec_of`).
 
     Raises:
         ValueError: if ``name`` is already registered to a different function.
@@ -109,43 +121,34 @@ def register_estimator(
 
     def deco(fn: Callable[..., CreditResult]) -> Callable[..., CreditResult]:
         old = _REGISTRY.get(name)
-        if old is not None and old is not fn and old.__qualname__ != fn.__qualname__:
-            raise ValueError(f"estimator {name!r} is already registered to {old.__module__}.{old.__qualname__}")
-        try:
-            setattr(fn, _FLAGS_ATTR, (needs_model, needs_continuations))
-        except (AttributeError, TypeError):  # an object that takes no attributes: the registry's flags only
-            pass
-        register_function(name, fn, needs_model=needs_model, needs_continuations=needs_continuations)
+        if old is not None and old.fn is not fn and old.fn.__qualname__ != fn.__qualname__:
+            raise ValueError(f"estimator {name!r} is already registered to {old.fn.__module__}.{old.fn.__qualname__}")
+        register_spec(name, EstimatorSpec(fn, needs_model=needs_model, needs_continuations=needs_continuations))
         return fn
 
     return deco
 
 
-def register_function(name: str, fn: Callable[..., CreditResult], *, needs_model: bool, needs_continuations: bool) -> None:
-    """Put ``fn`` in the registry as ``name`` (replacing any previous entry) with its flags."""
-    _REGISTRY[name] = fn
-    _NEEDS_MODEL[name] = needs_model
-    _NEEDS_CONTINUATIONS[name] = needs_continuations
+def register_spec(name: str, spec: EstimatorSpec) -> None:
+    """Put ``spec`` in the registry as ``name`` (replacing any previous entry)."""
+    _REGISTRY[name] = spec
 
 
-def estimator_flags(fn: Callable[..., Any]) -> tuple[bool, bool]:
-    """``(needs_model, needs_continuations)`` that :func:`register_estimator` gave ``fn``
-    (``(False, False)`` for a plain function)."""
-    flags = getattr(fn, _FLAGS_ATTR, (False, False))
-    return bool(flags[0]), bool(flags[1])
+def spec_of(fn: Callable[..., Any]) -> EstimatorSpec:
+    """The spec :func:`register_estimator` gave ``fn`` under any name (a plain function: no flags)."""
+    return next((spec for spec in _REGISTRY.values() if spec.fn is fn), EstimatorSpec(fn))
 
 
 def _load_builtin() -> None:
     """Import the built-in estimator modules (importing registers their estimators). A module that
-    fails to import raises here, in the config's resolution (:func:`oar.config.resolve_method`), not
+    fails to import raises here, in the config's resolution (:func:`oar.config.methods.resolve_method`), not
     as an unknown estimator inside a training job."""
-    from oar.credit import advantages, controls, importance, ktae, mc_value, prm, verifier  # noqa: F401
+    from oar.credit import advantages, controls, importance, ktae, mc_value, nulls, prm, verifier  # noqa: F401
 
 
-def get_estimator(name: str) -> Callable[..., CreditResult]:
-    """Return the estimator registered as ``name``; a user estimator (``module:attr``, or an entry
-    point of ``oar.estimators``) not registered yet is loaded and registered
-    (:func:`oar.credit.user.user_estimator`).
+def estimator_spec(name: str) -> EstimatorSpec:
+    """The spec registered as ``name``; a user estimator (``module:attr``, or an entry point of
+    ``oar.estimators``) not registered yet is loaded and registered (:func:`oar.credit.user.user_estimator`).
 
     Raises:
         KeyError: naming the unknown estimator and the registered ones.
@@ -162,6 +165,11 @@ def get_estimator(name: str) -> Callable[..., CreditResult]:
     return _REGISTRY[name]
 
 
+def get_estimator(name: str) -> Callable[..., CreditResult]:
+    """The estimator function registered as ``name`` (:func:`estimator_spec`)."""
+    return estimator_spec(name).fn
+
+
 def list_estimators() -> list[str]:
     """Names of all registered estimators, sorted."""
     _load_builtin()
@@ -169,13 +177,10 @@ def list_estimators() -> list[str]:
 
 
 def estimator_needs_model(name: str) -> bool:
-    """Whether the estimator ``name`` calls the policy (see :func:`register_estimator`)."""
-    get_estimator(name)
-    return _NEEDS_MODEL[name]
+    """Whether the estimator ``name`` calls the policy (:class:`EstimatorSpec`)."""
+    return estimator_spec(name).needs_model
 
 
 def estimator_needs_continuations(name: str) -> bool:
-    """Whether the estimator ``name`` reads ``CreditBatch.extras["continuations"]`` (see
-    :func:`register_estimator`)."""
-    get_estimator(name)
-    return _NEEDS_CONTINUATIONS[name]
+    """Whether the estimator ``name`` reads ``CreditBatch.extras["continuations"]`` (:class:`EstimatorSpec`)."""
+    return estimator_spec(name).needs_continuations

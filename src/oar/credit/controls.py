@@ -46,34 +46,16 @@ from oar.credit import CreditBatch, CreditResult, register_estimator
 from oar.credit.advantages import SEQ_OPTIONS, broadcast_seq, check_options, sequence_advantages
 from oar.credit.reshape import RESHAPE_OPTIONS, reshaped_credit
 
-__all__ = [
-    "SyntheticTaskRequired",
-    "OracleLabels",
-    "oracle_labels",
-    "shuffle_scores",
-    "invert_scores",
-    "oracle_first_mistake_estimator",
-    "oracle_decisive_estimator",
-    "oracle_progress_estimator",
-    "oracle_suffix_estimator",
-    "relocate_mistakes",
-    "oracle_importance",
-    "StepLabels",
-    "step_labels",
-    "text_steps",
-    "first_mistake_credit",
-    "shuffled_estimator",
-    "inverted_estimator",
-]
+__all__ = ["SyntheticTaskRequired", "OracleLabels", "oracle_labels", "oracle_first_mistake_estimator", "oracle_decisive_estimator", "oracle_progress_estimator", "oracle_suffix_estimator", "relocate_mistakes", "oracle_importance", "StepLabels", "step_labels", "text_steps", "first_mistake_credit"]
+
 
 _QUESTION_IN_PROMPT = re.compile(r"Compute ([0-9+\-*]+)\.")
-
 #: Options of the reshaped oracles: the sequence advantage's and the Bi-Level reshaping's.
 _ORACLE_OPTIONS = SEQ_OPTIONS + RESHAPE_OPTIONS
 #: ``oracle_first_mistake``'s own: the accuracy of its localisation (1: the oracle itself).
 _LOCALISATION = "localisation"
-#: Salts of the controls' random draws (with the run seed and the step: :func:`_generator`).
-_SHUFFLE_SALT, _RELOCATE_SALT = 0x5EED, 0x10CA
+#: Salt of the degraded oracle's relocation draws (with the run seed and the step: :func:`seeded_generator`).
+_RELOCATE_SALT = 0x10CA
 
 
 class SyntheticTaskRequired(ValueError):
@@ -377,7 +359,7 @@ def oracle_importance(batch: CreditBatch, *, localisation: float = 1.0, rows: to
     if localisation >= 1.0:
         return labels.first_mistake, labels, torch.zeros(labels.located.shape, dtype=torch.bool)
     rows = labels.located if rows is None else labels.located & rows
-    target, moved = relocate_mistakes(labels, rows, localisation, _generator(batch, dict(options or {}), _RELOCATE_SALT))
+    target, moved = relocate_mistakes(labels, rows, localisation, seeded_generator(batch, dict(options or {}), _RELOCATE_SALT))
     return target, labels, moved
 
 
@@ -456,76 +438,9 @@ def oracle_suffix_estimator(batch: CreditBatch, **options: Any) -> CreditResult:
                                 stats={"importance_s": time.perf_counter() - t0})
 
 
-def shuffle_scores(scores: torch.Tensor, mask: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Permute each row's scores among its masked positions at random.
-
-    Args:
-        scores: ``(B, T)`` float; mask: ``(B, T)`` positions to permute among.
-        generator: the random stream (CPU).
-
-    Returns:
-        ``(B, T)``: row ``b`` holds the same multiset of masked values in a random order; entries
-        outside the mask are unchanged.
-    """
-    out = scores.clone()
-    m = mask.bool()
-    for b in range(scores.shape[0]):
-        pos = m[b].nonzero().flatten()
-        perm = torch.randperm(len(pos), generator=generator).to(pos.device)
-        out[b, pos] = scores[b, pos[perm]]
-    return out
-
-
-def invert_scores(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Reflect each row's scores within its range over the masked positions: ``max + min - s``.
-
-    Args:
-        scores: ``(B, T)`` non-negative; mask: ``(B, T)``.
-
-    Returns:
-        ``(B, T)`` non-negative, the most important masked token now the least; unchanged outside the mask.
-    """
-    m = mask.bool()
-    hi = torch.where(m, scores, -torch.inf).amax(-1, keepdim=True)
-    lo = torch.where(m, scores, torch.inf).amin(-1, keepdim=True)
-    return torch.where(m, hi + lo - scores, scores)
-
-
-def _null_scores(batch: CreditBatch, options: dict[str, Any], transform: Callable[..., torch.Tensor]):
-    from oar.credit.importance import importance_scores
-
-    def scores_of(A: torch.Tensor):
-        scores, reasoning, active, stats = importance_scores("oar_g", batch, options, A)
-        return transform(scores, reasoning * active.to(reasoning.dtype).unsqueeze(-1)), reasoning, active, stats
-
-    return scores_of
-
-
-def _generator(batch: CreditBatch, options: dict[str, Any], salt: int) -> torch.Generator:
+def seeded_generator(batch: CreditBatch, options: dict[str, Any], salt: int) -> torch.Generator:
     """A control's random stream: the run's seed (or the ``seed`` option), the step and ``salt``."""
     from oar.credit.importance import mix_seed
 
     seed = int(options.get("seed", batch.extras.get("seed") or 0))
     return torch.Generator().manual_seed(mix_seed(mix_seed(seed, int(batch.extras.get("step") or 0)), salt))
-
-
-@register_estimator("shuffled", needs_model=True)
-def shuffled_estimator(batch: CreditBatch, **options: Any) -> CreditResult:
-    """Null control: OAR-G's importance permuted within each response, then Bi-Level reshaped.
-
-    Options: those of ``oar_g``. The permutation is seeded by (``seed`` or the run's seed, step).
-    """
-    from oar.credit.importance import OAR_G_OPTIONS
-
-    gen = _generator(batch, options, _SHUFFLE_SALT)
-    return reshaped_credit("shuffled", batch, options, OAR_G_OPTIONS,
-                     _null_scores(batch, options, lambda s, m: shuffle_scores(s.cpu(), m.cpu(), gen).to(s.device)))
-
-
-@register_estimator("inverted", needs_model=True)
-def inverted_estimator(batch: CreditBatch, **options: Any) -> CreditResult:
-    """Null control: OAR-G's importance reflected within each response (``max + min - s``), then
-    Bi-Level reshaped. Options: those of ``oar_g``."""
-    from oar.credit.importance import OAR_G_OPTIONS
-
-    return reshaped_credit("inverted", batch, options, OAR_G_OPTIONS, _null_scores(batch, options, invert_scores))

@@ -110,7 +110,7 @@ def prm_inputs(tokenizer: Any, prompt: str, steps: Sequence[str], separator: str
     """TRL's ``PRMTrainer.tokenize_row`` layout: ``[bos] + prompt + (step + separator) per step``, and the
     position of the last separator token after each step (where the PRM's label is).
 
-    >>> from oar.models import build_tiny_tokenizer
+    >>> from oar.models.loading import build_tiny_tokenizer
     >>> ids, at = prm_inputs(build_tiny_tokenizer(), "Q", ["1+1=2", "2+2=5"])
     >>> len(ids), at
     (14, [7, 13])

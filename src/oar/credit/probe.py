@@ -19,7 +19,7 @@ prompt tokens, their reasoning/answer masks are all zero and ``last_index`` is -
 functions skip them and estimators give them weight 1 (plain GRPO).
 
 Token/character alignment: the response's real tokens are decoded (special tokens kept, no
-clean-up of spaces) and :func:`oar.answer.last_boxed_span` locates the answer in the text. When
+clean-up of spaces) and :func:`oar.reward.answer.last_boxed_span` locates the answer in the text. When
 the single-token decodes concatenate to the full decode (character-level and most byte-level
 BPE tokenizers on ASCII text) the character offsets come from their cumulative lengths;
 otherwise (e.g. SentencePiece's leading-space handling, or multi-byte characters split over
@@ -34,7 +34,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from oar.answer import BOXED_MARKERS, last_boxed_span
+from oar.reward.answer import BOXED_MARKERS, last_boxed_span
 
 __all__ = ["DEFAULT_CONCLUDE", "Probe", "build_probe", "locate_answer_tokens"]
 
@@ -207,7 +207,7 @@ def locate_answer_tokens(
     Args:
         tokenizer: a Hugging Face tokenizer (``decode``).
         ids: the response's real token ids (no padding).
-        markers: answer markers, as :func:`oar.answer.last_boxed_span`.
+        markers: answer markers, as :func:`oar.reward.answer.last_boxed_span`.
 
     Returns:
         ``(n_reasoning, answer_start, answer_end)``: reasoning is ``ids[:n_reasoning]`` (strictly

@@ -15,7 +15,7 @@ parameters after the batch: a config may set exactly those (a parameter without 
 set), with the type of a ``bool`` / ``int`` / ``float`` / ``str`` annotation checked; a function that
 takes ``**options`` accepts any option that is not a recipe key. The recipe's ``norm_by_std`` is
 passed only when the function takes it. :func:`user_estimator` loads, checks and registers it under
-the config's name, when the config is resolved (:func:`oar.config.resolve_method`) and again in any
+the config's name, when the config is resolved (:func:`oar.config.methods.resolve_method`) and again in any
 process that asks :func:`oar.credit.get_estimator` for that name (a training job). A process without
 torch (Snakemake's own, under ``--use-conda``) cannot import an estimator; there the module is found
 and its source read instead (``load=False``): the same checks, short of running the module. This
@@ -38,7 +38,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Mapping
 
-from oar.credit import CreditResult, register_function, estimator_flags
+from oar.credit import CreditResult, register_spec, spec_of
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -61,7 +61,7 @@ _SIMPLE_TYPES: dict[type, str] = {bool: "boolean", int: "integer", float: "numbe
 
 class EstimatorSpecError(ValueError):
     """A user estimator that cannot be used; the one-line message says why and what to do
-    (:func:`oar.config.resolve_method` prefixes the config key)."""
+    (:func:`oar.config.methods.resolve_method` prefixes the config key)."""
 
 
 class UnknownEstimatorError(EstimatorSpecError):
@@ -114,7 +114,7 @@ class UserEstimator:
 @dataclass(frozen=True)
 class EstimatorSource:
     """The source of a user estimator, which is part of the identity of every run that uses it
-    (:func:`oar.identity.method_fingerprint`): an edit of any of ``files`` gives another ``sha256``,
+    (:func:`oar.config.identity.method_fingerprint`): an edit of any of ``files`` gives another ``sha256``,
     another store key, and the workflow retrains exactly those runs.
 
     Attributes:
@@ -124,7 +124,7 @@ class EstimatorSource:
         files: the estimator's module first, then every module of the user's tree it imports,
             directly or through another (paths relative to ``root``, sorted after the first).
         sha256: the first 16 hex digits of the SHA-256 over ``(path, content)`` of every file.
-        git: each file's git state (:func:`oar.provenance.path_git_state`: clean, modified,
+        git: each file's git state (:func:`oar.core.provenance.path_git_state`: clean, modified,
             untracked, or None outside a checkout).
     """
 
@@ -174,7 +174,7 @@ def _py_origin(spec: Any) -> Path | None:
 
 def _not_users(path: Path) -> bool:
     """A file of the installed software (the interpreter's prefixes, site-packages) or of oar itself
-    (covered by the commit and dirty state of :mod:`oar.provenance`), not of the user's tree."""
+    (covered by the commit and dirty state of :mod:`oar.core.provenance`), not of the user's tree."""
     import oar
 
     text = str(path)
@@ -211,7 +211,7 @@ def estimator_source(name: str, module_name: str) -> EstimatorSource | None:
     installed software and oar) it imports. None when the module has no ``.py`` source."""
     import hashlib
 
-    from oar.provenance import path_git_state
+    from oar.core.provenance import path_git_state
 
     _cwd_on_path()
     spec, _ = _module_spec(module_name)
@@ -295,8 +295,7 @@ def user_estimator(name: str, *, load: bool = True) -> UserEstimator:
     except Exception:  # unresolvable annotations: no type checks
         hints = {}
     est = dataclasses.replace(_options(name, origin, params, hints, fn), source=estimator_source(name, module_name))
-    needs_model, needs_continuations = estimator_flags(fn)
-    register_function(name, fn, needs_model=needs_model, needs_continuations=needs_continuations)
+    register_spec(name, spec_of(fn))
     return est
 
 

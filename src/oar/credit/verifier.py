@@ -11,11 +11,9 @@ and during RL the first step whose probability is at least ``threshold`` is the 
 take that location where the oracle takes the task's ground truth
 (:func:`oar.credit.controls.first_mistake_credit`, ``shape`` ``pinpoint`` or ``suffix``).
 
-- :class:`VerifierSettings` -- the ``verifier`` section of the config (the schema holds the defaults);
-- :func:`result_targets` -- the training targets of demonstration records: the right steps' result tokens;
-- :func:`train_verifier` -- the verifier, fine-tuned from the start model (the same tokenizer and
-  format), with its step accuracy on held-out demonstrations; :func:`save_verifier` writes it with
-  ``save_pretrained``;
+Training it is the trainer's (:mod:`oar.trainer.verifier`, ``oar verifier``); this module reads it:
+
+- :func:`load_verifier` -- a trained verifier (``save_pretrained``) or any causal language model;
 - :func:`step_error_probs` -- the probability that each step of each response is wrong;
 - the estimator ``step_verifier`` (options ``verifier``: :data:`TRAINED`, the one the config trains,
   or a folder; ``shape``; ``threshold``; the reshaping's), registered without ``needs_model``: it
@@ -28,24 +26,22 @@ benchmark a process reward model would take its place, which this module does no
 from __future__ import annotations
 
 import functools
-import json
 import math
 import time
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from oar.credit import CreditBatch, CreditResult, register_estimator
-from oar.io import VERIFIER_SUMMARY, VERIFIER_TRAINED
+from oar.core.io import VERIFIER_TRAINED
 
-__all__ = ["VerifierSettings", "result_targets", "train_verifier", "save_verifier", "load_verifier", "step_error_probs",
-           "first_wrong_step", "localisation_stats", "verifier_importance", "step_probabilities", "DEFAULT_THRESHOLD", "step_verifier_estimator", "verifier_from_config", "SHAPES", "TRAINED"]
+__all__ = ["load_verifier", "step_error_probs", "encode_responses", "span_positions", "token_logprobs",
+           "first_wrong_step", "localisation_stats", "verifier_importance", "step_probabilities", "DEFAULT_THRESHOLD",
+           "step_verifier_estimator", "SHAPES", "TRAINED"]
 
 #: The option ``verifier``'s value (its default) that names the verifier the config's workflow trains:
-#: ``<results_dir>/<name>/verifier/model`` (:func:`oar.layout.trained_verifier_dir`), identified by
-#: :func:`oar.identity.verifier_key`.
+#: ``<results_dir>/<name>/verifier/model`` (:attr:`oar.config.tree.ResultsTree.verifier_model`), identified by
+#: :func:`oar.config.identity.verifier_key`.
 TRAINED = VERIFIER_TRAINED
 #: A step is located as the first mistake from this probability of being wrong on (option ``threshold``).
 DEFAULT_THRESHOLD = 0.5
@@ -53,26 +49,7 @@ DEFAULT_THRESHOLD = 0.5
 SHAPES: tuple[str, ...] = ("pinpoint", "suffix")
 
 
-@dataclass(frozen=True)
-class VerifierSettings:
-    """The ``verifier`` section (schema defaults filled): the fine-tuning of the verifier."""
-
-    steps: int
-    batch_size: int
-    lr: float
-    weight_decay: float
-    warmup_steps: int
-    seed: int
-    demonstrations: int
-    eval_size: int
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> "VerifierSettings":
-        v = config["verifier"]
-        return cls(**{k: v[k] for k in cls.__dataclass_fields__})
-
-
-def _encode(tokenizer: Any, prompts: Sequence[str], responses: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor, list[int], list[tuple[list[int], list[int]]]]:
+def encode_responses(tokenizer: Any, prompts: Sequence[str], responses: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor, list[int], list[tuple[list[int], list[int]]]]:
     """Right-padded ``prompt + response`` ids and mask, each row's prompt length in tokens, and each
     response's characters' token map (``(starts, ends)`` of its tokens: one token per character for
     the character tokenizer, so the map is by offsets)."""
@@ -91,97 +68,17 @@ def _encode(tokenizer: Any, prompts: Sequence[str], responses: Sequence[str]) ->
     return ids, mask, p_lens, maps
 
 
-def _span_positions(span: Sequence[int], p_len: int, token_map: tuple[list[int], list[int]]) -> list[int]:
+def span_positions(span: Sequence[int], p_len: int, token_map: tuple[list[int], list[int]]) -> list[int]:
     """The sequence positions of the response tokens that a character span covers."""
     starts, ends = token_map
     return [p_len + i for i, (a, b) in enumerate(zip(starts, ends)) if a < span[1] and b > span[0]]
 
 
-def result_targets(records: Sequence[Mapping[str, Any]], prompts: Sequence[str], tokenizer: Any
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(ids, mask, labels)`` of demonstration records (``solution``, ``result_spans``,
-    ``demo_errors``): ``labels`` the next-token targets on the result tokens of the right steps, -100
-    elsewhere (the wrong steps' results and everything else are context only)."""
-    ids, mask, p_lens, maps = _encode(tokenizer, prompts, [r["solution"] for r in records])
-    labels = torch.full_like(ids, -100)
-    for i, rec in enumerate(records):
-        wrong = set(rec.get("demo_errors") or ())
-        for k, span in enumerate(rec["result_spans"]):
-            if k not in wrong:
-                for pos in _span_positions(span, p_lens[i], maps[i]):
-                    labels[i, pos] = ids[i, pos]
-    return ids, mask, labels
-
-
-def _step_logprobs(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def token_logprobs(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``(B, L)`` log-probability of each token given the ones before it (0 at position 0)."""
     logits = model(input_ids=ids, attention_mask=mask).logits.float()
     lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
     return torch.nn.functional.pad(lp, (1, 0))
-
-
-def train_verifier(settings: VerifierSettings, records: Sequence[Mapping[str, Any]], prompts: Sequence[str],
-                   tokenizer: Any, start_model: Any, *, progress: bool = False) -> tuple[Any, dict[str, Any]]:
-    """Fine-tune ``start_model`` (a copy) into the verifier on the first ``demonstrations`` records
-    (:func:`result_targets`; AdamW, warmup then cosine) and measure it on the last ``eval_size``
-    records' steps: accuracy of "wrong at probability 0.5" (:func:`step_error_probs`) against the
-    task's labels, and the recall of the wrong steps and of the right ones.
-
-    Returns:
-        ``(model in eval mode, summary)``.
-    """
-    import copy
-
-    from tqdm.auto import tqdm
-
-    from oar.optim import decay_groups, make_scheduler
-
-    n_eval = min(settings.eval_size, max(0, len(records) - 1))
-    train_recs = records[: len(records) - n_eval][: settings.demonstrations]
-    train_prompts = prompts[: len(records) - n_eval][: settings.demonstrations]
-    model = copy.deepcopy(start_model).train()
-    opt = torch.optim.AdamW(decay_groups(model, settings.weight_decay), lr=settings.lr, betas=(0.9, 0.98))
-    sched = make_scheduler(opt, warmup_steps=settings.warmup_steps, floor_step=settings.steps, schedule="cosine")
-    gen = torch.Generator().manual_seed(settings.seed)
-    t0 = time.perf_counter()
-    losses = []
-    for _ in tqdm(range(settings.steps), desc="verifier", disable=not progress, dynamic_ncols=True):
-        idx = torch.randint(len(train_recs), (settings.batch_size,), generator=gen).tolist()
-        ids, mask, labels = result_targets([train_recs[i] for i in idx], [train_prompts[i] for i in idx], tokenizer)
-        logits = model(input_ids=ids, attention_mask=mask).logits.float()
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
-                                                 ignore_index=-100)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        sched.step()
-        losses.append(loss.item())
-    model.eval()
-    eval_recs, eval_prompts = records[len(records) - n_eval:], prompts[len(records) - n_eval:]
-    probs = step_error_probs(model, tokenizer, eval_prompts, [r["solution"] for r in eval_recs],
-                             [r["result_spans"] for r in eval_recs])
-    said = torch.tensor([p >= 0.5 for row in probs for p in row])
-    truth = torch.tensor([k in set(r.get("demo_errors") or ()) for r in eval_recs for k in range(len(r["result_spans"]))])
-    summary = {"train_records": len(train_recs), "eval_steps": int(len(truth)), "wrong_share": float(truth.float().mean()),
-               "eval_accuracy": float((said == truth).float().mean()),
-               "eval_recall_wrong": float(said[truth].float().mean()) if truth.any() else None,
-               "eval_recall_right": float((~said[~truth]).float().mean()) if (~truth).any() else None,
-               "final_loss_mean50": sum(losses[-50:]) / max(1, len(losses[-50:])),
-               "loss_curve": [[i + 1, v] for i, v in enumerate(losses)],
-               "seconds": time.perf_counter() - t0}
-    return model, summary
-
-
-def save_verifier(model: Any, tokenizer: Any, folder: str | Path, summary: Mapping[str, Any]) -> None:
-    """``save_pretrained`` of the verifier and its tokenizer into ``folder`` (atomically), with
-    :data:`oar.io.VERIFIER_SUMMARY`."""
-    from oar.io import atomic_path
-
-    with atomic_path(Path(folder)) as tmp:
-        tmp.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / VERIFIER_SUMMARY).write_text(json.dumps(dict(summary), indent=2, default=str))
 
 
 @functools.lru_cache(maxsize=4)
@@ -213,49 +110,16 @@ def step_error_probs(model: Any, tokenizer: Any, prompts: Sequence[str], respons
     ``result_spans``: character spans per step, as :func:`oar.task.parsing.parse_response` gives them)."""
     out: list[list[float]] = []
     for lo in range(0, len(responses), chunk):
-        ids, mask, p_lens, maps = _encode(tokenizer, prompts[lo:lo + chunk], responses[lo:lo + chunk])
+        ids, mask, p_lens, maps = encode_responses(tokenizer, prompts[lo:lo + chunk], responses[lo:lo + chunk])
         device = next(model.parameters()).device
-        lp = _step_logprobs(model, ids.to(device), mask.to(device)).cpu()
+        lp = token_logprobs(model, ids.to(device), mask.to(device)).cpu()
         for i, spans in enumerate(result_spans[lo:lo + chunk]):
             row = []
             for span in spans:
-                pos = _span_positions(span, p_lens[i], maps[i])
+                pos = span_positions(span, p_lens[i], maps[i])
                 row.append(1.0 - math.exp(float(lp[i, pos].mean())) if pos else 0.0)
             out.append(row)
     return out
-
-
-def verifier_from_config(config: Mapping[str, Any], model_dir: str | Path, output_dir: str | Path, *,
-                         progress: bool = True) -> dict[str, Any]:
-    """``oar verifier``: the verifier of ``config``'s task fine-tuned from the start model ``model_dir``
-    on the task's training records (their demonstrations), saved into ``output_dir`` with its summary
-    (the settings, the held-out accuracy, the start model and the provenance of this run).
-
-    Raises:
-        oar.io.OutputPathError, oar.models.ModelLoadError: from the checks of the output folder and
-            the start model's files, before anything is written.
-    """
-    from datetime import datetime, timezone
-
-    from oar.data.prompts import render_prompt
-    from oar.data.records import training_records
-    from oar.io import check_output_folder
-    from oar.models import check_model_files, load_policy
-    from oar.provenance import provenance, with_end_time
-
-    started = datetime.now(timezone.utc)
-    check_output_folder(Path(output_dir), what="the verifier folder (--output)")
-    spec = dict(config["model"], source=str(model_dir), gguf_file=None)
-    check_model_files(spec)
-    settings = VerifierSettings.from_config(config)
-    model, tokenizer = load_policy(spec)
-    records = training_records(config["task"])
-    prompts = [render_prompt(config["task"]["template"], r["question"], tokenizer) for r in records]
-    verifier, summary = train_verifier(settings, records, prompts, tokenizer, model, progress=progress)
-    summary = {**summary, "settings": dict(settings.__dict__), "start_model": str(model_dir),
-               "provenance": with_end_time(provenance(device="cpu", started=started))}
-    save_verifier(verifier, tokenizer, output_dir, summary)
-    return summary
 
 
 def first_wrong_step(probs: Sequence[float], threshold: float) -> int:

@@ -8,7 +8,7 @@
   one loader RL training, SFT and ``oar data`` share.
 
 The data stage built on them (``oar data``: the manifest, and the checks against the model and the
-reward) is :mod:`oar.manifest` and :mod:`oar.data_checks`, above the model and evaluation layers.
+reward) is :mod:`oar.pipeline.data_stage` and :mod:`oar.evaluate.prompt_checks`, above the model and evaluation layers.
 """
 
 from oar.data.benchmarks import BENCHMARK_NAMES, HubUnavailableError, load_benchmark

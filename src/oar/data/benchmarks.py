@@ -11,7 +11,7 @@ aime24          ``problem``          ``answer`` (str)
 amc23           ``problem``          ``answer`` (a float such as 27.0, written "27"; non-integers as
                                      Python's shortest float repr)
 math500         ``problem``          ``answer`` (str)
-minerva_math    ``problem``          the last ``\\boxed{}`` of ``solution`` (:func:`oar.answer.extract_boxed`)
+minerva_math    ``problem``          the last ``\\boxed{}`` of ``solution`` (:func:`oar.reward.answer.extract_boxed`)
 olympiadbench   ``question``         ``final_answer`` (a list): its items joined with ", "; the list is
                                      kept in the extra key ``answers``. Items are kept as written
                                      (often ``$...$``-wrapped LaTeX).
@@ -54,9 +54,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 from urllib.parse import urlparse
 
-from oar.answer import extract_boxed
+from oar.reward.answer import extract_boxed
 from oar.data import synthetic
-from oar.io import read_jsonl
+from oar.core.io import read_jsonl
 
 __all__ = [
     "BENCHMARKS",

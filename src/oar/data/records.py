@@ -4,8 +4,8 @@
 ``task.seed`` and ``task.synthetic``'s options); ``task.kind: benchmark`` reads every record of
 ``task.benchmark`` (``name``; ``source``, a local file or folder, else the hub; optional ``levels``) and refuses an empty set, naming the
 file and the filters, so that ``oar data`` fails before any training does. SFT takes its own
-held-out slice off the end of a benchmark's records (:func:`oar.sft.sft_data`); the evaluation
-benchmarks have their own entries (:func:`oar.evaluate.load_benchmark_entry`).
+held-out slice off the end of a benchmark's records (:func:`oar.trainer.sft_stage.sft_data`); the evaluation
+benchmarks have their own entries (:func:`oar.evaluate.evaluation.load_benchmark_entry`).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ Spans (``[start, end)`` character offsets into ``solution``):
 
 - ``result_spans``: the digits (sign excluded) of the right-hand side of every ``=`` step, in step
   order, including the last step's result; the copy inside ``\\boxed{}`` is NOT included (it can be
-  located with :func:`oar.answer.last_boxed_span`).
+  located with :func:`oar.reward.answer.last_boxed_span`).
 - ``filler_spans``: every filler word (without the space that follows it).
 
 Splits: every question is assigned to a pool by a stable hash (``hashlib.sha256`` of the question

@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable, Mapping
 
-from oar.credit import CreditResult, estimator_needs_continuations, estimator_needs_model, get_estimator
+from oar.credit import CreditResult, estimator_spec
 
 __all__ = ["NORM_OPTION", "bridgeable_estimator", "takes_option", "with_norm_by_std"]
 
@@ -29,20 +29,20 @@ def bridgeable_estimator(estimator: str, framework: str) -> Callable[..., Credit
     Raises:
         ValueError: one line, when the estimator needs the policy or continuations sampled from it
             (these cannot run in the framework's advantage step, see the module docstring).
-        KeyError: an unknown estimator (:func:`oar.credit.get_estimator`).
+        KeyError: an unknown estimator (:func:`oar.credit.estimator_spec`).
     """
-    fn = get_estimator(estimator)
-    if estimator_needs_continuations(estimator):
+    spec = estimator_spec(estimator)
+    if spec.needs_continuations:
         raise ValueError(
             f"oar estimator {estimator!r} samples continuations from the policy (needs_continuations), which the "
             f"{framework} adapter cannot give it; use an estimator without the model (grpo, drgrpo, ktae, oracle_*) "
             "or oar's own trainer (oar train)")
-    if estimator_needs_model(estimator):
+    if spec.needs_model:
         raise ValueError(
             f"oar estimator {estimator!r} calls the policy model inside the advantage step (needs_model), which the "
             f"{framework} adapter cannot give it; use an estimator without the model (grpo, drgrpo, ktae, oracle_*) "
             "or oar's own trainer (oar train)")
-    return fn
+    return spec.fn
 
 
 def takes_option(fn: Callable[..., Any], option: str) -> bool:

@@ -5,7 +5,7 @@ metadata or a known hub id), :mod:`oar.plan.settings` (what the formulas read, t
 from the validated config, and the update's largest forward in its ``train.packing`` layout),
 :mod:`oar.plan.memory` (the terms, the per-phase totals and the verdict) and
 :mod:`oar.plan.format` (the text ``oar plan`` prints). When SLURM signals a training job before
-its time limit is the workflow's business (:mod:`oar.launch`).
+its time limit is the workflow's business (:mod:`oar.pipeline.launch`).
 
 Every number here is arithmetic on the model's shape and the config; nothing is loaded and no
 accelerator is needed, so the workflow can refuse a config that cannot fit before any GPU job runs.
@@ -23,7 +23,7 @@ response token except under ``none``):
   ``train.master_dtype: model``.
 - **gradients** the same size (plus DDP's bucket copy of every gradient when ``W > 1``). Under fsdp
   with several micro-batches per mini-batch, gradient sync is off until the last one
-  (``oar.strategy.FSDPStrategy.sync_context``) and FSDP2 then keeps every gradient **unsharded in
+  (``oar.trainer.strategy.FSDPStrategy.sync_context``) and FSDP2 then keeps every gradient **unsharded in
   float32** (``P x 4`` per GPU) through the update: **accumulated gradients (unsharded)**; the
   sharded ones exist from the last micro-batch to the next mini-batch.
 - **optimizer states** AdamW's ``exp_avg`` and ``exp_avg_sq``: ``2 x`` the master weights.
@@ -50,7 +50,7 @@ response token except under ``none``):
   a layer's MLP intermediates (``3cI``) exist while it runs (**one layer's intermediates**) and
   one layer is rebuilt in the backward (**recompute**).
 - **logits**: ``positions x V x 4`` bytes per float32 copy and :data:`LOGITS_COPIES` copies alive at
-  the end of the trainer's forward (``oar.update.policy_forward`` with the entropy): the float32
+  the end of the trainer's forward (``oar.trainer.update.policy_forward`` with the entropy): the float32
   logits, the log-softmax saved for the backward, and the entropy's own log-softmax, ``exp`` and
   product (at the start of the backward one fewer plus the lm_head gradient, when that is more);
   plus the final norm's saved tensors. This term dominates models with large vocabularies.
@@ -88,9 +88,8 @@ benchmarks/README.md, "Measured numbers".
 """
 
 from oar.plan.format import format_plan
-from oar.plan.memory import (CREDIT_PASSES, FSDP_UNSHARDED_ACCUMULATION, LOGITS_COPIES, MEMORY_PHASES,
-                             PROBE_TAIL_TOKENS, GiB, PlanResult, Term, credit_terms, engine_memory, engine_terms, gib,
-                             layer_activation_bytes, plan, training_memory, training_terms)
+from oar.plan.memory import CREDIT_PASSES, FSDP_UNSHARDED_ACCUMULATION, LOGITS_COPIES, PROBE_TAIL_TOKENS, credit_terms, engine_memory, engine_terms, plan, training_memory, training_terms
+from oar.plan.terms import MEMORY_PHASES, GiB, PlanResult, Term, gib, layer_activation_bytes
 from oar.plan.settings import (VLLM_DEFAULTS, MicroBatchShape, PlanSettings, micro_batch_shape, train_layout,
                                world_size)
 from oar.plan.shape import KNOWN_MODELS, TINY_VOCAB_SIZE, ModelShape, PlanError, dtype_bytes, model_shape

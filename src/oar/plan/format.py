@@ -1,9 +1,9 @@
 """``oar plan``'s text: the settings, the training and engine tables, the per-phase totals and the
-verdict of a :class:`~oar.plan.memory.PlanResult`."""
+verdict of a :class:`~oar.plan.terms.PlanResult`."""
 
 from __future__ import annotations
 
-from oar.plan.memory import MEMORY_PHASES, PlanResult, gib
+from oar.plan.terms import MEMORY_PHASES, PlanResult, gib
 
 __all__ = ["format_plan"]
 

@@ -5,29 +5,23 @@ each term counts), and :func:`plan`, the verdict against ``plan.gpu_memory_gb``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Any
 
 from oar.plan.settings import PlanSettings, world_size
 from oar.plan.shape import ModelShape, dtype_bytes, model_shape
+from oar.plan.terms import GiB, MEMORY_PHASES, PlanResult, Term, gib, layer_activation_bytes
 
-__all__ = ["GiB", "MEMORY_PHASES", "LOGITS_COPIES", "FSDP_UNSHARDED_ACCUMULATION", "CREDIT_PASSES",
-           "PROBE_TAIL_TOKENS", "Term", "PlanResult", "gib", "layer_activation_bytes", "training_terms",
-           "training_memory", "engine_terms", "engine_memory", "credit_terms", "plan"]
+__all__ = ["LOGITS_COPIES", "FSDP_UNSHARDED_ACCUMULATION", "CREDIT_PASSES", "PROBE_TAIL_TOKENS", "training_terms", "training_memory", "engine_terms", "engine_memory", "credit_terms", "plan"]
 
-GiB = 1024**3
-#: Phases whose live memory is summed separately; the largest is the peak. ``credit``: the credit
-#: estimators' own passes through the gathered policy, after the rollout (the engine asleep, unless
-#: the estimator samples continuations through it).
-MEMORY_PHASES = ("forward", "logits", "backward", "backward end", "step", "rollout", "credit")
+
 _ALL = MEMORY_PHASES
 _ROLLOUT = ("rollout", "credit")
 _UPDATE = ("forward", "logits", "backward", "backward end")
 _SAVED = ("forward", "logits", "backward")
-#: float32 ``positions x V`` tensors alive at the end of ``oar.update.policy_forward(with_entropy=True)``:
+#: float32 ``positions x V`` tensors alive at the end of ``oar.trainer.update.policy_forward(with_entropy=True)``:
 #: the logits, the log-softmax the backward keeps, and the entropy's log-softmax, exp and product.
 LOGITS_COPIES = 5
-#: ``oar.strategy.FSDPStrategy.sync_context`` turns gradient sync off for all but the last
+#: ``oar.trainer.strategy.FSDPStrategy.sync_context`` turns gradient sync off for all but the last
 #: micro-batch of a mini-batch; FSDP2 then accumulates every gradient unsharded, in float32.
 FSDP_UNSHARDED_ACCUMULATION = True
 #: The credit estimators that run passes of their own through the policy, and what the passes are
@@ -43,92 +37,6 @@ CREDIT_PASSES: dict[str, str] = {
 #: Positions at the end of a credit probe whose logits the outcome reads (the conclude string and a
 #: boxed answer's tokens: ``oar.credit.importance.common.logits_to_keep``), as the plan counts them.
 PROBE_TAIL_TOKENS = 16
-
-
-def gib(n: int | float) -> str:
-    """``n`` bytes in GiB, two decimals (how the plan prints every size)."""
-    return f"{n / GiB:.2f}"
-
-
-@dataclass(frozen=True)
-class Term:
-    """One row of the plan: ``bytes`` per GPU, alive in ``phases``; ``cpu_bytes`` kept in CPU memory."""
-
-    name: str
-    bytes: int
-    phases: tuple[str, ...]
-    note: str = ""
-    hint: str = ""  # the config keys that shrink it
-    cpu_bytes: int = 0
-    # a credit pass (:func:`credit_terms`): one method's alternative, never alive beside another's;
-    # ``engine``: the vLLM engine is awake during it (it samples continuations)
-    credit_pass: bool = False
-    engine: bool = False
-
-
-@dataclass
-class PlanResult:
-    """A config's plan: terms, per-phase totals, the verdict and (when it does not fit) the message.
-
-    ``padded``: planned with a padding mask (:func:`layer_activation_bytes`); ``credit``: the
-    passes of :data:`CREDIT_PASSES` the config's methods run (:func:`credit_terms`), each with the
-    credit phase's total when it runs (``credit_totals``, by term name)."""
-
-    shape: ModelShape
-    world_size: int
-    gpu_bytes: int
-    headroom_bytes: int
-    terms: list[Term]
-    engine: list[Term]
-    phase_totals: dict[str, int]
-    peak_phase: str
-    fits: bool
-    breaker: str | None
-    message: str
-    settings: PlanSettings
-    padded: bool = True
-    credit: list[Term] = field(default_factory=list)
-    credit_totals: dict[str, int] = field(default_factory=dict)
-
-    def engine_in(self, phase: str) -> bool:
-        """Whether the vLLM engine's share counts in ``phase``'s total (in the credit phase: for its
-        largest pass)."""
-        share = next((t for t in self.engine if t.name == "vLLM share"), None)
-        if share is None:
-            return False
-        if phase != "credit":
-            return phase in share.phases
-        worst = max(self.credit, key=lambda t: self.credit_totals[t.name], default=None)
-        return "credit" in share.phases or (worst is not None and worst.engine)
-
-    @property
-    def peak_bytes(self) -> int:
-        return self.phase_totals[self.peak_phase]
-
-
-# -------------------------------------------------------------------------------- activations
-
-
-def layer_activation_bytes(shape: ModelShape, *, act_bytes: int, seq: int, autocast: bool = False,
-                           padded: bool = True) -> int:
-    """Bytes one decoder layer saves for its backward, per token (see the module doc).
-
-    Args:
-        act_bytes: bytes of the compute dtype.
-        seq: sequence length (the float attention mask SDPA builds from a padding mask is ``seq`` wide).
-        autocast: float32 weights under ``torch.autocast`` (ddp with a 16-bit compute dtype).
-        padded: a padding mask is present (real micro-batches): SDPA then gets k and v repeated to the
-            query heads and a float mask; without one (every sequence full) it runs GQA natively.
-    """
-    h, q, i, c = shape.hidden_size, shape.q_dim, shape.intermediate_size, act_bytes
-    kv = q if (padded and shape.num_kv_heads != shape.num_heads) else shape.kv_dim
-    if autocast:  # float32 stream and norms; each projection casts the norm output for itself
-        norms = 2 * (4 * h + 4 * h) + 5 * c * h
-    else:
-        norms = 2 * (4 * h + 2 * c * h)
-    attention = c * (3 * q + 2 * kv) + 4 * shape.num_heads + (c * seq if padded else 0)
-    mlp = 4 * c * i
-    return norms + attention + mlp
 
 
 def _activation_terms(shape: ModelShape, s: PlanSettings, *, padded: bool, lm_head_grad: int) -> list[Term]:
@@ -169,9 +77,6 @@ def _activation_terms(shape: ModelShape, s: PlanSettings, *, padded: bool, lm_he
                       f"gradients of one layer's MLP intermediates (2 x {c} B x {I} per token) and of the "
                       f"residual stream", "a smaller train.micro_batch_size"))
     return terms
-
-
-# ----------------------------------------------------------------------------------- training
 
 
 def training_terms(config: dict, world: int | None = None, *, padded: bool = True,
@@ -237,7 +142,7 @@ def _state_terms(shape: ModelShape, s: PlanSettings) -> list[Term]:
                           f"{P / 1e9:.3g}B x 4 B: FSDP2 accumulates unsharded float32 gradients while gradient sync "
                           f"is off ({s.micro_batches} micro-batches per mini-batch)",
                           "train.micro_batch_size = train.mini_batch_size (one micro-batch per mini-batch), or "
-                          "reduce-scatter every micro-batch (oar.strategy.FSDPStrategy.sync_context)"))
+                          "reduce-scatter every micro-batch (oar.trainer.strategy.FSDPStrategy.sync_context)"))
     else:
         terms.append(placed("gradients", grads, gnote, more))
     terms.append(placed("optimizer states", 2 * local * mb, f"AdamW exp_avg + exp_avg_sq, 2 x {mb} B {where}", more))
@@ -335,9 +240,6 @@ def training_memory(config: dict, world: int | None = None, *, padded: bool = Tr
     return {t.name: t.bytes for t in training_terms(config, world, padded=padded)}
 
 
-# ------------------------------------------------------------------------------------- engine
-
-
 def engine_terms(config: dict, world: int | None = None, *, shape: ModelShape | None = None) -> list[Term]:
     """The vLLM engine of ``rollout.engine: vllm`` (empty for ``hf``): what it holds inside its share
     of the GPU, the share itself last (``name == 'vLLM share'``)."""
@@ -388,10 +290,6 @@ def engine_memory(config: dict, world: int | None = None) -> dict[str, int]:
     return {t.name: t.bytes for t in engine_terms(config, world)}
 
 
-
-# ------------------------------------------------------------------------------ credit passes
-
-
 def credit_terms(config: dict, world: int | None = None, *, shape: ModelShape | None = None) -> list[Term]:
     """The credit estimators' own passes through the policy (:data:`CREDIT_PASSES`), one :class:`Term`
     per pass, each at the largest options among the config's methods that run it, alive in the
@@ -421,7 +319,7 @@ def credit_terms(config: dict, world: int | None = None, *, shape: ModelShape | 
 def _credit_terms(shape: ModelShape, s: PlanSettings, config: dict) -> list[Term]:
     if not config.get("methods"):
         return []
-    from oar.config import resolve_methods
+    from oar.config.methods import resolve_methods
     from oar.credit.importance import OarGOptions, OarPOptions
     from oar.credit.importance.common import option_names
     from oar.credit.mc_value import McValueOptions

@@ -1,6 +1,6 @@
 """What the memory model reads from a validated config, built once: :class:`PlanSettings` (the
 dtypes, the placement, the batch) and :class:`MicroBatchShape`, the largest forward the update's
-layout (``train.packing``, :mod:`oar.packing`) builds."""
+layout (``train.packing``, :mod:`oar.models.packing`) builds."""
 
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ class MicroBatchShape:
 
 def micro_batch_shape(packing: str, *, micro: int, prompt: int, response: int, n: int,
                       micro_batch_tokens: int | None, pack_length: int | None, whole: bool = False) -> MicroBatchShape:
-    """An upper bound on the largest micro-batch :func:`oar.packing.plan_micro_batches` builds from
+    """An upper bound on the largest micro-batch :func:`oar.models.packing.plan_micro_batches` builds from
     full-length responses (``response`` tokens each, prompts of ``prompt`` tokens, groups of ``n``,
     mini-batches drawn at random), at most ``micro`` responses and (every layout but ``none``)
     ``micro_batch_tokens`` positions per forward (a test checks it against the planner). ``whole``:
@@ -219,7 +219,7 @@ class PlanSettings:
         gpu_gb, memory_source = memory_gb(config, on_gpu=on_gpu)
         kl_methods: list[str] = []
         if config.get("methods"):
-            from oar.config import resolve_methods
+            from oar.config.methods import resolve_methods
 
             kl_methods = sorted(name for name, meth in resolve_methods(config).items() if meth.recipe["kl_coef"] > 0)
         return cls(

@@ -13,7 +13,7 @@ __all__ = ["PlanError", "ModelShape", "KNOWN_MODELS", "TINY_VOCAB_SIZE", "dtype_
 
 _DTYPE_BYTES = {"float32": 4, "float": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
                 "half": 2}
-#: Vocabulary of the tiny model's character tokenizer (``oar.models.build_tiny_tokenizer``: 4
+#: Vocabulary of the tiny model's character tokenizer (``oar.models.tiny.build_tiny_tokenizer``: 4
 #: special tokens and 96 characters); a test checks it against the tokenizer.
 TINY_VOCAB_SIZE = 100
 

@@ -40,12 +40,12 @@ sampled answers, ``pass@k`` whether any of them is correct. Table cells are in p
 is over seeds (sample standard deviation, ddof 1; a single seed shows no ±). The "Average" column is
 the unweighted mean over benchmarks, computed per seed.
 
-Paired differences (:mod:`oar.stats`): for each benchmark, the per-problem difference
+Paired differences (:mod:`oar.core.stats`): for each benchmark, the per-problem difference
 ``d[s, i] = score_m[s, i] - score_ref[s, i]`` is paired by (seed, problem id) over the seeds both have
 (the base row, one evaluation, is paired with every seed); the estimate is the mean of ``d``. The
 training seed is the unit of replication: each seed gives one difference ``D_s = mean_i d[s, i]``
 (the Average column: the mean over benchmarks, per seed), and the interval is the t interval over
-the ``S`` values ``D_s`` (:func:`oar.stats.seed_interval`); the minimum detectable difference under
+the ``S`` values ``D_s`` (:func:`oar.core.stats.seed_interval`); the minimum detectable difference under
 each table is ``(t_{S-1, 1-alpha/2} + t_{S-1, power}) sd / sqrt(S)`` with ``sd`` the median over
 methods of the sd of their ``D_s`` (:func:`column_mde`), with the seeds that would bring it to
 ``report.target_mde``. The problem-level bootstrap (resampling problems with the problem's
@@ -63,20 +63,20 @@ Modules (every name is importable from ``oar.report``):
 - :mod:`oar.report.render` -- ``main.md`` / ``main.tex`` from the long tables.
 - :mod:`oar.report.build` -- :func:`build_report`, :func:`report_metrics`.
 
-The data manifest (:func:`data_manifest`, :func:`write_data_manifest`) is :mod:`oar.manifest`,
+The data manifest (:func:`data_manifest`, :func:`write_data_manifest`) is :mod:`oar.pipeline.data_stage`,
 re-exported here.
 """
 
 from __future__ import annotations
 
-from oar.manifest import data_manifest, write_data_manifest
+from oar.pipeline.data_stage import data_manifest, write_data_manifest
 from oar.report.base import BASE_ROW, METRICS, REPORT_DEFAULTS, ReportError, RunScores
 from oar.report.build import build_report, report_metrics
 from oar.report.efficiency import PHASES, efficiency_table, load_metrics
 from oar.report.figures import plot_credit_concentration, plot_training_curves
 from oar.report.scores import load_scores
 from oar.report.tables import column_mde, main_table, start_model_table, transfer_table
-from oar.stats import paired_bootstrap
+from oar.core.stats import paired_bootstrap
 
 __all__ = [
     "BASE_ROW",

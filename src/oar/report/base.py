@@ -12,7 +12,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from oar.config import section_defaults
+from oar.config.validate import section_defaults
 
 __all__ = ["BASE_ROW", "EVAL_FOLDER", "TRANSFER_FOLDER", "METRICS", "REPORT_DEFAULTS", "ReportError", "RunScores",
            "per_seed_values", "transfer_rows"]
@@ -58,7 +58,7 @@ def results_root(config: Mapping[str, Any], results: str | Path | None) -> Path:
 
 def rows_of(config: Mapping[str, Any]) -> list[tuple[str, str]]:
     """``(row name, label)``: base first, then every method in config order."""
-    from oar.config import resolve_methods
+    from oar.config.methods import resolve_methods
 
     methods = resolve_methods(dict(config))
     return [(BASE_ROW, "Base")] + [(name, m.label or name) for name, m in methods.items()]

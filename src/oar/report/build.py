@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 from typing import Any, Mapping
 
-from oar.io import atomic_write_text
+from oar.core.io import atomic_write_text
 from oar.report.base import (BASE_ROW, TRANSFER_FOLDER, ReportError, eval_dirs, report_option, results_root, rows_of,
                              transfer_rows)
 from oar.report.efficiency import all_metrics, efficiency_table
@@ -25,14 +25,14 @@ def report_metrics(config: Mapping[str, Any]) -> list[str]:
 
 
 def result_provenances(config: Mapping[str, Any], root: str | Path) -> dict[str, list[dict | None]]:
-    """The recorded provenance (:mod:`oar.provenance`) of every result the report summarises:
+    """The recorded provenance (:mod:`oar.core.provenance`) of every result the report summarises:
     ``{"training runs": [...], "evaluations": [...]}``, one entry per ``train_summary.json`` of each
     method and seed and per evaluation ``summary.json`` (the base row first), and with
     ``eval.transfer.benchmarks`` ``"transfer evaluations"``, one per transfer ``summary.json``; None for
     a file without one (written before provenance was recorded) or that cannot be read."""
     import json
 
-    from oar.runs import SUMMARY_FILE
+    from oar.trainer.runs import SUMMARY_FILE
 
     root = Path(root)
     seeds = list(config.get("seeds") or [0])
@@ -56,10 +56,10 @@ def result_provenances(config: Mapping[str, Any], root: str | Path) -> dict[str,
 
 
 def provenance_footer(provenances: Mapping[str, list[dict | None]]) -> str | None:
-    """The last line of ``main.md``: :func:`oar.provenance.describe` over ``provenances``
+    """The last line of ``main.md``: :func:`oar.core.provenance.describe` over ``provenances``
     (:func:`result_provenances`), or None when none of them has a provenance (then ``main.md`` has
     no footer, as before provenance was recorded)."""
-    from oar.provenance import describe
+    from oar.core.provenance import describe
 
     every = [p for group in provenances.values() for p in group]
     counts = ", ".join(f"{len(group)} {name}" for name, group in provenances.items())
@@ -67,7 +67,7 @@ def provenance_footer(provenances: Mapping[str, list[dict | None]]) -> str | Non
 
 
 def _all_heldout(config: Mapping[str, Any], root: Path) -> dict[str, dict[int, "pd.DataFrame"]]:  # noqa: F821
-    from oar.learning_curves import load_heldout
+    from oar.report.learning_curves import load_heldout
 
     seeds = list(config.get("seeds") or [0])
     methods = [name for name, _ in rows_of(config) if name != BASE_ROW]
@@ -88,7 +88,7 @@ def build_report(
     """Write the tables and figures of a finished results tree (see the module docstring).
 
     Args:
-        config: a validated config (:func:`oar.config.load_config`).
+        config: a validated config (:func:`oar.config.load.load_config`).
         results: the results folder ``R`` (default ``<results_dir>/<name>``).
         reference: the method differences and overheads are relative to (default ``report.reference``).
         seed: bootstrap seed.
@@ -109,7 +109,7 @@ def build_report(
     """
     import pandas as pd
 
-    from oar.learning_curves import learning_speed_table, plot_learning_curves, steps_to_threshold
+    from oar.report.learning_curves import learning_speed_table, plot_learning_curves, steps_to_threshold
 
     root = results_root(config, results)
     labels = dict(rows_of(config))
@@ -179,7 +179,7 @@ def _write_main_markdown(
     """Write ``tables/main.md`` (the main tables, ``extra`` (the sections of ``report.also_against``
     and ``report.efficiency_oracle``), the steps to ``threshold`` and the learning speed, ``transfer``
     (the transfer section, apart from the comparison), and the provenance footer) and ``tables/main.tex``."""
-    from oar.learning_curves import learning_speed_markdown, threshold_markdown
+    from oar.report.learning_curves import learning_speed_markdown, threshold_markdown
     from oar.report.render import main_latex, main_markdown
 
     md = main_markdown(
@@ -216,8 +216,8 @@ def _write_transfer(config: Mapping[str, Any], root: Path, out: dict[str, Path],
 def _report_threshold(config: Mapping[str, Any], heldout: Mapping[str, Mapping[int, Any]], reference: str,
                       ref_label: str) -> tuple[float, str]:
     """The held-out accuracy the steps to threshold are counted to (``report.threshold``, else
-    :func:`oar.learning_curves.auto_threshold`; NaN when there is none) and how it was chosen."""
-    from oar.learning_curves import auto_threshold
+    :func:`oar.report.learning_curves.auto_threshold`; NaN when there is none) and how it was chosen."""
+    from oar.report.learning_curves import auto_threshold
 
     threshold = report_option(config, "threshold", None)
     if threshold is None:

@@ -1,7 +1,7 @@
 """Credit efficiency: how much of the credit an oracle captures over the reference a method captures.
 
 ``(method - reference) / (oracle - reference)`` per benchmark column of :func:`oar.report.tables.main_table`,
-with the Fieller interval over training seeds (:func:`oar.stats.fieller_ratio_interval`): numerator and
+with the Fieller interval over training seeds (:func:`oar.core.stats.fieller_ratio_interval`): numerator and
 denominator are the same seed's differences from the reference, so the pairing by seed is kept and
 the interval widens as the oracle's own lead becomes uncertain (it is unbounded when the oracle's
 interval contains 0). Written as ``tables/credit_efficiency.csv`` and a section of ``main.md`` when
@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from oar.markdown import markdown_table
+from oar.core.markdown import markdown_table
 from oar.report.base import BASE_ROW, ReportError, per_seed_values
 
 __all__ = ["EFFICIENCY_COLUMNS", "credit_efficiency_table", "credit_efficiency_markdown"]
@@ -35,10 +35,10 @@ def credit_efficiency_table(table: "pd.DataFrame", *, oracle: str, confidence: f
         oracle: the method whose lead over the reference is the denominator.
         confidence: coverage of the Fieller interval.
         pairing: ``seed`` (``report.pairing``'s default): each seed's differences from the
-            reference's same seed (:func:`oar.stats.fieller_ratio_interval`); ``none``: the method's,
+            reference's same seed (:func:`oar.core.stats.fieller_ratio_interval`); ``none``: the method's,
             the oracle's and the reference's per-seed scores as three independent samples
-            (:func:`oar.stats.fieller_ratio_interval_unpaired`; the differences and their p values
-            Welch's, :func:`oar.stats.welch_interval`), for a design whose seeds share nothing
+            (:func:`oar.core.stats.fieller_ratio_interval_unpaired`; the differences and their p values
+            Welch's, :func:`oar.core.stats.welch_interval`), for a design whose seeds share nothing
             across methods (docs/methods.md, 7.1).
         reference: the reference's row (needed with ``pairing: none``).
 
@@ -84,7 +84,7 @@ def credit_efficiency_table(table: "pd.DataFrame", *, oracle: str, confidence: f
 
 def _unpaired(row: "pd.Series", oracle: "pd.Series", reference: "pd.Series", confidence: float) -> dict:  # noqa: F821
     """The efficiency record of ``row`` with the three rows' per-seed scores as independent samples."""
-    from oar.stats import fieller_ratio_interval_unpaired, welch_interval
+    from oar.core.stats import fieller_ratio_interval_unpaired, welch_interval
 
     m, o, g = (per_seed_values(x["per_seed"]) for x in (row, oracle, reference))
     diff, low, high, _, p = welch_interval(m, g, confidence=confidence)
@@ -95,7 +95,7 @@ def _unpaired(row: "pd.Series", oracle: "pd.Series", reference: "pd.Series", con
 
 
 def _fieller(method_joined: str, oracle_joined: str, confidence: float) -> tuple[float, float, float]:
-    from oar.stats import fieller_ratio_interval
+    from oar.core.stats import fieller_ratio_interval
 
     n, d = np.asarray(per_seed_values(method_joined)), np.asarray(per_seed_values(oracle_joined))
     if n.size != d.size:

@@ -23,7 +23,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from oar.markdown import markdown_table
+from oar.core.markdown import markdown_table
 from oar.report.base import per_seed_values
 
 __all__ = ["REFERENCE_FORMAT", "READABLE_FORMATS", "Cell", "run_values", "config_identity", "save_reference",
@@ -90,13 +90,13 @@ def _provenance_of(results: Path) -> dict[str, Any]:
 
 
 def config_identity(results: str | Path) -> dict[str, str]:
-    """What defines the results of a run's config, section by section (:func:`oar.identity.fingerprint`
+    """What defines the results of a run's config, section by section (:func:`oar.config.identity.fingerprint`
     of its resolved ``config.yaml``: model, task, sft, rollout, the train keys a run cannot change and
     continue, reward, the evaluated eval keys, recipes, methods and seeds); {} when the run has no
     ``config.yaml``. Two runs compare only when these agree."""
     import yaml
 
-    from oar.identity import EVAL_KEYS_NOT_EVALUATED, RESUMABLE_TRAIN_KEYS, fingerprint
+    from oar.config.identity import EVAL_KEYS_NOT_EVALUATED, RESUMABLE_TRAIN_KEYS, fingerprint
 
     path = Path(results) / "config.yaml"
     try:
@@ -118,7 +118,7 @@ def config_identity(results: str | Path) -> dict[str, str]:
 def save_reference(results: str | Path, path: str | Path, *, note: str = "") -> dict[str, Any]:
     """Write the reference file of the finished run ``results`` (per-seed values and provenance) to
     ``path`` (atomically); returns what was written."""
-    from oar.io import atomic_write_json
+    from oar.core.io import atomic_write_json
 
     results = Path(results)
     ref = {"format": REFERENCE_FORMAT, "note": note, "results": str(results),

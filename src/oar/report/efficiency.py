@@ -8,13 +8,13 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from oar.io import read_jsonl
+from oar.core.io import read_jsonl
 from oar.report.base import BASE_ROW, ReportError, require_files, results_root, rows_of
-from oar.runs import TIMED_PHASES
+from oar.trainer.runs import TIMED_PHASES
 
 __all__ = ["PHASES", "load_metrics", "efficiency_table"]
 
-#: The columns of a training step's time: each of ``oar.runs.TIMED_PHASES`` and the whole step
+#: The columns of a training step's time: each of ``oar.trainer.runs.TIMED_PHASES`` and the whole step
 #: (``time_<phase>`` columns of metrics.jsonl).
 PHASES = (*TIMED_PHASES, "step")
 
@@ -37,9 +37,9 @@ def load_metrics(path: str | Path) -> "pd.DataFrame":  # noqa: F821
     for k, r in enumerate(rows, 1):
         if "step" not in r:
             raise ValueError(f"{path}:{k}: metrics row without 'step'")
-    from oar.heldout import HELDOUT_KEYS
+    from oar.evaluate.heldout import HELDOUT_KEYS
 
-    # the held-out rows (oar.heldout) are read by oar.learning_curves.load_heldout
+    # the held-out rows (oar.evaluate.heldout) are read by oar.report.learning_curves.load_heldout
     rows = [r for r in rows if set(r) - {"step", *HELDOUT_KEYS}] or rows[:0]
     if not rows:
         raise ReportError(f"no training rows in {path}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from oar.io import atomic_path
+from oar.core.io import atomic_path
 
 __all__ = ["plot_training_curves", "plot_credit_concentration"]
 

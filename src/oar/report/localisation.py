@@ -17,7 +17,7 @@ import math
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from oar.io import atomic_path
+from oar.core.io import atomic_path
 from oar.report.base import ReportError
 
 __all__ = ["START_POLICY", "attribution_per_response_files", "efficiency_vs_localisation",

@@ -1,5 +1,5 @@
 """The report's MLflow run (:func:`log_report_run`): the report layer's part of every stage's runs
-(:mod:`oar.stage_runs` has the others)."""
+(:mod:`oar.tracking.stage_runs` has the others)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from oar.stage_runs import log_all_metrics, log_stage_files, report_metrics_of, stage_tags, start_run, tracking_uri
+from oar.tracking.stage_metrics import report_metrics_of
+from oar.tracking.stage_runs import log_all_metrics, log_stage_files, stage_tags, start_run, tracking_uri
 
 __all__ = ["log_report_run"]
 
@@ -22,9 +23,9 @@ def log_report_run(config: Mapping[str, Any], paths: Mapping[str, str | os.PathL
     ``params`` as params, :func:`report_metrics_of` ``main.csv``, and every table and figure of
     ``paths`` (:func:`oar.report.build_report`'s result; under ``tables/`` or ``figures/``).
     Returns the run id (None: tracking off)."""
-    from oar.config import resolve_methods
-    from oar.identity import report_fingerprint
-    from oar.provenance import provenance as current, with_end_time
+    from oar.config.methods import resolve_methods
+    from oar.config.identity import report_fingerprint
+    from oar.core.provenance import provenance as current, with_end_time
 
     from oar.report.build import provenance_footer, result_provenances
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping, Sequence
 
-from oar.markdown import markdown_table
+from oar.core.markdown import markdown_table
 from oar.report.base import BASE_ROW
 
 __all__ = ["main_markdown", "main_latex", "wide", "metric_title", "format_difference", "holm_note", "transfer_markdown"]
@@ -21,7 +21,7 @@ def holm_note(m: int, alpha: float) -> str:
     if m == 0:
         return "Bold: none (no interval to test: one seed, or no comparison)."
     return (f"Bold: the interval excludes 0 and the difference survives Holm's correction for the {m} comparisons "
-            f"of its table (familywise alpha {alpha:.2g}, oar.stats.holm_significant).")
+            f"of its table (familywise alpha {alpha:.2g}, oar.core.stats.holm_significant).")
 
 
 def metric_title(metric: str, k: int | None, temperature: float | None) -> str:
@@ -40,7 +40,7 @@ def _fmt_cell(mean: float, std: float, digits: int = 1) -> str:
 
 def format_difference(diff: float, lo: float, hi: float, *, significant: bool, digits: int = 1) -> str:
     """``+2.1 [-2.4, +6.5]``; bold only when the (seed-level) interval excludes 0 and ``significant``
-    (the caller's multiple-comparison decision, :func:`oar.stats.holm_significant` over its table)."""
+    (the caller's multiple-comparison decision, :func:`oar.core.stats.holm_significant` over its table)."""
     if math.isnan(diff):
         return "—"
     if math.isnan(lo):
@@ -53,7 +53,7 @@ def family_significance(p_values: Sequence[float], *, alpha: float) -> tuple[lis
     """Holm's decision for the comparisons of one table: (significant per p value, the family size m)."""
     import numpy as np
 
-    from oar.stats import holm_significant
+    from oar.core.stats import holm_significant
 
     p = np.asarray(p_values, dtype=np.float64)
     return list(holm_significant(p, alpha=alpha)), int(np.isfinite(p).sum())
@@ -118,7 +118,7 @@ def _interval_note(*, reference_label: str, confidence: float, n_boot: int, seed
         f"Difference from {other} in points: the mean over seeds and problems of d[s, i] = score on problem i of "
         f"{pairing}. Interval: {confidence:.0%} t interval over the {n_seeds} training seed(s), each seed one "
         f"replicate: D_s = mean_i d[s, i] (the Average column: the mean over benchmarks), mean(D) -+ "
-        f"t_(S-1) sd(D) / sqrt(S) with S - 1 = {max(n_seeds - 1, 0)} degrees of freedom (oar.stats.seed_interval; "
+        f"t_(S-1) sd(D) / sqrt(S) with S - 1 = {max(n_seeds - 1, 0)} degrees of freedom (oar.core.stats.seed_interval; "
         "no interval with one seed). " + holm_note(family, 1.0 - confidence)
         + " The problems are the same for every seed, "
         f"so which problems were drawn is not resampled; main.csv holds that problem-level interval "
@@ -292,7 +292,7 @@ def transfer_markdown(tables: Mapping[str, Any], *, confidence: float, k: int | 
              f"The transfer benchmarks (eval.transfer), evaluated with the settings above on the start model and on "
              f"{', '.join(methods) or 'no method'} only. Not a comparison: no differences, no test, nothing bold. "
              f"Cells: the score (%), for a method the mean over its {n_seeds} training seed(s) with the {confidence:.0%} "
-             "t interval over seeds (oar.stats.seed_interval; none with one seed; the problems are fixed, so only "
+             "t interval over seeds (oar.core.stats.seed_interval; none with one seed; the problems are fixed, so only "
              "the training seed varies); tables/transfer.csv holds the seed-level sd and the per-seed scores.", ""]
     for metric, df in tables.items():
         benches = list(dict.fromkeys(df["benchmark"]))

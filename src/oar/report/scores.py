@@ -2,7 +2,7 @@
 
 Loading: :func:`load_scores` (one row's seeds on one benchmark, aligned by problem id), cross-checked
 against each ``summary.json``. Pairing: ``row - reference`` by (seed, problem id), summarised at the
-seed level (:func:`oar.stats.seed_interval`) and by the problem-level bootstrap.
+seed level (:func:`oar.core.stats.seed_interval`) and by the problem-level bootstrap.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from oar.io import read_jsonl
+from oar.core.io import read_jsonl
 from oar.report.base import METRICS, ReportError, RunScores
-from oar.stats import paired_bootstrap, paired_se, per_seed_differences, seed_interval, seed_p_value
+from oar.core.stats import paired_bootstrap, paired_se, per_seed_differences, seed_interval, seed_p_value
 
 __all__ = ["load_scores"]
 
@@ -28,7 +28,7 @@ def _read_scores_file(path: Path, *, metric: str) -> dict[str, float]:
 
     Raises:
         ReportError: the file is missing.
-        ValueError: a malformed JSON line (``<file>:<line>``, from :func:`oar.io.read_jsonl`), a row
+        ValueError: a malformed JSON line (``<file>:<line>``, from :func:`oar.core.io.read_jsonl`), a row
             without ``id``/``correct`` or with a non-integer ``sample``, a second greedy answer for a
             problem (``<file>: row <k>``), or no answers of the kind ``metric`` needs.
     """
@@ -125,7 +125,7 @@ def compare_rows(row: dict[str, RunScores], ref: dict[str, RunScores], benches: 
              n_boot: int, seed: int, confidence: float) -> dict[str, Any]:
     """Paired difference (points) of ``row`` minus ``ref`` over the benchmarks ``bidx`` (one, or all
     for the Average column): the estimate; the seed-level t interval, SE and sd of the per-seed
-    differences (:func:`oar.stats.seed_interval`) and its p value (:func:`oar.stats.seed_p_value`); the
+    differences (:func:`oar.core.stats.seed_interval`) and its p value (:func:`oar.core.stats.seed_p_value`); the
     problem-level bootstrap interval and SE."""
     ds = [_paired_diff(row[benches[i]], ref[benches[i]], benches[i]) * 100.0 for i in bidx]
     # the same resamples for every row: benchmark i always uses rng [seed, i]

@@ -26,7 +26,7 @@ from oar.report.base import (
     transfer_rows,
 )
 from oar.report.scores import check_summary, compare_rows, load_scores
-from oar.stats import seed_interval, seed_mde, seeds_for_mde
+from oar.core.stats import seed_interval, seed_mde, seeds_for_mde
 
 __all__ = ["main_table", "column_mde", "start_model_table", "transfer_table"]
 
@@ -48,11 +48,11 @@ def main_table(
     Columns: ``row``, ``label``, ``metric``, ``benchmark`` (each benchmark, then ``Average``),
     ``n_problems``, ``n_seeds``, ``mean``, ``std`` (NaN for one seed), ``per_seed`` (";"-joined values);
     against ``reference``: ``diff`` (mean paired difference), ``ci_low``, ``ci_high`` (seed-level t
-    interval over the per-seed differences, :func:`oar.stats.seed_interval`), ``se`` (its SE), ``p``
-    (the t test's p value, :func:`oar.stats.seed_p_value`; Holm's correction is the renderer's),
+    interval over the per-seed differences, :func:`oar.core.stats.seed_interval`), ``se`` (its SE), ``p``
+    (the t test's p value, :func:`oar.core.stats.seed_p_value`; Holm's correction is the renderer's),
     ``sd_seed`` (sd of the per-seed differences), ``diff_per_seed`` (";"-joined per-seed mean
     differences), ``problem_ci_low``, ``problem_ci_high``, ``problem_se`` (the problem-level paired
-    bootstrap and :func:`oar.stats.paired_se`, for comparison), all NaN for the reference itself or
+    bootstrap and :func:`oar.core.stats.paired_se`, for comparison), all NaN for the reference itself or
     when the config has no method named ``reference``; against the start model (the base row):
     ``start_diff``, ``start_ci_low``, ``start_ci_high``, ``start_se``, ``start_p`` (seed level) and
     ``start_problem_ci_low``, ``start_problem_ci_high`` (NaN for the base row); ``mde``: the
@@ -177,7 +177,7 @@ def column_mde(df: "pd.DataFrame", *, reference: str, alpha: float = 0.05,  # no
     """Per benchmark column: the seed-level minimum detectable difference from ``reference`` of this
     design, the seeds that would bring it to ``target`` points, and where its sd comes from.
 
-    ``MDE = (t_{S-1, 1-alpha/2} + t_{S-1, power}) sd / sqrt(S)`` (:func:`oar.stats.seed_mde`) with
+    ``MDE = (t_{S-1, 1-alpha/2} + t_{S-1, power}) sd / sqrt(S)`` (:func:`oar.core.stats.seed_mde`) with
     ``S`` the seeds and ``sd`` the median over the methods (every row but the base row and the
     reference) of the sd of their per-seed differences from the reference; with no such method, the
     sd of the reference's per-seed differences from the start model. NaN with one seed.
@@ -239,7 +239,7 @@ def transfer_table(config: Mapping[str, Any], results: str | Path | None = None,
 
     Columns: ``row``, ``label``, ``metric``, ``benchmark``, ``n_problems``, ``n_seeds``, ``mean`` (over
     seeds), ``std`` (the seed-level sd, ddof 1; NaN for one seed), ``ci_low``, ``ci_high`` (the t
-    interval of the mean over the training seeds, :func:`oar.stats.seed_interval`; NaN for one seed,
+    interval of the mean over the training seeds, :func:`oar.core.stats.seed_interval`; NaN for one seed,
     so for the base row, one evaluation), ``per_seed`` (";"-joined values).
 
     Args:

@@ -150,7 +150,7 @@ def response_mask_from_ids(response_ids: torch.Tensor, eos_ids: Sequence[int]) -
 def prompt_add_special_tokens(tokenizer: Any, prompts: Sequence[str]) -> bool:
     """Whether prompts get the tokenizer's special tokens (e.g. BOS) when encoded.
 
-    Yes, as in training (``oar.sft.build_sft_batch``), unless every prompt already starts with the
+    Yes, as in training (``oar.trainer.sft.build_sft_batch``), unless every prompt already starts with the
     BOS text because a chat template put it there.
     """
     bos = getattr(tokenizer, "bos_token", None)
@@ -232,7 +232,7 @@ def generate_per_prompt(engine: RolloutEngine, prompts: Sequence[str], *, seeds:
 
 def engine_phase(engine: Any, strategy: Any, model: Any) -> Any:
     """Where ``engine.generate`` runs: nothing to gather for an engine with its own copy of the weights
-    (vLLM), the policy's rank-local phase (:meth:`oar.strategy.Strategy.local_phase`: a sharded policy
+    (vLLM), the policy's rank-local phase (:meth:`oar.trainer.strategy.Strategy.local_phase`: a sharded policy
     gathered) for one that samples from the policy module itself (HF)."""
     import contextlib
 

@@ -81,7 +81,7 @@ class HFEngine:
                           "(generate)", stacklevel=2)
             self.sampler = "hf"
         if tokenizer.pad_token_id is None:
-            raise ValueError("tokenizer has no pad token; oar.models.load_policy sets one")
+            raise ValueError("tokenizer has no pad token; oar.models.loading.load_policy sets one")
         self.pad_id = int(tokenizer.pad_token_id)
         eos = getattr(model.generation_config, "eos_token_id", None)
         self.eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
@@ -185,7 +185,7 @@ class HFEngine:
             eos_token_id=self.eos_ids or None,
             return_dict_in_generate=True,
             output_logits=True,
-            # the trainer gathers a sharded policy for the rollout (oar.strategy.local_phase),
+            # the trainer gathers a sharded policy for the rollout (oar.trainer.strategy.local_phase),
             # so processes need not step together (transformers would for an FSDP module)
             synced_gpus=False,
             **hf_generate_kwargs(greedy=greedy, temperature=temperature, top_p=top_p),

@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 import torch
 
-from oar.models import cache_argument
+from oar.models.loading import cache_argument
 
 __all__ = ["lean_generate", "lean_unsupported", "COMPACT_BELOW", "HeadTailLayout", "head_tail_layout"]
 

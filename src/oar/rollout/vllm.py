@@ -14,7 +14,7 @@ the leading "ExternalDP" axis). Without it, vLLM's single-process executor takes
 whatever ``LOCAL_RANK`` says (``vllm/config/device.py`` ~77, ``uniproc_executor.py`` ~85-88), so
 eight ranks' engines would share ``cuda:0``. One process (and the evaluation's engine, built without
 ``colocated``) keeps vLLM's default executor. Each rank's engine is seeded by
-:func:`oar.seeds.rank_seed`; building it leaves the trainer's random generators as they were.
+:func:`oar.core.seeds.rank_seed`; building it leaves the trainer's random generators as they were.
 
 The weight sync passes the policy's tensors to the engine by reference, so a training engine refuses
 settings under which vLLM's workers live in another process (:func:`sync_problems`): the environment's
@@ -68,7 +68,7 @@ def colocated_placement(seed: int, *, rank: int, world: int, environ: dict[str, 
     ``external_launcher`` executor (the worker in this process, on ``cuda:{LOCAL_RANK}``, in the
     trainer's process group) seeded per rank; with one, only the seed (vLLM's default executor).
     ``RANK`` and ``LOCAL_RANK``, which the executor reads, are set when the launcher left them out."""
-    from oar.seeds import rank_seed
+    from oar.core.seeds import rank_seed
 
     if world <= 1:
         return {"seed": seed}

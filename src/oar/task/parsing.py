@@ -10,7 +10,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from oar.answer import BOXED_MARKERS, last_boxed_span
+from oar.reward.answer import BOXED_MARKERS, last_boxed_span
 
 __all__ = [
     "PIVOTAL",
@@ -84,7 +84,7 @@ def parse_response(
     Args:
         text: the decoded response.
         fillers: the task's filler words.
-        markers: answer markers (as :func:`oar.answer.last_boxed_span`).
+        markers: answer markers (as :func:`oar.reward.answer.last_boxed_span`).
 
     Returns:
         a :class:`ParsedResponse`, or None when the response has no answer or does not follow the

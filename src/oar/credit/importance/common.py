@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from oar.credit.probe import Probe
-from oar.models import cache_argument
+from oar.models.loading import cache_argument
 
 #: Outcome modes understood by the importance functions.
 MODES: tuple[str, ...] = ("last", "answer_mean", "answer_joint")

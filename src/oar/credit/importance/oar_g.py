@@ -292,7 +292,7 @@ def gradient_importance(
         chunk_tokens: with ``chunk_size`` None: group the answered rows by the length each must run
             (from its first reasoning position to the end), longest first, into chunks of at most
             ``chunk_tokens`` computed positions (``rows x longest x draws``):
-            :func:`oar.packing.group_by_length`. Rows of a left-padded probe then no longer compute
+            :func:`oar.models.packing.group_by_length`. Rows of a left-padded probe then no longer compute
             the padding and prompt tokens of the longer rows beside them. None: one chunk.
         naive: run the forward over the whole probe instead of reusing the prompt prefix's KV
             cache. The cached path needs a plain full-attention ``DynamicCache``
@@ -365,7 +365,7 @@ def _chunks(sub: Probe, rows: torch.Tensor, chunk_size: int | None, chunk_tokens
         return [rows[g0 : g0 + chunk_size] for g0 in range(0, rows.numel(), chunk_size)]
     if chunk_tokens is None or rows.numel() <= 1:
         return [rows]
-    from oar.packing import group_by_length
+    from oar.models.packing import group_by_length
 
     L = sub.reasoning_mask.shape[1]
     lengths = (L - _first_reasoning(sub.reasoning_mask, L - 1)).tolist()

@@ -1,0 +1,1 @@
+"""oar.evaluate.evaluation."""

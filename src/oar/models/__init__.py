@@ -1,0 +1,1 @@
+"""oar.models.loading."""
