@@ -297,22 +297,28 @@ def bench_overrides(model: str, workdir: Path, *, steps: int, seed_task: int = 1
 
 
 def tiny_sft_model(cache: Path, *, steps: int = 900, progress: bool = False) -> Path:
-    """Folder of the warm-started tiny model (``oar.trainer.sft_stage.sft_from_config`` with ``steps`` SFT
-    steps and the default config otherwise), trained once and cached in ``cache/tiny_sft<steps>``."""
-    from oar.config.load import load_config
-    from oar.trainer.sft_stage import sft_from_config
+    """Folder of the warm-started tiny model (the default config with ``steps`` SFT steps), trained
+    once into the library's SFT cache (``sft.cache_dir`` = ``cache``: the entry
+    ``cache/<oar.config.identity.sft_cache_key>``, :func:`oar.trainer.sft_stage.sft_or_cached`), which
+    ``oar sft`` with the same settings shares."""
+    import tempfile
 
-    out = cache / f"tiny_sft{steps}"
-    if (out / "sft_summary.json").exists():
-        return out
+    from oar.config.identity import sft_cache_key
+    from oar.config.load import load_config
+    from oar.trainer.sft_stage import sft_or_cached
+
+    cfg = load_config(CONFIG, {"sft": {"steps": steps, "eval_size": 100, "cache_dir": str(cache)},
+                               "reward": {"workers": 1}, "task": {"synthetic": dict(TINY_TASK)}})
+    entry = cache / sft_cache_key(cfg)
+    if (entry / "sft_summary.json").is_file():
+        return entry
     cache.mkdir(parents=True, exist_ok=True)
-    print(f"[bench] warm-start SFT of the tiny model ({steps} steps) -> {out}", flush=True)
+    print(f"[bench] warm-start SFT of the tiny model ({steps} steps) -> {entry}", flush=True)
     t0 = time.perf_counter()
-    cfg = load_config(CONFIG, {"sft": {"steps": steps, "eval_size": 100}, "reward": {"workers": 1},
-                               "task": {"synthetic": dict(TINY_TASK)}})
-    summary = sft_from_config(cfg, out, progress=progress)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:  # the run's own folder; the cache keeps the entry
+        summary = sft_or_cached(cfg, Path(tmp) / "sft", progress=progress)
     print(f"[bench] SFT done in {time.perf_counter() - t0:.0f} s, greedy accuracy {summary['accuracy']}", flush=True)
-    return out
+    return entry
 
 
 def smollm2_sft_model(

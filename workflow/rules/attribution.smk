@@ -8,19 +8,19 @@ rule attribution:
         **start_inputs(),
         **attribution_verifier_inputs(),  # a step_verifier signal's verifier (rules/verifier.smk)
     output:
-        csv=f"{R}/attribution/fidelity.csv",
-        localisation=f"{R}/attribution/localisation.csv",
-        stability=f"{R}/attribution/stability.csv",
-        cost=f"{R}/attribution/cost.csv",
-        md=f"{R}/attribution/attribution.md",
+        csv=f"{TREE.attribution_dir()}/fidelity.csv",
+        localisation=f"{TREE.attribution_dir()}/localisation.csv",
+        stability=f"{TREE.attribution_dir()}/stability.csv",
+        cost=f"{TREE.attribution_dir()}/cost.csv",
+        md=f"{TREE.attribution_dir()}/attribution.md",
         png=report(
-            f"{R}/attribution/fidelity.png",
+            f"{TREE.attribution_dir()}/fidelity.png",
             caption="../report/fidelity.rst",
             category="Figures",
             labels={"figure": "attribution fidelity"},
         ),
         localisation_png=report(
-            f"{R}/attribution/localisation.png",
+            f"{TREE.attribution_dir()}/localisation.png",
             caption="../report/localisation.rst",
             category="Figures",
             labels={"figure": "error localisation"},
@@ -32,9 +32,9 @@ rule attribution:
         out_dir=lambda wc, output: os.path.dirname(output.csv),
         fingerprint=attribution_fingerprint(config),
     log:
-        f"{R}/logs/attribution.log",
+        TREE.log("attribution"),
     benchmark:
-        f"{R}/benchmarks/attribution.tsv"
+        TREE.benchmark("attribution")
     threads: res("attribution", "threads")
     resources:
         gpu=res("attribution", "gpu"),
@@ -51,10 +51,10 @@ rule attribution_trained:
     input:
         **start_inputs(),
         **attribution_verifier_inputs(),
-        summary=f"{R}/{{method}}/seed{{seed}}/train_summary.json",
+        summary=TREE.run_summary("{method}", "{seed}"),
     output:
-        md=f"{R}/attribution/{{method}}_seed{{seed}}/attribution.md",
-        localisation=f"{R}/attribution/{{method}}_seed{{seed}}/localisation.csv",
+        md=f"{TREE.attribution_dir('{method}', '{seed}')}/attribution.md",
+        localisation=f"{TREE.attribution_dir('{method}', '{seed}')}/localisation.csv",
     params:
         oar=oar_command,
         config=CONFIG_FILE,
@@ -62,9 +62,9 @@ rule attribution_trained:
         out_dir=lambda wc, output: os.path.dirname(output.md),
         fingerprint=attribution_fingerprint(config),
     log:
-        f"{R}/logs/attribution/{{method}}_seed{{seed}}.log",
+        TREE.log("attribution", "{method}_seed{seed}"),
     benchmark:
-        f"{R}/benchmarks/attribution/{{method}}_seed{{seed}}.tsv"
+        TREE.benchmark("attribution", "{method}_seed{seed}")
     threads: res("attribution", "threads")
     resources:
         gpu=res("attribution", "gpu"),

@@ -26,7 +26,7 @@ from oar.pipeline.launch import train_launcher as _train_launcher, train_resourc
 from oar.config.identity import (attribution_fingerprint, data_key, eval_fingerprint, fingerprint, plan_fingerprint,
                           report_fingerprint, resumable_train_values, run_key, sft_key, transfer_fingerprint,
                           uses_trained_verifier, verifier_key, attribution_uses_trained_verifier)
-from oar.config.tree import ResultsTree
+from oar.config.tree import BASE_ROW, TRANSFER_FOLDER, ResultsTree
 from oar.pipeline.store import STORE_DIR, LayoutError, link_views, store_entries, target_problems
 
 
@@ -61,7 +61,7 @@ TREE = ResultsTree.of(config)
 R = TREE.root
 # the resolved config (defaults filled, --config overrides applied) that every `oar` command reads;
 # written by `onstart` (not in dry runs)
-CONFIG_FILE = f"{R}/config.yaml"
+CONFIG_FILE = TREE.config_file
 
 # results/<name>/<x>/ is used by the workflow itself for these, so no method may take the name
 RESERVED_NAMES = {"base", "sft", "data", "attribution", "tables", "figures", "logs", "benchmarks", "config", "verifier"}
@@ -186,8 +186,8 @@ try:
 except (LayoutError, OSError) as e:
     raise WorkflowError(f"{CONFIG_SOURCE}: cannot link {R} into the results store: {e}")
 
-MANIFEST = f"{R}/data/manifest.json"
-SFT_DIR = f"{R}/sft/model"
+MANIFEST = TREE.manifest
+SFT_DIR = TREE.sft_model
 SFT_SUMMARY = f"{SFT_DIR}/sft_summary.json"
 
 
@@ -251,7 +251,7 @@ def verifier_input(wildcards):
 
 
 def run_dir(method, seed):
-    return f"{R}/{method}/seed{seed}"
+    return TREE.run_dir(method, seed)
 
 
 def train_summaries():
@@ -259,7 +259,7 @@ def train_summaries():
 
 
 def eval_summaries():
-    return [f"{R}/base/eval/summary.json"] + [f"{run_dir(m, s)}/eval/summary.json" for m in METHODS for s in SEEDS]
+    return [TREE.eval_summary(BASE_ROW)] + [f"{run_dir(m, s)}/eval/summary.json" for m in METHODS for s in SEEDS]
 
 
 def transfer_summaries():
@@ -267,7 +267,7 @@ def transfer_summaries():
     those of every seed of eval.transfer.methods; none without eval.transfer.benchmarks."""
     if not TRANSFER:
         return []
-    return [f"{R}/base/transfer/summary.json"] + [
+    return [TREE.eval_summary(BASE_ROW, folder=TRANSFER_FOLDER)] + [
         f"{run_dir(m, s)}/transfer/summary.json" for m in TRANSFER_METHODS for s in SEEDS]
 
 
@@ -277,13 +277,13 @@ def report_attribution_inputs():
     rep = config["report"]
     if not (ATTRIBUTION and rep["credit_signals"] and rep["efficiency_oracle"]):
         return []
-    return [f"{R}/attribution/localisation.csv"] + [
-        f"{R}/attribution/{t['method']}_seed{t['seed']}/localisation.csv" for t in config["attribution"]["trained"]]
+    return [f"{TREE.attribution_dir()}/localisation.csv"] + [
+        f"{TREE.attribution_dir(t['method'], t['seed'])}/localisation.csv" for t in config["attribution"]["trained"]]
 
 
 # the memory plan (rules/plan.smk): GPU training jobs wait for it, so a config that cannot fit
 # stops before any of them runs, naming the term that breaks it (plan.check: false skips it)
-PLAN_FILE = f"{R}/plan.txt"
+PLAN_FILE = TREE.plan_file
 PLAN = int(res("train", "gpu")) > 0 and bool(config["plan"]["check"])
 
 
@@ -294,20 +294,20 @@ def plan_inputs():
 
 
 REPORT_OUTPUTS = {
-    "main": f"{R}/tables/main.csv",
-    "md": f"{R}/tables/main.md",
-    "tex": f"{R}/tables/main.tex",
-    "efficiency": f"{R}/tables/efficiency.csv",
-    "curves": f"{R}/figures/training_curves.png",
-    "concentration": f"{R}/figures/credit_concentration.png",
+    "main": TREE.table("main.csv"),
+    "md": TREE.table("main.md"),
+    "tex": TREE.table("main.tex"),
+    "efficiency": TREE.table("efficiency.csv"),
+    "curves": TREE.figure("training_curves.png"),
+    "concentration": TREE.figure("credit_concentration.png"),
 }
 
 
 def final_targets():
     targets = list(REPORT_OUTPUTS.values())
     if ATTRIBUTION:
-        targets += [f"{R}/attribution/fidelity.csv", f"{R}/attribution/fidelity.png"]
-        targets += [f"{R}/attribution/{t['method']}_seed{t['seed']}/attribution.md"
+        targets += [f"{TREE.attribution_dir()}/fidelity.csv", f"{TREE.attribution_dir()}/fidelity.png"]
+        targets += [f"{TREE.attribution_dir(t['method'], t['seed'])}/attribution.md"
                     for t in config["attribution"]["trained"]]
     return targets
 

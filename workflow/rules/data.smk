@@ -10,9 +10,9 @@ rule data:
         config=CONFIG_FILE,
         fingerprint=data_key(config),
     log:
-        f"{R}/logs/data.log",
+        TREE.log("data"),
     benchmark:
-        f"{R}/benchmarks/data.tsv"
+        TREE.benchmark("data")
     threads: res("data", "threads")
     resources:
         gpu=res("data", "gpu"),

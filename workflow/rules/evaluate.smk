@@ -8,7 +8,7 @@ rule evaluate_base:
     input:
         **start_inputs(),
     output:
-        summary=f"{R}/base/eval/summary.json",
+        summary=TREE.eval_summary(BASE_ROW),
     params:
         oar=oar_command,
         config=CONFIG_FILE,
@@ -17,9 +17,9 @@ rule evaluate_base:
         fingerprint=fingerprint(eval_fingerprint(config), start_model()),
         reset=RESET_SCRIPT,
     log:
-        f"{R}/logs/evaluate/base.log",
+        TREE.log("evaluate", "base"),
     benchmark:
-        f"{R}/benchmarks/evaluate/base.tsv"
+        TREE.benchmark("evaluate", "base")
     threads: res("evaluate_base", "threads")
     resources:
         gpu=res("evaluate_base", "gpu"),
@@ -36,9 +36,9 @@ rule evaluate_base:
 
 rule evaluate:
     input:
-        train=f"{R}/{{method}}/seed{{seed}}/train_summary.json",
+        train=TREE.run_summary("{method}", "{seed}"),
     output:
-        summary=f"{R}/{{method}}/seed{{seed}}/eval/summary.json",
+        summary=TREE.eval_summary("{method}", "{seed}"),
     params:
         oar=oar_command,
         config=CONFIG_FILE,
@@ -47,9 +47,9 @@ rule evaluate:
         fingerprint=eval_fingerprint(config),
         reset=RESET_SCRIPT,
     log:
-        f"{R}/logs/evaluate/{{method}}/seed{{seed}}.log",
+        TREE.log("evaluate", "{method}", "seed{seed}"),
     benchmark:
-        f"{R}/benchmarks/evaluate/{{method}}/seed{{seed}}.tsv"
+        TREE.benchmark("evaluate", "{method}", "seed{seed}")
     threads: res("evaluate", "threads")
     resources:
         gpu=res("evaluate", "gpu"),
@@ -75,7 +75,7 @@ rule evaluate_transfer_base:
     input:
         **start_inputs(),
     output:
-        summary=f"{R}/base/transfer/summary.json",
+        summary=TREE.eval_summary(BASE_ROW, folder=TRANSFER_FOLDER),
     params:
         oar=oar_command,
         config=CONFIG_FILE,
@@ -84,9 +84,9 @@ rule evaluate_transfer_base:
         fingerprint=fingerprint(transfer_fingerprint(config), start_model()),
         reset=RESET_SCRIPT,
     log:
-        f"{R}/logs/evaluate_transfer/base.log",
+        TREE.log("evaluate_transfer", "base"),
     benchmark:
-        f"{R}/benchmarks/evaluate_transfer/base.tsv"
+        TREE.benchmark("evaluate_transfer", "base")
     threads: res("evaluate_transfer_base", "threads")
     resources:
         gpu=res("evaluate_transfer_base", "gpu"),
@@ -105,9 +105,9 @@ rule evaluate_transfer:
     wildcard_constraints:
         method=names_pattern(TRANSFER_METHODS),
     input:
-        train=f"{R}/{{method}}/seed{{seed}}/train_summary.json",
+        train=TREE.run_summary("{method}", "{seed}"),
     output:
-        summary=f"{R}/{{method}}/seed{{seed}}/transfer/summary.json",
+        summary=TREE.eval_summary("{method}", "{seed}", folder=TRANSFER_FOLDER),
     params:
         oar=oar_command,
         config=CONFIG_FILE,
@@ -116,9 +116,9 @@ rule evaluate_transfer:
         fingerprint=transfer_fingerprint(config),
         reset=RESET_SCRIPT,
     log:
-        f"{R}/logs/evaluate_transfer/{{method}}/seed{{seed}}.log",
+        TREE.log("evaluate_transfer", "{method}", "seed{seed}"),
     benchmark:
-        f"{R}/benchmarks/evaluate_transfer/{{method}}/seed{{seed}}.tsv"
+        TREE.benchmark("evaluate_transfer", "{method}", "seed{seed}")
     threads: res("evaluate_transfer", "threads")
     resources:
         gpu=res("evaluate_transfer", "gpu"),

@@ -17,7 +17,7 @@ if HUB_MODEL:
             folder=lambda wc, output: os.path.dirname(output[0]),  # HUB_MODEL.folder
             gguf=f"--gguf-file {shlex.quote(HUB_MODEL.gguf_file)}" if HUB_MODEL.gguf_file else "",
         log:
-            f"{R}/logs/fetch_model.log",
+            TREE.log("fetch_model"),
         localrule: True
         conda:
             CONDA_ENV

@@ -13,7 +13,7 @@ rule plan:
         config=CONFIG_FILE,
         fingerprint=plan_fingerprint(config),
     log:
-        f"{R}/logs/plan.log",
+        TREE.log("plan"),
     localrule: True
     conda:
         CONDA_ENV

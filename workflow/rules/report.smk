@@ -4,12 +4,12 @@
 # (src/oar/report/).
 
 REPORT_OUTPUTS.update(
-    learning=f"{R}/figures/learning_curves.png",
-    steps=f"{R}/tables/steps_to_threshold.csv",
-    speed=f"{R}/tables/learning_speed.csv",
+    learning=TREE.figure("learning_curves.png"),
+    steps=TREE.table("steps_to_threshold.csv"),
+    speed=TREE.table("learning_speed.csv"),
 )
 # the transfer table: only with eval.transfer.benchmarks (then `all` builds the transfer evaluations)
-TRANSFER_OUTPUTS = {"transfer": f"{R}/tables/transfer.csv"} if TRANSFER else {}
+TRANSFER_OUTPUTS = {"transfer": TREE.table("transfer.csv")} if TRANSFER else {}
 REPORT_OUTPUTS.update(TRANSFER_OUTPUTS)
 
 
@@ -71,9 +71,9 @@ rule report:
         results=lambda wc, output: os.path.dirname(os.path.dirname(output.main)),
         fingerprint=report_fingerprint(config, METHODS),
     log:
-        f"{R}/logs/report.log",
+        TREE.log("report"),
     benchmark:
-        f"{R}/benchmarks/report.tsv"
+        TREE.benchmark("report")
     threads: res("report", "threads")
     resources:
         gpu=res("report", "gpu"),

@@ -14,9 +14,9 @@ rule sft:
         model_dir=lambda wc, output: os.path.dirname(output.summary),
         fingerprint=sft_key(config),
     log:
-        f"{R}/logs/sft.log",
+        TREE.log("sft"),
     benchmark:
-        f"{R}/benchmarks/sft.tsv"
+        TREE.benchmark("sft")
     threads: res("sft", "threads")
     resources:
         gpu=res("sft", "gpu"),

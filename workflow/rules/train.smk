@@ -18,7 +18,7 @@ rule train:
         **plan_inputs(),  # GPU training waits for `oar plan` (rules/plan.smk)
         verifier=verifier_input,  # credit step_verifier: the verifier this config trains (rules/verifier.smk)
     output:
-        summary=f"{R}/{{method}}/seed{{seed}}/train_summary.json",
+        summary=TREE.run_summary("{method}", "{seed}"),
     params:
         config=CONFIG_FILE,
         # the inputs whose checksum joins the fingerprint (not the plan: a new plan is no new run)
@@ -32,9 +32,9 @@ rule train:
         reset=RESET_SCRIPT,
         launcher=train_launcher,
     log:
-        f"{R}/logs/train/{{method}}/seed{{seed}}.log",
+        TREE.log("train", "{method}", "seed{seed}"),
     benchmark:
-        f"{R}/benchmarks/train/{{method}}/seed{{seed}}.tsv"
+        TREE.benchmark("train", "{method}", "seed{seed}")
     threads: res("train", "threads")
     resources:
         mem_mb=res("train", "mem_mb"),

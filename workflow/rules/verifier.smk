@@ -17,9 +17,9 @@ rule verifier:
         out_dir=lambda wc, output: os.path.dirname(output.summary),
         fingerprint=verifier_key(config, sft=SFT),
     log:
-        f"{R}/logs/verifier.log",
+        TREE.log("verifier"),
     benchmark:
-        f"{R}/benchmarks/verifier.tsv"
+        TREE.benchmark("verifier")
     threads: res("sft", "threads")
     resources:
         gpu=res("sft", "gpu"),

@@ -83,6 +83,12 @@ class ResultsTree:
     name: str
 
     @classmethod
+    def at(cls, root: str | os.PathLike) -> "ResultsTree":
+        """The tree whose root is the folder ``root`` (``oar report --results``: any folder)."""
+        path = Path(root)
+        return cls(str(path.parent), path.name)
+
+    @classmethod
     def of(cls, config: Mapping[str, Any]) -> "ResultsTree":
         """The tree of a validated config (its ``results_dir`` and ``name``)."""
         return cls(str(config["results_dir"]), str(config["name"]))

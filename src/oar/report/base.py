@@ -12,17 +12,12 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from oar.config.tree import BASE_ROW, EVAL_FOLDER, TRANSFER_FOLDER, ResultsTree
 from oar.config.validate import section_defaults
 
 __all__ = ["BASE_ROW", "EVAL_FOLDER", "TRANSFER_FOLDER", "METRICS", "REPORT_DEFAULTS", "ReportError", "RunScores",
            "per_seed_values", "transfer_rows"]
 
-#: Name of the row of the starting model.
-BASE_ROW = "base"
-#: The folder of a row's evaluation of ``eval.benchmarks`` (``base/eval``, ``<method>/seed<s>/eval``).
-EVAL_FOLDER = "eval"
-#: The folder of its transfer evaluation (``eval.transfer.benchmarks``), beside it.
-TRANSFER_FOLDER = "transfer"
 #: Per-problem scores a table can show (see the module docstring).
 METRICS = ("pass@1", "avg@k", "pass@k")
 #: Defaults of the config's ``report`` section (the schema fills them in a validated config).
@@ -73,9 +68,10 @@ def transfer_rows(config: Mapping[str, Any]) -> list[tuple[str, str]]:
 def eval_dirs(root: Path, row: str, seeds: Sequence[int], *, folder: str = EVAL_FOLDER) -> dict[int | None, Path]:
     """The evaluation folders of ``row`` (one per seed; one, keyed None, for the base row): the main
     evaluation's, or ``folder`` (:data:`TRANSFER_FOLDER`: the transfer evaluation's)."""
+    tree = ResultsTree.at(root)
     if row == BASE_ROW:
-        return {None: root / BASE_ROW / folder}
-    return {s: root / row / f"seed{s}" / folder for s in seeds}
+        return {None: Path(tree.eval_dir(BASE_ROW, folder=folder))}
+    return {s: Path(tree.eval_dir(row, s, folder=folder)) for s in seeds}
 
 
 def require_files(paths: Sequence[Path]) -> None:

@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 from typing import Any, Mapping
 
+from oar.config.tree import ResultsTree
 from oar.core.io import atomic_write_text
 from oar.report.base import (BASE_ROW, TRANSFER_FOLDER, ReportError, eval_dirs, report_option, results_root, rows_of,
                              transfer_rows)
@@ -32,8 +33,6 @@ def result_provenances(config: Mapping[str, Any], root: str | Path) -> dict[str,
     a file without one (written before provenance was recorded) or that cannot be read."""
     import json
 
-    from oar.trainer.runs import SUMMARY_FILE
-
     root = Path(root)
     seeds = list(config.get("seeds") or [0])
     methods = [name for name, _ in rows_of(config) if name != BASE_ROW]
@@ -45,10 +44,10 @@ def result_provenances(config: Mapping[str, Any], root: str | Path) -> dict[str,
             return None
         return prov if isinstance(prov, dict) else None
 
-    runs = [root / m / f"seed{s}" for m in methods for s in seeds]
-    out = {"training runs": [read(r / SUMMARY_FILE) for r in runs],
-           "evaluations": [read(root / BASE_ROW / "eval" / "summary.json")]
-           + [read(r / "eval" / "summary.json") for r in runs]}
+    tree = ResultsTree.at(root)
+    runs = [(m, s) for m in methods for s in seeds]
+    out = {"training runs": [read(Path(tree.run_summary(m, s))) for m, s in runs],
+           "evaluations": [read(Path(tree.eval_summary(BASE_ROW)))] + [read(Path(tree.eval_summary(m, s))) for m, s in runs]}
     if config["eval"]["transfer"]["benchmarks"]:
         out["transfer evaluations"] = [read(d / "summary.json") for row, _ in transfer_rows(config)
                                        for d in eval_dirs(root, row, seeds, folder=TRANSFER_FOLDER).values()]
@@ -71,7 +70,8 @@ def _all_heldout(config: Mapping[str, Any], root: Path) -> dict[str, dict[int, "
 
     seeds = list(config.get("seeds") or [0])
     methods = [name for name, _ in rows_of(config) if name != BASE_ROW]
-    return {m: {s: load_heldout(root / m / f"seed{s}" / "metrics.jsonl") for s in seeds} for m in methods}
+    tree = ResultsTree.at(root)
+    return {m: {s: load_heldout(Path(tree.run_metrics(m, s))) for s in seeds} for m in methods}
 
 
 def build_report(
@@ -207,7 +207,7 @@ def _write_transfer(config: Mapping[str, Any], root: Path, out: dict[str, Path],
     from oar.report.render import transfer_markdown
 
     tables = {m: transfer_table(config, root, metric=m, confidence=confidence) for m in metrics}
-    out["transfer_csv"] = root / "tables" / "transfer.csv"
+    out["transfer_csv"] = Path(ResultsTree.at(root).table("transfer.csv"))
     atomic_write_text(out["transfer_csv"], pd.concat(list(tables.values()), ignore_index=True)
                       .to_csv(index=False, float_format="%.6g"))
     return transfer_markdown(tables, confidence=confidence, k=k, temperature=temperature)
@@ -235,17 +235,13 @@ def _report_threshold(config: Mapping[str, Any], heldout: Mapping[str, Mapping[i
 
 def _report_paths(root: Path) -> dict[str, Path]:
     """The files :func:`build_report` always writes under the results folder ``root``."""
-    return {
-        "main_csv": root / "tables" / "main.csv",
-        "main_md": root / "tables" / "main.md",
-        "main_tex": root / "tables" / "main.tex",
-        "steps_to_threshold_csv": root / "tables" / "steps_to_threshold.csv",
-        "learning_speed_csv": root / "tables" / "learning_speed.csv",
-        "efficiency_csv": root / "tables" / "efficiency.csv",
-        "learning_curves": root / "figures" / "learning_curves.png",
-        "training_curves": root / "figures" / "training_curves.png",
-        "credit_concentration": root / "figures" / "credit_concentration.png",
-    }
+    tree = ResultsTree.at(root)
+    tables = {"main_csv": "main.csv", "main_md": "main.md", "main_tex": "main.tex",
+              "steps_to_threshold_csv": "steps_to_threshold.csv", "learning_speed_csv": "learning_speed.csv",
+              "efficiency_csv": "efficiency.csv"}
+    figures = {"learning_curves": "learning_curves.png", "training_curves": "training_curves.png",
+               "credit_concentration": "credit_concentration.png"}
+    return {**{k: Path(tree.table(f)) for k, f in tables.items()}, **{k: Path(tree.figure(f)) for k, f in figures.items()}}
 
 
 def _write_versus(config: Mapping[str, Any], root: Path, out: dict[str, Path], labels: Mapping[str, str], *,
@@ -264,7 +260,7 @@ def _write_versus(config: Mapping[str, Any], root: Path, out: dict[str, Path], l
             raise ReportError(f"report.also_against: {other!r} is not a method of this config")
         vs = main_table(config, root, reference=other, n_boot=n_boot, seed=seed, confidence=confidence,
                         metric=metric, power=power)
-        out[f"versus_{other}_csv"] = root / "tables" / f"versus_{other}.csv"
+        out[f"versus_{other}_csv"] = Path(ResultsTree.at(root).table(f"versus_{other}.csv"))
         atomic_write_text(out[f"versus_{other}_csv"], vs.to_csv(index=False, float_format="%.6g"))
         versus += "\n" + versus_markdown(vs, reference_label=labels.get(other, other), confidence=confidence) + "\n"
     return versus
@@ -283,7 +279,7 @@ def _write_credit_efficiency(config: Mapping[str, Any], root: Path, out: dict[st
     pairing = report_option(config, "pairing", None)
     eff_credit = credit_efficiency_table(table, oracle=oracle, confidence=confidence, pairing=pairing,
                                          reference=report_option(config, "reference", None))
-    out["credit_efficiency_csv"] = root / "tables" / "credit_efficiency.csv"
+    out["credit_efficiency_csv"] = Path(ResultsTree.at(root).table("credit_efficiency.csv"))
     atomic_write_text(out["credit_efficiency_csv"], eff_credit.to_csv(index=False, float_format="%.6g"))
     _write_efficiency_vs_localisation(config, root, out, eff_credit, labels, oracle_label=labels.get(oracle, oracle),
                                       ref_label=ref_label)
@@ -311,8 +307,9 @@ def _write_efficiency_vs_localisation(config: Mapping[str, Any], root: Path, out
         raise ReportError(f"report.credit_signals needs the attribution benchmark's results; missing: "
                           f"{', '.join(missing)} (run the attribution rules, or set report.credit_signals: {{}})")
     table = efficiency_vs_localisation(eff_credit, {k: pd.read_csv(p) for k, p in files.items()}, signals, labels)
-    out["efficiency_vs_localisation_csv"] = root / "tables" / "efficiency_vs_localisation.csv"
-    out["efficiency_vs_localisation"] = root / "figures" / "efficiency_vs_localisation.png"
+    tree = ResultsTree.at(root)
+    out["efficiency_vs_localisation_csv"] = Path(tree.table("efficiency_vs_localisation.csv"))
+    out["efficiency_vs_localisation"] = Path(tree.figure("efficiency_vs_localisation.png"))
     atomic_write_text(out["efficiency_vs_localisation_csv"], table.to_csv(index=False, float_format="%.6g"))
     plot_efficiency_vs_localisation(out["efficiency_vs_localisation"], table, oracle_label=oracle_label,
                                     reference_label=ref_label, policies=list(files))

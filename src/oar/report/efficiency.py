@@ -8,6 +8,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from oar.config.tree import ResultsTree
 from oar.core.io import read_jsonl
 from oar.report.base import BASE_ROW, ReportError, require_files, results_root, rows_of
 from oar.trainer.runs import TIMED_PHASES
@@ -51,8 +52,9 @@ def load_metrics(path: str | Path) -> "pd.DataFrame":  # noqa: F821
 def all_metrics(config: Mapping[str, Any], root: Path) -> dict[str, dict[int, "pd.DataFrame"]]:  # noqa: F821
     seeds = list(config.get("seeds") or [0])
     methods = [name for name, _ in rows_of(config) if name != BASE_ROW]
-    require_files([root / m / f"seed{s}" / "metrics.jsonl" for m in methods for s in seeds])
-    return {m: {s: load_metrics(root / m / f"seed{s}" / "metrics.jsonl") for s in seeds} for m in methods}
+    tree = ResultsTree.at(root)
+    require_files([Path(tree.run_metrics(m, s)) for m in methods for s in seeds])
+    return {m: {s: load_metrics(Path(tree.run_metrics(m, s))) for s in seeds} for m in methods}
 
 
 def efficiency_table(
