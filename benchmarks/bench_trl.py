@@ -73,6 +73,7 @@ def main() -> None:
 
     from oar.data.prompts import render_prompt
     from oar.models.loading import load_policy
+    from oar.reward.pool import RewardPool
     from oar.reward.score import score_batch
     from oar.trainer.batch import PromptStream
     from oar.data.records import training_records
@@ -104,9 +105,12 @@ def main() -> None:
     order = PromptStream(len(records), args.seed).take(rounds * P)
     ds = Dataset.from_list([{"prompt": prompts[i], "answer": records[i]["answer"]} for i in order])
 
+    # TRL's reward checks run in one pool for the benchmark, as oar's run owns one
+    reward_pool = RewardPool(workers=cfg["reward"]["workers"], timeout_s=cfg["reward"]["timeout_s"])
+
     def reward_fn(prompts, completions, answer, **_kw):  # TRL reward function signature
         return score_batch(list(completions), list(answer), correct=recipe["correct"], wrong=recipe["wrong"],
-                           timeout_s=cfg["reward"]["timeout_s"], workers=cfg["reward"]["workers"])
+                           pool=reward_pool)
 
     trl_times: list[float] = []
     trl_logs: list[dict] = []
@@ -190,6 +194,7 @@ def main() -> None:
     ph = {k: statistics.fmean(r[f"time_{k}"] for r in oar_rows[args.warmup :]) for k in ("rollout", "reward", "update")}
     print("oar phases (mean s): " + ", ".join(f"{k} {v:.3f}" for k, v in ph.items()))
     print(f"RATIOS oar/trl={statistics.fmean(oar_m) / statistics.fmean(trl_m):.2f}")
+    reward_pool.close()
 
 
 if __name__ == "__main__":

@@ -150,7 +150,6 @@ def test_evaluate_records_in_chunks_with_per_problem_counts():
 def test_evaluate_records_counts_the_reward_checks_that_timed_out():
     """An answer whose check never ends (math-verify's comparison of 9^{9^{9^9}}): timed out, retried
     under twice the limit, timed out again, marked; counted in the summary's reward entry."""
-    import oar.reward.score as R
     from oar.data.prompts import render_prompt
     from oar.evaluate.evaluation import evaluate_records
     from oar.models.tiny import build_tiny
@@ -167,16 +166,11 @@ def test_evaluate_records_counts_the_reward_checks_that_timed_out():
         return ro
 
     engine.generate = generate
-    try:
-        summary, rows = evaluate_records(engine, tok, records, template="tiny", samples=0, seed=5, workers=1,
-                                         timeout_s=1.0)
-        assert summary["reward"] == {"timeouts": 2, "crashes": 0, "retried": 1, "marked": 1}
-        assert [r["correct"] for r in rows] == [False, False, True, False]
-        clean, _ = evaluate_records(engine, tok, records[1:], template="tiny", samples=0, seed=5, workers=1,
-                                    timeout_s=1.0)
-        assert clean["reward"] == {"timeouts": 0, "crashes": 0, "retried": 0, "marked": 0}
-    finally:
-        R._close_default_pool()
+    summary, rows = evaluate_records(engine, tok, records, template="tiny", samples=0, seed=5, workers=1, timeout_s=1.0)
+    assert summary["reward"] == {"timeouts": 2, "crashes": 0, "retried": 1, "marked": 1}
+    assert [r["correct"] for r in rows] == [False, False, True, False]
+    clean, _ = evaluate_records(engine, tok, records[1:], template="tiny", samples=0, seed=5, workers=1, timeout_s=1.0)
+    assert clean["reward"] == {"timeouts": 0, "crashes": 0, "retried": 0, "marked": 0}
 
 
 def test_evaluation_summary_sums_the_reward_counts_and_warns_when_answers_were_marked(tmp_path, monkeypatch, capsys):
@@ -203,7 +197,6 @@ def test_evaluation_summary_sums_the_reward_counts_and_warns_when_answers_were_m
         f"oar evaluate: warning: 2 answer(s) scored wrong because their check timed out or crashed twice "
         f"(reward.timeout_s = {cfg['reward']['timeout_s']:g} s; a busy machine or a pathological answer); "
         f"counts in {out / 'summary.json'} under reward"]
-    R._close_default_pool()
 
 
 def test_heldout_records_are_the_test_split_not_training(tmp_path):

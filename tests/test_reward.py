@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import oar.reward.pool as P
-import oar.reward.score as R
 from helpers import (
     TEST_CRASH_MARKER,
     TEST_CRASH_ONCE_MARKER,
@@ -226,17 +225,18 @@ def test_pathological_inputs_score_wrong():
         assert (p.stats.timeouts, p.stats.retried, p.stats.marked) == (4, 2, 2)
 
 
-def test_score_batch_reuses_one_module_pool():
-    out = score_batch(["\\boxed{2}", "\\boxed{3}"], ["2", "2"], correct=1.0, wrong=-1.0, workers=1)
-    assert out == [1.0, -1.0]
-    first = R._default_pool
-    assert first is not None
-    assert score_batch(["\\boxed{2}"], ["2"], workers=1) == [1.0]
-    assert R._default_pool is first
+def test_score_batch_scores_in_the_callers_pool_or_in_one_of_its_own(monkeypatch):
+    """No process-wide pool: a caller's pool (a run's, an evaluation's) scores every call it is given;
+    a call without one starts a pool with its own settings and closes it after the call."""
+    with RewardPool(workers=1, timeout_s=5.0) as pool:
+        assert score_batch(["\\boxed{2}", "\\boxed{3}"], ["2", "2"], correct=1.0, wrong=-1.0, pool=pool) == [1.0, -1.0]
+        first = pool.stats.items
+        assert score_batch(["\\boxed{4}"], ["4"], pool=pool) == [1.0]
+        assert first > 0 and pool.stats.items > first  # both calls in the caller's pool
+    made, real_close = [], RewardPool.close
+    monkeypatch.setattr(RewardPool, "close", lambda self: made.append((self.timeout_s, self.workers)) or real_close(self))
     assert score_batch(["\\boxed{2}"], ["2"], workers=1, timeout_s=3.0) == [1.0]
-    assert R._default_pool is not first and R._default_pool.timeout_s == 3.0
-    R._close_default_pool()
-    assert R._default_pool is None
+    assert made == [(3.0, 1)]  # one pool for the call, with the call's settings, closed after it
 
 
 def test_score_batch_adds_its_counts_to_stats():
@@ -249,7 +249,6 @@ def test_score_batch_adds_its_counts_to_stats():
     assert score_batch(["\\boxed{9^{9^{9^{9}}}}", "\\boxed{5}"], ["5", "5"], workers=1, timeout_s=1.0,
                        stats=stats) == [0.0, 1.0]
     assert (stats.timeouts, stats.retried, stats.marked, stats.crashes, stats.items) == (2, 1, 1, 0, 2)
-    R._close_default_pool()
 
 
 @pytest.mark.slow

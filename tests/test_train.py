@@ -88,7 +88,7 @@ class _TextEngine:
 def test_step_metrics_count_the_steps_reward_timeouts_and_crashes():
     """A step's metrics carry its reward checks that timed out, crashed and were marked (collect_batch's
     StepBatch.reward_stats, through score_batch's stats); a step without any shows zeros."""
-    import oar.reward.score as R
+    from oar.reward.pool import RewardPool
     from oar.trainer.batch import PromptStream, collect_batch
     from oar.credit import CreditResult
     from oar.trainer.loop import step_metrics
@@ -107,10 +107,11 @@ def test_step_metrics_count_the_steps_reward_timeouts_and_crashes():
         engine.answers.update(answers)
         batch = collect_batch(engine, PromptStream(2, seed=0), ["p0", "p1"], records, config=config, recipe=recipe,
                               seed=0, step=0, rank=0, world=1, local_prompts=2, pad_id=0,
-                              timings={"rollout": 0.0, "reward": 0.0})
+                              timings={"rollout": 0.0, "reward": 0.0}, pool=pool)
         credit = CreditResult(token_advantages=torch.zeros(4, 3), seq_advantages=torch.zeros(4))
         return batch, step_metrics(batch, credit, upd, 0, lr=1.0, timings={}, step_seconds=0.0)
 
+    pool = RewardPool(workers=1, timeout_s=1.0)  # the run's own, as setup_run makes it
     try:
         batch, m = metrics({})
         assert batch.rewards.sum() == 2.0
@@ -119,7 +120,7 @@ def test_step_metrics_count_the_steps_reward_timeouts_and_crashes():
         _, m = metrics({"p0": ["\\boxed{5}", "\\boxed{6}"]})  # the next step: its own counts only
         assert (m["reward_timeouts"], m["reward_crashes"], m["reward_marked"]) == (0.0, 0.0, 0.0)
     finally:
-        R._close_default_pool()
+        pool.close()
 
 
 @pytest.mark.slow

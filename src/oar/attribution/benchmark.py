@@ -87,11 +87,13 @@ class _Run:
     fillers: list[str]
     engine: Any
     pad_id: int
+    pool: Any  # the benchmark's reward pool (oar.reward.pool.RewardPool), closed when it ends
 
     @classmethod
     def start(cls, model: torch.nn.Module, tokenizer: Any, s: AttributionSettings) -> "_Run":
         from oar.data.prompts import render_prompt
         from oar.data.synthetic import generate, task_fillers
+        from oar.reward.pool import RewardPool
         from oar.rollout import HFEngine
 
         s.check()
@@ -101,13 +103,13 @@ class _Run:
                    terms=[question_terms(r["question"]) for r in records],
                    prompts=[render_prompt(s.template, r["question"], tokenizer) for r in records],
                    fillers=task_fillers(opts),
-                   engine=HFEngine(model, tokenizer, batch_size=s.batch_size, sampler=s.sampler), pad_id=int(tokenizer.pad_token_id))
+                   engine=HFEngine(model, tokenizer, batch_size=s.batch_size, sampler=s.sampler), pad_id=int(tokenizer.pad_token_id),
+                   pool=RewardPool(workers=s.reward_workers, timeout_s=s.reward_timeout_s))
 
     def reward_of(self, texts: Sequence[str], golds: Sequence[str]) -> list[float]:
         from oar.reward.score import score_batch
 
-        return score_batch(list(texts), list(golds), correct=self.s.correct, wrong=self.s.wrong,
-                           timeout_s=self.s.reward_timeout_s, workers=self.s.reward_workers)
+        return score_batch(list(texts), list(golds), correct=self.s.correct, wrong=self.s.wrong, pool=self.pool)
 
     def responses_of(self, ro: Any, prompt_list: Sequence[int]) -> list[AttributionResponse]:
         """The responses of a rollout of ``prompt_list``: scored, parsed and checked against the question."""
@@ -186,11 +188,14 @@ def run_attribution(model: torch.nn.Module, tokenizer: Any, settings: Attributio
     """
     t_start = time.perf_counter()
     run = _Run.start(model, tokenizer, settings)
-    collected = _collect(run, progress)              # 1. sample until both kinds are complete
-    batch, rows = _group_batch(collected)            # 2. one batch: the groups KTAE needs
-    scored = _score(run, collected, batch, rows, progress)   # 3. every signal on the scored rows
-    loc, loc_per, fid, fid_per, cost = _measure(run, collected, scored)   # 4. localisation, fidelity, cost
-    stab, stab_per, stab_seconds = _stability(run, collected, scored)     # 5. stability
+    try:
+        collected = _collect(run, progress)              # 1. sample until both kinds are complete
+        batch, rows = _group_batch(collected)            # 2. one batch: the groups KTAE needs
+        scored = _score(run, collected, batch, rows, progress)   # 3. every signal on the scored rows
+        loc, loc_per, fid, fid_per, cost = _measure(run, collected, scored)   # 4. localisation, fidelity, cost
+        stab, stab_per, stab_seconds = _stability(run, collected, scored)     # 5. stability
+    finally:
+        run.pool.close()
     per = _per_response(run, collected, loc_per, fid_per, stab_per)       # 6. rows and summary
     summary = _summary(run, collected, batch, scored, stab_seconds, time.perf_counter() - t_start)
     return AttributionResult(localisation=loc, stability=stab, cost=cost, fidelity=fid, per_response=per, summary=summary)

@@ -18,6 +18,7 @@ runs it on the start model and on the methods of ``eval.transfer.methods`` only.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -101,6 +102,7 @@ def evaluate_records(
     progress: bool = False,
     desc: str = "eval",
     keep_text: bool = True,
+    pool: Any = None,
 ) -> tuple[dict, list[dict]]:
     """Generate and score answers for ``records`` with a rollout ``engine``, ``chunk_size`` answers at a time.
 
@@ -110,6 +112,7 @@ def evaluate_records(
     rollout at a time (500 problems x 8 samples never sit in one generate call).
 
     Args:
+        pool: the caller's :class:`oar.reward.pool.RewardPool` (None: one of ``workers`` and ``timeout_s``).
         progress: show a progress bar over answers.
         keep_text: put question, response and extracted answer into the rows (False: id, gold,
             correct and sample only, for the in-training held-out evaluation).
@@ -125,8 +128,8 @@ def evaluate_records(
     from tqdm.auto import tqdm
 
     from oar.data.prompts import render_prompt
-    from oar.reward.pool import PoolStats
     from oar.core.stats import pass_at_k
+    from oar.reward.pool import PoolStats, RewardPool
 
     if chunk_size < 1:
         raise ValueError(f"eval.chunk_size: must be >= 1, got {chunk_size}")
@@ -135,32 +138,30 @@ def evaluate_records(
     golds = [r["answer"] for r in records]
     rows: list[dict] = []
     summary: dict[str, Any] = {"n": len(records), "pass@1": None, "avg@k": None, "pass@k": None, "k": samples or None}
-    n_answered = 0
-    lengths: list[float] = []
-    reward_stats = PoolStats()
-    passes = _passes(greedy, samples)
+    n_answered, lengths, reward_stats, passes = 0, [], PoolStats(), _passes(greedy, samples)
     bar = tqdm(total=len(records) * sum(per for _, per, _ in passes), desc=desc, disable=not progress,
                dynamic_ncols=True, unit="answer")
+    # the caller's reward pool (a training run's, for its held-out evaluations), else one for this evaluation
+    owned = contextlib.nullcontext(pool) if pool is not None else RewardPool(workers=workers, timeout_s=timeout_s)
     try:
-        for kind, per, kw in passes:
-            total, n_correct, answered = _evaluate_pass(
-                engine, records, prompts, golds, kind=kind, step=max(1, chunk_size // per), generate_kw=kw,
-                temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed,
-                timeout_s=timeout_s, workers=workers, keep_text=keep_text, rows=rows, lengths=lengths, bar=bar,
-                reward_stats=reward_stats)
-            n_answered += answered
-            acc = total / max(1, len(records) * per)
-            if kind == "greedy":
-                summary["pass@1"] = acc
-            else:
-                summary["avg@k"] = acc
-                summary["pass@k"] = pass_at_k(n_correct, per) if records else None
+        with owned as reward_pool:
+            for kind, per, kw in passes:
+                total, n_correct, answered = _evaluate_pass(
+                    engine, records, prompts, golds, kind=kind, step=max(1, chunk_size // per), generate_kw=kw,
+                    temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed,
+                    pool=reward_pool, keep_text=keep_text, rows=rows, lengths=lengths, bar=bar,
+                    reward_stats=reward_stats)
+                n_answered += answered
+                acc = total / max(1, len(records) * per)
+                if kind == "greedy":
+                    summary["pass@1"] = acc
+                else:
+                    summary["avg@k"] = acc
+                    summary["pass@k"] = pass_at_k(n_correct, per) if records else None
     finally:
         bar.close()
-    summary["answered"] = n_answered / len(rows) if rows else None
-    summary["mean_response_tokens"] = float(sum(lengths) / max(1, len(lengths)))
-    summary["seconds"] = time.perf_counter() - t0
-    summary["reward"] = {k: getattr(reward_stats, k) for k in REWARD_COUNTS}
+    summary.update(answered=n_answered / len(rows) if rows else None,
+                   mean_response_tokens=float(sum(lengths) / max(1, len(lengths))), seconds=time.perf_counter() - t0, reward={k: getattr(reward_stats, k) for k in REWARD_COUNTS})
     return summary, rows
 
 
@@ -183,8 +184,7 @@ def _evaluate_pass(
     top_p: float,
     max_new_tokens: int,
     seed: int | None,
-    timeout_s: float,
-    workers: int | None,
+    pool: Any,
     keep_text: bool,
     rows: list[dict],
     lengths: list[float],
@@ -214,8 +214,7 @@ def _evaluate_pass(
                              max_new_tokens=max_new_tokens,
                              seed=None if seed is None else stream_seed(seed, c), **generate_kw)
         idx = [chunk[j] for j in ro.prompt_index.tolist()]
-        scores = score_batch(ro.texts, [golds[i] for i in idx], correct=1.0, wrong=0.0, timeout_s=timeout_s,
-                             workers=workers, stats=reward_stats)
+        scores = score_batch(ro.texts, [golds[i] for i in idx], correct=1.0, wrong=0.0, stats=reward_stats, pool=pool)
         counter: dict[int, int] = {}
         for i, text, s in zip(idx, ro.texts, scores):
             found = extracted_answer(text)
@@ -329,6 +328,7 @@ def _evaluate_locked(config: dict, benches: dict[str, list[dict]], spec: dict, o
     from oar.models.loading import model_identity
     from oar.core.device import job_device
     from oar.core.provenance import provenance, with_end_time
+    from oar.reward.pool import RewardPool
     from oar.rollout import make_engine
 
     ev = config["eval"]
@@ -343,23 +343,28 @@ def _evaluate_locked(config: dict, benches: dict[str, list[dict]], spec: dict, o
                          model_path=model_path, vllm_kwargs=config["rollout"]["vllm"],
                          sampler=ev["sampler"])
     results: dict[str, dict] = {}
-    for name, records in benches.items():
-        done = output_dir / f"{name}.json"
-        bench_settings = dict(settings, records=records_digest(records))
-        prev = _read_cached(done)
-        if prev is not None and prev.get("settings") == bench_settings and prev.get("n") == len(records):
-            results[name] = prev
-            continue
-        summary, rows = evaluate_records(
-            engine, tokenizer, records, template=config["task"]["template"], greedy=ev["greedy"],
-            samples=ev["samples"], temperature=ev["temperature"], top_p=ev["top_p"],
-            max_new_tokens=ev["max_new_tokens"], seed=seed, timeout_s=config["reward"]["timeout_s"],
-            workers=config["reward"]["workers"], chunk_size=ev["chunk_size"], progress=progress, desc=name,
-        )
-        summary.update(benchmark=name, model=model_path, settings=bench_settings)
-        atomic_write_jsonl(output_dir / f"{name}.jsonl", rows)
-        atomic_write_json(done, summary)
-        results[name] = summary
+    # one reward pool for every benchmark of this evaluation; its workers start with the first answers it scores
+    pool = RewardPool(workers=config["reward"]["workers"], timeout_s=config["reward"]["timeout_s"])
+    try:
+        for name, records in benches.items():
+            done = output_dir / f"{name}.json"
+            bench_settings = dict(settings, records=records_digest(records))
+            prev = _read_cached(done)
+            if prev is not None and prev.get("settings") == bench_settings and prev.get("n") == len(records):
+                results[name] = prev
+                continue
+            summary, rows = evaluate_records(
+                engine, tokenizer, records, template=config["task"]["template"], greedy=ev["greedy"],
+                samples=ev["samples"], temperature=ev["temperature"], top_p=ev["top_p"],
+                max_new_tokens=ev["max_new_tokens"], seed=seed, chunk_size=ev["chunk_size"], progress=progress,
+                desc=name, pool=pool,
+            )
+            summary.update(benchmark=name, model=model_path, settings=bench_settings)
+            atomic_write_jsonl(output_dir / f"{name}.jsonl", rows)
+            atomic_write_json(done, summary)
+            results[name] = summary
+    finally:
+        pool.close()
     keys = [k for k in ("pass@1", "avg@k", "pass@k") if results and all(r.get(k) is not None for r in results.values())]
     average = {k: sum(r[k] for r in results.values()) / len(results) for k in keys if results}
     reward = {k: sum(int(r.get("reward", {}).get(k, 0)) for r in results.values()) for k in REWARD_COUNTS}

@@ -83,16 +83,18 @@ class HeldoutEval:
         metrics_path: the run's ``metrics.jsonl``: the ``time_step`` of the steps already done (a
             resumed run) start the ``train_seconds`` clock.
         total_steps: ``train.steps`` (the last update is always evaluated).
+        pool: the run's :class:`oar.reward.pool.RewardPool` (None: each evaluation starts its own).
     """
 
     def __init__(self, config: dict, *, engine: Any, tokenizer: Any, strategy: Any, model: Any, tracker: Any,
-                 seed: int, metrics_path: str | Path, total_steps: int) -> None:
+                 seed: int, metrics_path: str | Path, total_steps: int, pool: Any = None) -> None:
         hc = config["train"]["heldout"]
         self.every = int(hc["every"])
         self.samples = int(hc["samples"])
         self.config, self.engine, self.tokenizer = config, engine, tokenizer
         self.strategy, self.model, self.tracker = strategy, model, tracker
         self.seed, self.total_steps = seed, total_steps
+        self.pool = pool
         self.records: list[dict] = []
         self.n_problems = 0
         self.train_seconds = 0.0
@@ -159,7 +161,7 @@ class HeldoutEval:
                 self.engine, self.tokenizer, self.records, template=self.config["task"]["template"], greedy=False,
                 samples=self.samples, temperature=ev["temperature"], top_p=ev["top_p"],
                 max_new_tokens=ev["max_new_tokens"], seed=self.seed, timeout_s=self.config["reward"]["timeout_s"],
-                workers=self.config["reward"]["workers"], chunk_size=ev["chunk_size"], keep_text=False,
+                workers=self.config["reward"]["workers"], chunk_size=ev["chunk_size"], keep_text=False, pool=self.pool,
             )
         correct = float(sum(r["correct"] for r in rows))
         solved = float(len({r["id"] for r in rows if r["correct"]}))

@@ -2,8 +2,9 @@
 
 Public API
 ----------
-- :func:`score_batch` -- one reward per response (``correct`` or ``wrong``), scored in a
-  module-level :class:`RewardPool` that is created on first use, reused and closed at exit.
+- :func:`score_batch` -- one reward per response (``correct`` or ``wrong``), scored in the caller's
+  :class:`RewardPool` (a training run, an evaluation and the attribution benchmark each own one for
+  their lifetime), or in one started for the call.
 - :class:`RewardPool` -- the persistent pool of worker processes; also a context manager.
 - :class:`PoolStats` -- what a pool counted: timeouts, crashes, retries, items scored wrong for them.
 - :func:`overlong_penalty` -- DAPO overlong reward shaping (docs/methods.md, 2 DAPO).
@@ -92,9 +93,7 @@ next with the machine's load; :attr:`RewardPool.stats` counts them so they can b
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
-import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -106,18 +105,6 @@ __all__ = ["extracted_answer", "overlong_penalty", "score_batch"]
 
 if TYPE_CHECKING:  # torch is imported lazily so that worker processes never load it
     import torch
-_default_pool: RewardPool | None = None
-_default_lock = threading.Lock()
-
-
-def _close_default_pool() -> None:
-    global _default_pool
-    if _default_pool is not None:
-        _default_pool.close()
-        _default_pool = None
-
-
-atexit.register(_close_default_pool)
 
 
 def score_batch(
@@ -129,6 +116,7 @@ def score_batch(
     timeout_s: float = 5.0,
     workers: int | None = None,
     stats: PoolStats | None = None,
+    pool: RewardPool | None = None,
 ) -> list[float]:
     """Outcome reward per response: ``correct`` if its final answer equals the gold, else ``wrong``.
 
@@ -150,22 +138,18 @@ def score_batch(
         ValueError: ``len(responses) != len(golds)`` or an empty gold answer.
         TypeError: a response that is not str/None, or a gold that is not str/int/float.
 
-    Uses a module-level :class:`RewardPool`, created on the first call and reused; a call with a
-    different ``timeout_s`` or ``workers`` replaces it. Closed at interpreter exit.
+    ``pool``: the caller's :class:`RewardPool` (a training run, an evaluation or the attribution
+    benchmark owns one for its lifetime; ``timeout_s`` and ``workers`` are then the pool's). None: a
+    pool of ``workers`` and ``timeout_s`` is started for this call and closed after it.
     """
-    global _default_pool
-    with _default_lock:
-        want = workers if workers is not None else default_workers()
-        pool = _default_pool
-        if pool is None or pool.workers != want or pool.timeout_s != float(timeout_s):
-            if pool is not None:
-                pool.close()
-            pool = _default_pool = RewardPool(workers=want, timeout_s=timeout_s)
-        before = dataclasses.replace(pool.stats)
-        out = pool.score(responses, golds, correct=correct, wrong=wrong)
-        if stats is not None:
-            stats.add(pool.stats, before)
-        return out
+    if pool is None:
+        with RewardPool(workers=workers if workers is not None else default_workers(), timeout_s=timeout_s) as own:
+            return score_batch(responses, golds, correct=correct, wrong=wrong, stats=stats, pool=own)
+    before = dataclasses.replace(pool.stats)
+    out = pool.score(responses, golds, correct=correct, wrong=wrong)
+    if stats is not None:
+        stats.add(pool.stats, before)
+    return out
 
 
 def extracted_answer(response: str | None) -> str | None:

@@ -76,9 +76,9 @@ def dynamic_sampling_keep(rewards: torch.Tensor, group_ids: torch.Tensor) -> tor
 
 def collect_batch(engine: Any, stream: PromptStream, prompts_all: list[str], records: list[dict], *,
                    config: dict, recipe: dict, seed: int, step: int, rank: int, world: int, local_prompts: int,
-                   pad_id: int, timings: dict[str, float]) -> StepBatch:
+                   pad_id: int, timings: dict[str, float], pool: Any) -> StepBatch:
     """Steps 1-2 of the loop: sample ``n`` responses for this process's share of the next prompts and
-    score them; with DAPO's dynamic sampling, regenerate until ``local_prompts`` groups have mixed
+    score them in the run's reward ``pool`` (:class:`oar.reward.pool.RewardPool`); with DAPO's dynamic sampling, regenerate until ``local_prompts`` groups have mixed
     rewards (at most ``max_num_gen_batches`` rounds). Adds to ``timings["rollout"]``/``["reward"]``; the
     batch's ``reward_stats`` count the reward pool's timeouts, crashes and retries over the rounds."""
     from oar.reward.score import overlong_penalty, score_batch
@@ -103,8 +103,7 @@ def collect_batch(engine: Any, stream: PromptStream, prompts_all: list[str], rec
         t0 = time.perf_counter()
         golds = [records[idx[i]]["answer"] for i in ro.prompt_index.tolist()]
         scores = torch.tensor(score_batch(ro.texts, golds, correct=recipe["correct"], wrong=recipe["wrong"],
-                                          timeout_s=config["reward"]["timeout_s"],
-                                          workers=config["reward"]["workers"], stats=reward_stats),
+                                          stats=reward_stats, pool=pool),
                               dtype=torch.float32)
         correct = scores == recipe["correct"]
         rewards = scores.clone()
@@ -143,11 +142,11 @@ def collect_batch(engine: Any, stream: PromptStream, prompts_all: list[str], rec
 
 
 def continuation_context(engine: Any, batch: StepBatch, prompts_all: list[str], records: list[dict], *, config: dict,
-                   recipe: dict, seed: int) -> Any:
+                   recipe: dict, seed: int, pool: Any) -> Any:
     """What an estimator that samples continuations of the responses needs (``mc_value``): the
     engine, each row's prompt and gold answer, the rollout's reward and sampling settings. Built
     by :func:`_credit` only for estimators registered with ``needs_continuations``. The continuations'
-    reward checks are counted in ``batch.reward_stats``, with the step's."""
+    reward checks run in the run's reward ``pool`` and are counted in ``batch.reward_stats``, with the step's."""
     from functools import partial
 
     from oar.credit.mc_value import ContinuationContext
@@ -155,8 +154,7 @@ def continuation_context(engine: Any, batch: StepBatch, prompts_all: list[str], 
 
     rcfg, rows = config["rollout"], batch.record_index.tolist()
     score = partial(score_batch, correct=recipe["correct"], wrong=recipe["wrong"],
-                    timeout_s=config["reward"]["timeout_s"], workers=config["reward"]["workers"],
-                    stats=batch.reward_stats)
+                    stats=batch.reward_stats, pool=pool)
     return ContinuationContext(engine=engine, prompts=[prompts_all[i] for i in rows],
                                golds=[records[i]["answer"] for i in rows], score=score,
                                temperature=rcfg["temperature"], top_p=rcfg["top_p"],

@@ -156,6 +156,7 @@ def _train(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder, s
         return _steps(loop, progress=progress, stop_after=stop_after, stop=stop)
     finally:
         loop.engine.close()  # while the process group exists (vLLM's teardown ends it)
+        loop.reward_pool.close()
 
 
 def _steps(loop: TrainingRun, *, progress: bool, stop_after: int | None, stop: StopSignal) -> dict:
@@ -218,7 +219,7 @@ def _rollout(loop: TrainingRun, step: int, timings: dict[str, float]) -> "StepBa
         return collect_batch(loop.engine, loop.stream, loop.prompts_all, loop.records, config=loop.config,
                               recipe=loop.recipe, seed=loop.seed, step=step, rank=loop.strategy.rank,
                               world=loop.strategy.world, local_prompts=loop.local_prompts,
-                              pad_id=loop.tokenizer.pad_token_id, timings=timings)
+                              pad_id=loop.tokenizer.pad_token_id, timings=timings, pool=loop.reward_pool)
 
 
 def _credit(loop: TrainingRun, batch: "StepBatch", step: int, timings: dict[str, float]) -> Any:
@@ -230,7 +231,8 @@ def _credit(loop: TrainingRun, batch: "StepBatch", step: int, timings: dict[str,
     if spec.needs_continuations:  # mc_value
         extras["continuations"] = continuation_context(loop.engine, batch, loop.prompts_all, loop.records,
                                                  config=loop.config, recipe=loop.recipe,
-                                                 seed=step_seed(loop.seed, step, CONTINUATIONS_SALT))
+                                                 seed=step_seed(loop.seed, step, CONTINUATIONS_SALT),
+                                                 pool=loop.reward_pool)
     else:
         loop.engine.sleep()
     with loop.strategy.local_phase(loop.model) if spec.needs_model else contextlib.nullcontext():

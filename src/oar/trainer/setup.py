@@ -22,6 +22,7 @@ from oar.config.validate import changed_settings
 from oar.data.records import training_records
 from oar.trainer.optim import make_scheduler
 from oar.trainer.preemption import CheckpointSchedule, StopSignal
+from oar.reward.pool import RewardPool
 from oar.rollout import make_engine
 from oar.trainer.runs import RunFolder, load_trainer_state, restore_rng
 from oar.trainer.strategy import Strategy
@@ -107,6 +108,7 @@ class TrainingRun:
     prompts_all: list[str]
     stream: "PromptStream"
     engine: Any
+    reward_pool: RewardPool  # the run's own: every reward check of its steps and held-out evaluations
     tracker: Any
     heldout: Any
     schedule: CheckpointSchedule
@@ -197,8 +199,9 @@ def setup_run(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder
     prov = provenance(device=strategy.device.type, started=started, credit_source=method.credit_source)
     tracker = _tracker(config, method, seed, folder, strategy, state, prov)
     # held-out accuracy of the start model (or of the resume point), then every train.heldout.every steps
+    reward_pool = RewardPool(workers=config["reward"]["workers"], timeout_s=config["reward"]["timeout_s"])
     heldout = HeldoutEval(config, engine=engine, tokenizer=tokenizer, strategy=strategy, model=model, tracker=tracker,
-                          seed=seed, metrics_path=folder.metrics, total_steps=tcfg["steps"])
+                          seed=seed, metrics_path=folder.metrics, total_steps=tcfg["steps"], pool=reward_pool)
     heldout.after_step(state["step"], 0.0)
     schedule = CheckpointSchedule(save_every=tcfg["save_every"], total_steps=tcfg["steps"],
                                   save_every_minutes=tcfg["save_every_minutes"], stop=stop, strategy=strategy)
@@ -208,7 +211,7 @@ def setup_run(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder
     return TrainingRun(config=config, method=method, seed=seed, folder=folder, identity=identity, strategy=strategy,
                  stop=stop, model=model, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
                  ref_model=ref_model, policy=policy, records=records, prompts_all=prompts_all, stream=stream,
-                 engine=engine, tracker=tracker, heldout=heldout, schedule=schedule, state=state,
+                 engine=engine, reward_pool=reward_pool, tracker=tracker, heldout=heldout, schedule=schedule, state=state,
                  resumed=saved is not None, intact=state["step"] if saved is not None else None, provenance=prov,
                  credit_options=estimator_options(config, method))
 
