@@ -667,7 +667,7 @@ def test_report_efficiency_oracle_writes_the_credit_efficiency(tmp_path):
     assert "| oar_g | " in md.split("### Credit efficiency")[1]
 
 
-def test_report_credit_signals_join_the_efficiency_with_the_signals_localisation(tmp_path):
+def test_report_credit_signals_join_the_efficiency_with_the_signals_localisation(tmp_path, monkeypatch):
     """report.credit_signals: each mapped method's credit efficiency beside its signal's top-3 hit rate
     by mistake position (sampled mistakes only), on the start model and on each attribution.trained
     policy, in tables/efficiency_vs_localisation.csv and a figure; a signal the attribution table lacks,
@@ -693,6 +693,17 @@ def test_report_credit_signals_join_the_efficiency_with_the_signals_localisation
     assert (row["earlier_top3"], row["last_top3"]) == (1.0, 0.0)
     assert row["efficiency"] == pytest.approx(10.0 / (70.0 / 3.0), abs=1e-4)
     assert out["efficiency_vs_localisation"].stat().st_size > 0
+    # the oracle mapped: a row of efficiency 1 at its lead, the calibration curve's top; a signal no method
+    # uses is drawn where it would sit (its earlier-step top-3 on the start model)
+    seen: dict = {}
+    monkeypatch.setattr("oar.report.localisation.plot_efficiency_vs_localisation",
+                        lambda path, table, **kw: seen.update(kw, table=table))
+    cfg["report"]["credit_signals"] = {"orc": "uniform"}
+    build_report(cfg, root)
+    orc = seen["table"][(seen["table"]["method"] == "orc") & (seen["table"]["policy"] == "start model")].iloc[0]
+    assert orc["efficiency"] == 1.0 and orc["diff"] == pytest.approx(-70.0 / 3.0, abs=1e-4)  # the lead of the fixture
+    assert seen["calibration"] == ["orc"] and seen["unmatched"] == {"oar_g_joint": 1.0}
+    monkeypatch.undo()
     for bad, match in (({"oar_g": "nope"}, r"credit_signals.oar_g: 'nope' is not a signal"),
                        ({"oar_x": "uniform"}, r"credit_signals.oar_x: not a method")):
         cfg["report"]["credit_signals"] = bad

@@ -306,10 +306,25 @@ def _write_efficiency_vs_localisation(config: Mapping[str, Any], root: Path, out
     if missing:
         raise ReportError(f"report.credit_signals needs the attribution benchmark's results; missing: "
                           f"{', '.join(missing)} (run the attribution rules, or set report.credit_signals: {{}})")
-    table = efficiency_vs_localisation(eff_credit, {k: pd.read_csv(p) for k, p in files.items()}, signals, labels)
+    from oar.attribution.metrics import localisation_by_position
+    from oar.config.methods import resolve_methods
+
+    per_response = {k: pd.read_csv(p) for k, p in files.items()}
+    oracle = report_option(config, "efficiency_oracle", None)
+    table = efficiency_vs_localisation(eff_credit, per_response, signals, labels, oracle=oracle)
+    methods = resolve_methods(dict(config))
+    # the calibration curve: the oracle and its degraded copies (the oracle's estimator at a lower localisation)
+    calibration = [m for m in signals if oracle in methods and methods[m].estimator == methods[oracle].estimator]
+    start = per_response[next(iter(per_response))]
+    named = [c[len("top3_"):] for c in start.columns if c.startswith("top3_")]
+    by_pos = localisation_by_position(start[start["kind"] == "sampled"], named, top_k=(3,))
+    earlier = by_pos[by_pos["position"] == "earlier"]
+    unmatched = {s: float(earlier[f"top3_{s}"].iloc[0]) for s in named
+                 if s not in set(signals.values()) and len(earlier) and s not in ("uniform", "random")}
     tree = ResultsTree.at(root)
     out["efficiency_vs_localisation_csv"] = Path(tree.table("efficiency_vs_localisation.csv"))
     out["efficiency_vs_localisation"] = Path(tree.figure("efficiency_vs_localisation.png"))
     atomic_write_text(out["efficiency_vs_localisation_csv"], table.to_csv(index=False, float_format="%.6g"))
     plot_efficiency_vs_localisation(out["efficiency_vs_localisation"], table, oracle_label=oracle_label,
-                                    reference_label=ref_label, policies=list(files))
+                                    reference_label=ref_label, policies=list(files), calibration=calibration,
+                                    unmatched=unmatched)

@@ -41,10 +41,12 @@ def attribution_per_response_files(config: Mapping[str, Any], root: str | Path) 
 
 def efficiency_vs_localisation(eff: "pd.DataFrame", per_response: Mapping[str, "pd.DataFrame"],  # noqa: F821
                                signals: Mapping[str, str], labels: Mapping[str, str], *,
-                               kind: str = "sampled", k: int = 3, benchmark: str = "Average") -> "pd.DataFrame":  # noqa: F821
+                               kind: str = "sampled", k: int = 3, benchmark: str = "Average",
+                               oracle: str | None = None) -> "pd.DataFrame":  # noqa: F821
     """One row per (mapped method, attribution policy): the method's credit efficiency and difference
     from the reference on ``benchmark``, and its signal's top-``k`` hit rate of ``kind`` mistakes in the
-    last step and in an earlier one.
+    last step and in an earlier one. The ``oracle`` itself, when mapped, is a row of efficiency 1 (its
+    difference: the oracle's lead), the top of the calibration curve.
 
     Args:
         eff: :func:`oar.report.capture.credit_efficiency_table`'s table.
@@ -75,7 +77,7 @@ def efficiency_vs_localisation(eff: "pd.DataFrame", per_response: Mapping[str, "
     recs = []
     for policy, per in per_response.items():
         for method, signal in signals.items():
-            if method not in rows.index:
+            if method not in rows.index and method != oracle:
                 continue
             if f"top{k}_{signal}" not in per.columns:
                 raise ReportError(f"report.credit_signals.{method}: {signal!r} is not a signal of the "
@@ -86,8 +88,13 @@ def efficiency_vs_localisation(eff: "pd.DataFrame", per_response: Mapping[str, "
             for pos in ("earlier", "last"):
                 rec[f"n_{pos}"] = int(at[pos]["n_responses"]) if pos in at else 0
                 rec[f"{pos}_top{k}"] = float(at[pos][f"top{k}_{signal}"]) if pos in at else math.nan
-            r = rows.loc[method]
-            recs.append({**rec, **{c: r[c] for c in ("diff", "diff_low", "diff_high", "efficiency", "eff_low", "eff_high")}})
+            if method in rows.index:
+                r = rows.loc[method]
+                recs.append({**rec, **{c: r[c] for c in ("diff", "diff_low", "diff_high", "efficiency", "eff_low", "eff_high")}})
+            elif len(rows):  # the oracle: efficiency 1 by definition, its lead over the reference
+                r = rows.iloc[0]
+                recs.append({**rec, "diff": r["oracle_diff"], "diff_low": r["oracle_low"], "diff_high": r["oracle_high"],
+                             "efficiency": 1.0, "eff_low": 1.0, "eff_high": 1.0})
     cols = ["method", "label", "signal", "policy", "n_earlier", f"earlier_top{k}", "n_last", f"last_top{k}",
             "diff", "diff_low", "diff_high", "efficiency", "eff_low", "eff_high"]
     return pd.DataFrame.from_records(recs, columns=cols)
@@ -95,10 +102,14 @@ def efficiency_vs_localisation(eff: "pd.DataFrame", per_response: Mapping[str, "
 
 def plot_efficiency_vs_localisation(path: str | Path, table: "pd.DataFrame", *, k: int = 3,  # noqa: F821
                                     oracle_label: str, reference_label: str,
-                                    policies: Sequence[str] | None = None) -> None:
+                                    policies: Sequence[str] | None = None, calibration: Sequence[str] = (),
+                                    unmatched: Mapping[str, float] | None = None) -> None:
     """Credit efficiency (Fieller interval; an unbounded end drawn to the axis edge) against the
     earlier-step top-``k`` hit rate of each method's signal: filled markers on the start model, hollow
-    ones on each trained policy, joined per method."""
+    ones on each trained policy, joined per method. ``calibration``: the methods that are the oracle at a
+    lower localisation (and the oracle), joined on the start model as the calibration curve a practical
+    signal is read against; ``unmatched``: signals no trained method uses yet, ``{name: earlier-step
+    top-k on the start model}``, drawn as vertical lines (where on the curve they would sit)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -125,6 +136,15 @@ def plot_efficiency_vs_localisation(path: str | Path, table: "pd.DataFrame", *, 
             ax.errorbar([r[f"earlier_top{k}"]], [r["efficiency"]],
                         yerr=[[r["efficiency"] - low], [high - r["efficiency"]]], fmt="o", color=color,
                         mfc=color if j == 0 else "white", capsize=3, label=r["label"] if j == 0 else None)
+    start = table[table["policy"] == policies[0]] if len(table) else table
+    curve = start[start["method"].isin(list(calibration))].sort_values(f"earlier_top{k}")
+    if len(curve) > 1:
+        ax.plot(curve[f"earlier_top{k}"], curve["efficiency"], color="0.3", lw=1.6, ls="-", zorder=0,
+                label="calibration: the oracle at lower localisation")
+    for j, (name, x) in enumerate(sorted((unmatched or {}).items(), key=lambda kv: kv[1])):
+        ax.axvline(x, color="0.6", lw=0.9, ls="-.")
+        ax.text(x, lo + (0.04 + 0.06 * j) * (hi - lo), f" {name} (no arm yet) ", fontsize=7, color="0.3",
+                ha="right" if x > 0.5 else "left")
     ax.axhline(0.0, color="0.5", lw=0.8, ls="--")
     ax.axhline(1.0, color="0.5", lw=0.8, ls=":")
     ax.set_ylim(lo, hi)
