@@ -557,7 +557,7 @@ class Check:
         t1 = self._sync()
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
-        est, options = METHODS[method]
+        options = METHODS[method][1]
         with strategy.local_phase(model) if self.estimators[method].needs_model else contextlib.nullcontext():
             credit = self.estimators[method].fn(
                 CreditBatch(response_ids=ro.response_ids, response_mask=ro.response_mask, rewards=rewards,

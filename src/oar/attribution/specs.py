@@ -11,7 +11,7 @@ from oar.credit.importance import OarGOptions, OarPOptions, option_names
 from oar.credit.mc_value import McValueOptions
 from oar.credit.verifier import DEFAULT_THRESHOLD, TRAINED
 
-__all__ = ["SIGNAL_KINDS", "SignalKind", "KtaeSignalOptions", "McValueSignalOptions", "NoOptions", "OracleSignalOptions", "VerifierSignalOptions", "SignalSpec", "signal_specs"]
+__all__ = ["SIGNAL_KINDS", "CHANCE_KINDS", "SignalKind", "KtaeSignalOptions", "McValueSignalOptions", "NoOptions", "OracleSignalOptions", "VerifierSignalOptions", "SignalSpec", "signal_specs"]
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,8 @@ SIGNAL_KINDS: dict[str, SignalKind] = {
     "random": SignalKind(NoOptions),
     "uniform": SignalKind(NoOptions),
 }
+#: The kinds that score at chance level (the baselines of every table), not a signal a credit could use.
+CHANCE_KINDS: tuple[str, ...] = ("random", "uniform")
 #: The dict spelling of the bare signal names the benchmark once read (for the error that refuses them).
 BARE_NAMES: dict[str, dict[str, Any]] = {
     "oar_p": {"kind": "oar_p", "mode": "last"},

@@ -307,6 +307,7 @@ def _write_efficiency_vs_localisation(config: Mapping[str, Any], root: Path, out
         raise ReportError(f"report.credit_signals needs the attribution benchmark's results; missing: "
                           f"{', '.join(missing)} (run the attribution rules, or set report.credit_signals: {{}})")
     from oar.attribution.metrics import localisation_by_position
+    from oar.attribution.specs import CHANCE_KINDS
     from oar.config.methods import resolve_methods
 
     per_response = {k: pd.read_csv(p) for k, p in files.items()}
@@ -319,8 +320,10 @@ def _write_efficiency_vs_localisation(config: Mapping[str, Any], root: Path, out
     named = [c[len("top3_"):] for c in start.columns if c.startswith("top3_")]
     by_pos = localisation_by_position(start[start["kind"] == "sampled"], named, top_k=(3,))
     earlier = by_pos[by_pos["position"] == "earlier"]
+    kinds = {sig["name"]: sig["kind"] for sig in (config.get("attribution") or {}).get("signals") or ()}
+    mapped = set(signals.values())
     unmatched = {s: float(earlier[f"top3_{s}"].iloc[0]) for s in named
-                 if s not in set(signals.values()) and len(earlier) and s not in ("uniform", "random")}
+                 if s not in mapped and kinds.get(s) not in CHANCE_KINDS} if len(earlier) else {}
     tree = ResultsTree.at(root)
     out["efficiency_vs_localisation_csv"] = Path(tree.table("efficiency_vs_localisation.csv"))
     out["efficiency_vs_localisation"] = Path(tree.figure("efficiency_vs_localisation.png"))

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from oar.tracking.stage_metrics import report_metrics_of
-from oar.tracking.stage_runs import log_all_metrics, log_stage_files, stage_tags, start_run, tracking_uri
+from oar.tracking.stage_runs import log_all_metrics, log_stage_files, stage_tags, stage_run, tracking_uri
 
 __all__ = ["log_report_run"]
 
@@ -41,14 +41,9 @@ def log_report_run(config: Mapping[str, Any], paths: Mapping[str, str | os.PathL
         tags["oar.output"] = str(Path(paths["main_csv"]).parent.parent)
     if footer:
         tags["oar.report.provenance"] = footer
-    tracker = start_run(config, uri, run_name="report", tags=tags, parent=None)
-    try:
+    with stage_run(config, uri, run_name="report", tags=tags, parent=None) as tracker:
         tracker.log_params({"report": config["report"], **dict(params or {})})
         if "main_csv" in paths:
             log_all_metrics(tracker, report_metrics_of(paths["main_csv"]))
         log_stage_files(tracker, {p: p.parent.name for p in map(Path, paths.values()) if p.is_file()}, config)
-    except BaseException:
-        tracker.finish("FAILED")
-        raise
-    tracker.finish()
     return tracker.run_id

@@ -39,15 +39,16 @@ stay the record.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from oar.tracking.client import PARENT_RUN_TAG, Tracker, ensure_experiment, search_runs, with_retry
 from oar.tracking.stage_metrics import EVAL_EXTRAS, EVAL_SCORES, as_number, attribution_metrics, eval_metrics, metric_key, sft_metrics
 
-__all__ = ["start_run", "log_all_metrics", "log_stage_files", "STAGES", "BASE_METHOD", "CURRENT_TAG", "LAUNCHED_BY_ENV", "IDENTITY_TAGS", "supersede_older_runs", "EVAL_SET_TAG", "tracking_uri", "stage_tags", "trained_run_summary", "find_training_run", "train_run_tags", "log_sft_run", "log_verifier_run", "log_evaluation_run", "log_attribution_run"]
+__all__ = ["stage_run", "log_all_metrics", "log_stage_files", "STAGES", "BASE_METHOD", "CURRENT_TAG", "LAUNCHED_BY_ENV", "IDENTITY_TAGS", "supersede_older_runs", "EVAL_SET_TAG", "tracking_uri", "stage_tags", "trained_run_summary", "find_training_run", "train_run_tags", "log_sft_run", "log_verifier_run", "log_evaluation_run", "log_attribution_run"]
 
 
 #: The values of the ``oar.stage`` tag.
@@ -209,14 +210,21 @@ def supersede_older_runs(uri: str, experiment: str, tags: Mapping[str, str], run
     return older
 
 
-def start_run(config: Mapping[str, Any], uri: str, *, run_name: str, tags: Mapping[str, str],
-           parent: str | None) -> Tracker:
-    """A new run of a stage, the current one of its output (:func:`supersede_older_runs`)."""
+@contextlib.contextmanager
+def stage_run(config: Mapping[str, Any], uri: str, *, run_name: str, tags: Mapping[str, str],
+              parent: str | None) -> Iterator[Tracker]:
+    """A new run of a stage, the current one of its output (:func:`supersede_older_runs`), for the
+    block: finished when the block ends, marked ``FAILED`` (and the error re-raised) when it raises."""
     tags = {**tags, CURRENT_TAG: "true", **({PARENT_RUN_TAG: parent} if parent else {})}
     experiment = config["tracking"]["experiment"]
     tracker = Tracker(None, uri=uri, experiment=experiment, run_name=run_name, tags=tags)
     supersede_older_runs(uri, experiment, tags, tracker.run_id)
-    return tracker
+    try:
+        yield tracker
+    except BaseException:
+        tracker.finish("FAILED")
+        raise
+    tracker.finish()
 
 
 def log_all_metrics(tracker: Tracker, metrics: Mapping[str, float], step: int = 0) -> None:
@@ -246,8 +254,7 @@ def log_sft_run(config: Mapping[str, Any], output_dir: str | os.PathLike, summar
     tags["oar.output"] = str(out)
     if summary.get("cached_from"):
         tags["oar.sft.cached_from"] = str(summary["cached_from"])
-    tracker = start_run(config, uri, run_name="sft", tags=tags, parent=None)
-    try:
+    with stage_run(config, uri, run_name="sft", tags=tags, parent=None) as tracker:
         tracker.log_params({k: config[k] for k in ("model", "task", "sft")})
         log_all_metrics(tracker, sft_metrics(summary), step=int((summary.get("sft") or {}).get("steps") or 0))
         result = summary.get("sft") or {}
@@ -255,10 +262,6 @@ def log_sft_run(config: Mapping[str, Any], output_dir: str | os.PathLike, summar
         curve += [("sft/eval_accuracy", v, s) for s, v in result.get("eval_curve") or []]
         tracker.log_history(curve)
         log_stage_files(tracker, _files(out, ["sft_summary.json"]), config)
-    except BaseException:
-        tracker.finish("FAILED")
-        raise
-    tracker.finish()
     return tracker.run_id
 
 
@@ -273,8 +276,7 @@ def log_verifier_run(config: Mapping[str, Any], output_dir: str | os.PathLike, s
     out = Path(output_dir)
     tags = stage_tags(config, "verifier", fingerprint=_store_key(out), provenance=summary.get("provenance"))
     tags["oar.output"] = str(out)
-    tracker = start_run(config, uri, run_name="verifier", tags=tags, parent=None)
-    try:
+    with stage_run(config, uri, run_name="verifier", tags=tags, parent=None) as tracker:
         tracker.log_params({"verifier": config["verifier"], "task": config["task"],
                             "start_model": str(summary.get("start_model"))})
         log_all_metrics(tracker, {metric_key("verifier", k): float(v) for k, v in summary.items()
@@ -282,10 +284,6 @@ def log_verifier_run(config: Mapping[str, Any], output_dir: str | os.PathLike, s
                         step=int(config["verifier"]["steps"]))
         tracker.log_history([("verifier/loss", v, s) for s, v in summary.get("loss_curve") or []])
         log_stage_files(tracker, _files(out, ["verifier_summary.json"]), config)
-    except BaseException:
-        tracker.finish("FAILED")
-        raise
-    tracker.finish()
     return tracker.run_id
 
 
@@ -315,16 +313,11 @@ def log_evaluation_run(config: Mapping[str, Any], model_dir: str | os.PathLike |
     tags.update({"oar.eval_seed": str(int(seed)), "oar.model": str(summary.get("model")), "oar.output": str(out),
                  EVAL_SET_TAG: eval_set})
     name = f"{method}-seed{run_seed}/{prefix}" if trained else f"{BASE_METHOD}/{prefix}"
-    tracker = start_run(config, uri, run_name=name, tags=tags, parent=parent)
-    try:
+    with stage_run(config, uri, run_name=name, tags=tags, parent=parent) as tracker:
         tracker.log_params({"eval": config["eval"], "model": summary.get("model"), "seed": seed,
                             "model_identity": summary.get("model_identity")})
         log_all_metrics(tracker, eval_metrics(summary, EVAL_SCORES + EVAL_EXTRAS, prefix=prefix))
         log_stage_files(tracker, _files(out, _EVAL_FILES), config)
-    except BaseException:
-        tracker.finish("FAILED")
-        raise
-    tracker.finish()
     if parent:
         train_run = Tracker(None, uri=uri, experiment=config["tracking"]["experiment"], run_id=parent, reopen=False)
         log_all_metrics(train_run, eval_metrics(summary, EVAL_SCORES, prefix=prefix))
@@ -349,13 +342,8 @@ def log_attribution_run(config: Mapping[str, Any], model_dir: str | os.PathLike,
                       provenance=summary.get("provenance"))
     tags.update({"oar.model": str(model_dir), "oar.output": str(out)})
     name = f"{method}-seed{run_seed}/attribution" if trained else "attribution"
-    tracker = start_run(config, uri, run_name=name, tags=tags, parent=parent)
-    try:
+    with stage_run(config, uri, run_name=name, tags=tags, parent=parent) as tracker:
         tracker.log_params({"attribution": config["attribution"], "model": str(model_dir)})
         log_all_metrics(tracker, attribution_metrics(out))
         log_stage_files(tracker, _files(out, _ATTRIBUTION_FILES), config)
-    except BaseException:
-        tracker.finish("FAILED")
-        raise
-    tracker.finish()
     return tracker.run_id
