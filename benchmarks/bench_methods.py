@@ -82,6 +82,7 @@ def run_model(model: str, args: argparse.Namespace) -> dict[str, dict]:
     """Run the interleaved benchmark of one model; returns per-method aggregates."""
     from oar.config.load import load_config
     from oar.trainer.loop import train
+    from oar.trainer.step import EndAfter
 
     work = Path(args.cache) / f"methods_{model}"
     if work.exists():
@@ -113,7 +114,7 @@ def run_model(model: str, args: argparse.Namespace) -> dict[str, dict]:
             out = work / m
             reset_peak_rss()
             t0 = time.perf_counter()
-            train(cfg, m, args.seed, out, init=init, progress=False, stop_after=1)
+            train(cfg, m, args.seed, out, init=init, progress=False, observer=EndAfter(1))
             call_s = time.perf_counter() - t0
             peaks[m] = max(peaks[m], peak_rss_mib())
             row = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()][-1]

@@ -78,6 +78,7 @@ def main() -> None:
     from oar.trainer.batch import PromptStream
     from oar.data.records import training_records
     from oar.trainer.loop import train
+    from oar.trainer.step import EndAfter
 
     work = Path(args.cache) / f"trl_{args.model}"
     if work.exists():
@@ -126,7 +127,7 @@ def main() -> None:
 
         def on_step_end(self, targs, state, control, **kw):
             trl_times.append(time.perf_counter() - self.t0)
-            train(cfg, "grpo", args.seed, work / "oar", init=init, progress=False, stop_after=1)
+            train(cfg, "grpo", args.seed, work / "oar", init=init, progress=False, observer=EndAfter(1))
             row = [json.loads(x) for x in (work / "oar" / "metrics.jsonl").read_text().splitlines() if x.strip()][-1]
             oar_rows.append(row)
             print(f"[trl-bench] step {state.global_step}: trl {trl_times[-1]:.2f} s, oar {row['time_step']:.2f} s "

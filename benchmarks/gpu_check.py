@@ -376,6 +376,7 @@ def update_policy(model: Any, optimizer: Any, strategy: Any, ro: Any, token_adv:
         ``tokens_real`` / ``tokens_computed`` (positions of the forwards, summed), ``loss`` and
         ``grad_norm`` per mini-batch, ``nonfinite`` (skipped updates).
     """
+    from oar.config.settings import TrainSettings
     from oar.trainer.update import update_policy as trainer_update
 
     def observe(event: str) -> None:
@@ -384,11 +385,12 @@ def update_policy(model: Any, optimizer: Any, strategy: Any, ro: Any, token_adv:
         else:
             marks.mark(event)
 
-    tcfg = {"packing": packing, "micro_batch_size": micro_batch_size, "mini_batch_size": mini_batch_size,
-            "micro_batch_tokens": micro_batch_tokens, "pack_length": pack_length, "grad_clip": grad_clip,
-            "ppo_epochs": 1, "skip_zero_advantage": False}  # every row computed: the check times the whole update
+    train = TrainSettings.from_config({"train": {
+        "packing": packing, "micro_batch_size": micro_batch_size, "mini_batch_size": mini_batch_size,
+        "micro_batch_tokens": micro_batch_tokens, "pack_length": pack_length, "grad_clip": grad_clip,
+        "ppo_epochs": 1, "skip_zero_advantage": False}})  # every row computed: the check times the whole update
     upd, nonfinite = trainer_update(model, optimizer, strategy, ro, token_adv, None, recipe=dict(recipe, kl_coef=0.0),
-                                    tcfg=tcfg, temperature=temperature, agg_max_len=None, generator=generator,
+                                    train=train, temperature=temperature, agg_max_len=None, generator=generator,
                                     observe=observe if marks is not None else None)
     return {"tokens_real": int(sum(upd["tokens_real"])), "tokens_computed": int(sum(upd["tokens_computed"])),
             "loss": upd["loss"], "grad_norm": upd["grad_norm"], "nonfinite": nonfinite}

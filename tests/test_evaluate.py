@@ -222,6 +222,7 @@ def test_heldout_hook_logs_step0_every_k_and_last_and_resumes_without_duplicates
     from safetensors.torch import load_file
 
     from oar.trainer.loop import train
+    from oar.trainer.step import EndAfter
 
     def rows(run):
         return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -244,7 +245,7 @@ def test_heldout_hook_logs_step0_every_k_and_last_and_resumes_without_duplicates
 
     # interrupted after 3 steps (checkpoint at 2), resumed: one row per (kind, step), same accuracies
     part = tmp_path / "part"
-    assert train(cfg, "grpo", 0, part, progress=False, stop_after=3) == {"interrupted_at": 3}
+    assert train(cfg, "grpo", 0, part, progress=False, observer=EndAfter(3)) == {"interrupted_at": 3}
     train(cfg, "grpo", 0, part, progress=False)
     held_part = [r for r in rows(part) if "heldout_acc" in r]
     assert [r["step"] for r in held_part] == [0, 2, 4, 5]

@@ -115,9 +115,11 @@ def test_composed_update_equals_the_trainers():
     mine = gc.update_policy(*results[0], strategy, ro, adv, recipe=gc.RECIPE,
                             generator=torch.Generator().manual_seed(5), marks=Marks(), **layout)
     assert events == ["reset", "backward end", "reset", "backward end", "reset", "step"]
-    tcfg = dict(layout, ppo_epochs=1, skip_zero_advantage=False)
+    from oar.config.settings import TrainSettings
+
+    train = TrainSettings.from_config({"train": dict(layout, ppo_epochs=1, skip_zero_advantage=False)})
     theirs, nonfinite = update_policy(*results[1], strategy, ro, adv, None, recipe=dict(gc.RECIPE, kl_coef=0.0),
-                                       tcfg=tcfg, temperature=1.0, agg_max_len=None,
+                                       train=train, temperature=1.0, agg_max_len=None,
                                        generator=torch.Generator().manual_seed(5))
     assert nonfinite == 0 and mine["nonfinite"] == 0
     assert mine["tokens_real"] == sum(theirs["tokens_real"]) > 0

@@ -38,13 +38,13 @@ def _update(model0, ro, adv, agg: str, *, ref=None, **layout) -> tuple[dict, dic
 
     model = copy.deepcopy(model0)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    from oar.config.validate import section_defaults
+    from oar.config.settings import TrainSettings
 
-    tcfg = {**section_defaults("train"), "mini_batch_size": 64, "micro_batch_size": 64, "ppo_epochs": 1,
-            "grad_clip": 1e9, **layout}
+    train = TrainSettings.from_config({"train": {"mini_batch_size": 64, "micro_batch_size": 64, "ppo_epochs": 1,
+                                                 "grad_clip": 1e9, **layout}})
     recipe = {"loss_agg": agg, "eps_low": 0.2, "eps_high": 0.28, "clip_ratio_c": 3.0, "kl_coef": 0.1 if ref else 0.0}
     upd, bad = update_policy(model, opt, make_strategy({"device": "cpu", "train": {"strategy": "ddp"}}), ro, adv, ref,
-                              recipe=recipe, tcfg=tcfg, temperature=0.9,
+                              recipe=recipe, train=train, temperature=0.9,
                               agg_max_len=16 if agg == "seq-mean-token-sum-norm" else None,
                               generator=torch.Generator().manual_seed(0))
     assert bad == 0
@@ -118,20 +118,20 @@ def test_skip_zero_advantage_with_nothing_credited_still_steps():
     from oar.models.tiny import build_tiny
     from oar.trainer.strategy import make_strategy
     from oar.trainer.update import update_policy
-    from oar.config.validate import section_defaults
+    from oar.config.settings import TrainSettings
 
     ro, adv = _rollout()
     weights = {}
     for skip in (False, True):
         model, _ = build_tiny(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=0)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        tcfg = {**section_defaults("train"), "mini_batch_size": 64, "micro_batch_size": 64,
-                "skip_zero_advantage": skip, **LAYOUTS["shared_prompt"]}
+        train = TrainSettings.from_config({"train": {"mini_batch_size": 64, "micro_batch_size": 64,
+                                                     "skip_zero_advantage": skip, **LAYOUTS["shared_prompt"]}})
         recipe = {"loss_agg": "token-mean", "eps_low": 0.2, "eps_high": 0.2, "clip_ratio_c": None, "kl_coef": 0.0}
         stats = []
         for a in (adv, torch.zeros_like(adv)):      # a credited step, then one with nothing credited
             upd, bad = update_policy(model, opt, make_strategy({"device": "cpu", "train": {"strategy": "ddp"}}), ro, a,
-                                     None, recipe=recipe, tcfg=tcfg, temperature=1.0, agg_max_len=None,
+                                     None, recipe=recipe, train=train, temperature=1.0, agg_max_len=None,
                                      generator=torch.Generator().manual_seed(0))
             assert bad == 0
             stats.append(upd)

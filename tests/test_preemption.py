@@ -456,11 +456,12 @@ def checkpointed(tmp_path_factory, tracking_uri):
     """A run stopped after 2 steps with its checkpoint (save_every 1), to damage copies of."""
     from oar.config.load import load_config
     from oar.trainer.loop import train
+    from oar.trainer.step import EndAfter
 
     tmp = tmp_path_factory.mktemp("checkpointed")
     cfg = _config_file(tmp, "cfg.yaml", save_every=1)
     run = tmp / "run"
-    assert train(load_config(cfg), METHOD, 0, run, progress=False, stop_after=STOP_AT) == {"interrupted_at": STOP_AT}
+    assert train(load_config(cfg), METHOD, 0, run, progress=False, observer=EndAfter(STOP_AT)) == {"interrupted_at": STOP_AT}
     assert _checkpoint_step(run) == STOP_AT
     return run, cfg
 

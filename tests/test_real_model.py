@@ -64,12 +64,13 @@ def _metrics(folder):
 
 def test_every_token_credit_method_gives_nonzero_credit_that_is_not_uniform(warm, tmp_path):
     from oar.trainer.loop import train
+    from oar.trainer.step import EndAfter
 
     config, sft = warm
     methods = config["only_methods"]
     assert set(methods) == {"grpo", "oar_g", "mc_value_oar_g", "oracle_first_mistake"}
     for method in methods:
-        assert train(config, method, 0, tmp_path / method, init=str(sft), progress=False, stop_after=1) == {
+        assert train(config, method, 0, tmp_path / method, init=str(sft), progress=False, observer=EndAfter(1)) == {
             "interrupted_at": 1}
         (row,) = _metrics(tmp_path / method)
         assert 0.0 < row["accuracy"] < 1.0, (method, row["accuracy"])       # mixed groups: there is credit to give

@@ -23,6 +23,7 @@ from oar.config.source import deep_merge
 from oar.core.io import FolderLockedError, atomic_path, exclusive_lock, recover_atomic_dir
 from oar.trainer.runs import RunMismatchError, identity_diff, load_trainer_state, restore_rng, save_trainer_state
 from oar.trainer.loop import train
+from oar.trainer.step import EndAfter
 
 from helpers import ROOT, small_overrides
 
@@ -146,7 +147,7 @@ def test_kill_before_the_first_checkpoint_leaves_no_duplicate_rows_or_running_or
     cfg = load_config(ROOT / "config" / "config.yaml",
                       small_overrides(tmp_path, train={"steps": 3, "save_every": 10}, tracking={"enabled": True}))
     run = tmp_path / "run"
-    assert train(cfg, "grpo", 0, run, progress=False, stop_after=2) == {"interrupted_at": 2}  # killed at step 2
+    assert train(cfg, "grpo", 0, run, progress=False, observer=EndAfter(2)) == {"interrupted_at": 2}  # killed at step 2
     assert not (run / "checkpoint").exists() and _steps(run) == [0, 1]
     orphan = json.loads((run / "run.json").read_text())["mlflow_run_id"]
     client = mlflow.tracking.MlflowClient(tracking_uri=cfg["tracking"]["uri"])
@@ -209,7 +210,7 @@ def test_training_resumes_from_a_checkpoint_swap_killed_between_renames(tmp_path
     cfg = load_config(ROOT / "config" / "config.yaml", small_overrides(tmp_path, train={"steps": 3, "save_every": 1}))
     full, part = tmp_path / "full", tmp_path / "part"
     train(cfg, "grpo", 0, full, progress=False)
-    train(cfg, "grpo", 0, part, progress=False, stop_after=2)
+    train(cfg, "grpo", 0, part, progress=False, observer=EndAfter(2))
     # the kill came after `checkpoint -> .checkpoint.old` and before `.checkpoint.new -> checkpoint`
     shutil.copytree(part / "checkpoint", part / ".checkpoint.old")
     os.replace(part / "checkpoint", part / ".checkpoint.new")

@@ -10,6 +10,7 @@ import torch
 from oar.config.load import load_config
 from oar.trainer.batch import dynamic_sampling_keep
 from oar.trainer.loop import train
+from oar.trainer.step import EndAfter
 from oar.trainer.optim import make_scheduler
 from oar.trainer.update import policy_forward
 
@@ -91,21 +92,22 @@ def test_step_metrics_count_the_steps_reward_timeouts_and_crashes():
     from oar.reward.pool import RewardPool
     from oar.trainer.batch import PromptStream, collect_batch
     from oar.credit import CreditResult
-    from oar.trainer.loop import step_metrics
+    from oar.config.settings import RolloutSettings
+    from oar.trainer.step import step_metrics
 
     huge = "\\boxed{9^{9^{9^{9}}}}"  # math-verify's comparison never ends: timed out, retried, marked
     records = [{"answer": "5"}, {"answer": "7"}]
     engine = _TextEngine({"p0": ["\\boxed{5}", huge], "p1": ["\\boxed{7}", "\\boxed{8}"]})
-    config = {"train": {"prompts_per_step": 2},
-              "rollout": {"n": 2, "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 3, "batch_invariant": False},
-              "reward": {"timeout_s": 1.0, "workers": 1}}
+    rollout = RolloutSettings.from_config(
+        {"rollout": {"n": 2, "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 3, "batch_invariant": False}})
     recipe = {"correct": 1.0, "wrong": 0.0, "overlong_buffer": 0, "dynamic_sampling": False, "max_num_gen_batches": 1}
     upd = {k: [0.0] for k in ("entropy", "kl_ref", "approx_kl", "clipfrac", "loss", "pg_loss", "grad_norm")}
     upd.update(tokens_real=[1.0], tokens_computed=[1.0])
 
     def metrics(answers):
         engine.answers.update(answers)
-        batch = collect_batch(engine, PromptStream(2, seed=0), ["p0", "p1"], records, config=config, recipe=recipe,
+        batch = collect_batch(engine, PromptStream(2, seed=0), ["p0", "p1"], records, prompts_per_step=2, rollout=rollout,
+                              recipe=recipe,
                               seed=0, step=0, rank=0, world=1, local_prompts=2, pad_id=0,
                               timings={"rollout": 0.0, "reward": 0.0}, pool=pool)
         credit = CreditResult(token_advantages=torch.zeros(4, 3), seq_advantages=torch.zeros(4))
@@ -147,7 +149,7 @@ def test_resume_gives_identical_weights(tmp_path):
     train(cfg, "grpo", 3, full, progress=False)
     part = tmp_path / "part"
     # interrupted after step 3 (the checkpoint is at step 2): step 3 runs again on resume
-    assert train(cfg, "grpo", 3, part, progress=False, stop_after=3) == {"interrupted_at": 3}
+    assert train(cfg, "grpo", 3, part, progress=False, observer=EndAfter(3)) == {"interrupted_at": 3}
     train(cfg, "grpo", 3, part, progress=False)
     wa, wb = _weights(full / "model"), _weights(part / "model")
     assert wa.keys() == wb.keys()
@@ -230,7 +232,7 @@ def test_nonfinite_losses_stop_with_checkpoint_intact(tmp_path, monkeypatch):
     cfg = load_config(ROOT / "config" / "config.yaml",
                       small_overrides(tmp_path, train={"steps": 6, "save_every": 1, "max_nonfinite": 2}))
     out = tmp_path / "run"
-    train(cfg, "grpo", 0, out, progress=False, stop_after=1)
+    train(cfg, "grpo", 0, out, progress=False, observer=EndAfter(1))
     before = _weights(out / "checkpoint")
     real = oar.trainer.update.policy_loss
 

@@ -31,6 +31,7 @@ __all__ = [
     "atomic_write_json",
     "atomic_write_jsonl",
     "read_jsonl",
+    "read_recorded_json",
     "append_jsonl",
     "file_digest",
     "folder_digest",
@@ -316,6 +317,16 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
                 raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
             out.append(obj)
     return out
+
+
+def read_recorded_json(path: str | os.PathLike) -> dict | None:
+    """A summary this pipeline wrote earlier (a JSON object), or None where it is missing, unreadable
+    or not an object: the caller then writes it afresh (a cached evaluation, a run's summary)."""
+    try:
+        recorded = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return recorded if isinstance(recorded, dict) else None
 
 
 _DIGESTS: dict[tuple[str, int, int], str] = {}

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from oar.core.io import atomic_write_json, atomic_write_jsonl
+from oar.core.io import atomic_write_json, atomic_write_jsonl, read_recorded_json
 from oar.core.seeds import stream_seed
 
 if TYPE_CHECKING:
@@ -243,17 +243,6 @@ def records_digest(records: Sequence[dict]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def _read_cached(path: Path) -> dict | None:
-    """A benchmark's cached summary, or None when it is missing or unreadable (it is recomputed)."""
-    import json
-
-    try:
-        prev = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return prev if isinstance(prev, dict) else None
-
-
 def _check_eval_prompts(config: dict, model: Any, tokenizer: Any, located: dict[str, list[tuple[str, dict]]], *,
                         model_path: str, transfer: bool) -> None:
     """Every prompt of ``located`` (``{benchmark: [(where, record), ...]}``) fits the loaded ``model``'s
@@ -349,7 +338,7 @@ def _evaluate_locked(config: dict, benches: dict[str, list[dict]], spec: dict, o
         for name, records in benches.items():
             done = output_dir / f"{name}.json"
             bench_settings = dict(settings, records=records_digest(records))
-            prev = _read_cached(done)
+            prev = read_recorded_json(done)
             if prev is not None and prev.get("settings") == bench_settings and prev.get("n") == len(records):
                 results[name] = prev
                 continue

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from oar.config.settings import EvalSamplingSettings, HeldoutSettings, RewardSettings
+
 __all__ = ["HELDOUT_KEYS", "heldout_records", "HeldoutEval"]
 
 #: Keys of a held-out row in metrics.jsonl (besides ``step``).
@@ -73,7 +75,11 @@ class HeldoutEval:
     """The held-out evaluation hook of the training loop (see the module docstring).
 
     Args:
-        config: validated config (``train.heldout``, ``eval``, ``task``, ``reward``).
+        settings: ``train.heldout`` (every, samples).
+        records: the held-out problems (:func:`heldout_records`; empty when ``every`` is 0).
+        template: the task's prompt template (``task.template``).
+        sampling: how the evaluation samples (``eval.temperature``, ``top_p``, ``max_new_tokens``, ``chunk_size``).
+        reward: the answer checks' time limit and workers (``reward:``).
         engine: the training's rollout engine (samples from the current policy).
         tokenizer: the policy's tokenizer.
         strategy: the training strategy (rank, world, ``local_phase``, ``mean_over_ranks``).
@@ -86,12 +92,13 @@ class HeldoutEval:
         pool: the run's :class:`oar.reward.pool.RewardPool` (None: each evaluation starts its own).
     """
 
-    def __init__(self, config: dict, *, engine: Any, tokenizer: Any, strategy: Any, model: Any, tracker: Any,
-                 seed: int, metrics_path: str | Path, total_steps: int, pool: Any = None) -> None:
-        hc = config["train"]["heldout"]
-        self.every = int(hc["every"])
-        self.samples = int(hc["samples"])
-        self.config, self.engine, self.tokenizer = config, engine, tokenizer
+    def __init__(self, settings: HeldoutSettings, records: list[dict], *, template: str,
+                 sampling: EvalSamplingSettings, reward: RewardSettings, engine: Any, tokenizer: Any, strategy: Any,
+                 model: Any, tracker: Any, seed: int, metrics_path: str | Path, total_steps: int,
+                 pool: Any = None) -> None:
+        self.every, self.samples = settings.every, settings.samples
+        self.template, self.sampling, self.reward = template, sampling, reward
+        self.engine, self.tokenizer = engine, tokenizer
         self.strategy, self.model, self.tracker = strategy, model, tracker
         self.seed, self.total_steps = seed, total_steps
         self.pool = pool
@@ -100,7 +107,6 @@ class HeldoutEval:
         self.train_seconds = 0.0
         if not self.enabled:
             return
-        records = heldout_records(config)
         self.n_problems = len(records)
         self.records = records[strategy.rank :: strategy.world]
         path = Path(metrics_path)
@@ -148,7 +154,7 @@ class HeldoutEval:
         """(correct answers, answers, problems with a correct answer) of this process's share."""
         from oar.evaluate.evaluation import evaluate_records
 
-        ev = self.config["eval"]
+        ev = self.sampling
         # every process enters the phase (gathering a sharded policy is collective), even with no problems
         from oar.rollout import engine_phase
 
@@ -158,10 +164,10 @@ class HeldoutEval:
             if not self.records:
                 return 0.0, 0.0, 0.0
             _, rows = evaluate_records(
-                self.engine, self.tokenizer, self.records, template=self.config["task"]["template"], greedy=False,
-                samples=self.samples, temperature=ev["temperature"], top_p=ev["top_p"],
-                max_new_tokens=ev["max_new_tokens"], seed=self.seed, timeout_s=self.config["reward"]["timeout_s"],
-                workers=self.config["reward"]["workers"], chunk_size=ev["chunk_size"], keep_text=False, pool=self.pool,
+                self.engine, self.tokenizer, self.records, template=self.template, greedy=False,
+                samples=self.samples, temperature=ev.temperature, top_p=ev.top_p,
+                max_new_tokens=ev.max_new_tokens, seed=self.seed, timeout_s=self.reward.timeout_s,
+                workers=self.reward.workers, chunk_size=ev.chunk_size, keep_text=False, pool=self.pool,
             )
         correct = float(sum(r["correct"] for r in rows))
         solved = float(len({r["id"] for r in rows if r["correct"]}))

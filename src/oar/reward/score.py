@@ -72,7 +72,7 @@ item did not fail, and a preempted training step must not record it as wrong.
 
 :func:`score_batch` adds a call's counts to a caller's :class:`PoolStats` (``stats=``): a
 training step's metrics carry ``reward_timeouts``, ``reward_crashes`` and ``reward_marked``
-(:mod:`oar.trainer.batch`, :func:`oar.trainer.loop.step_metrics`), an evaluation's ``summary.json`` a ``reward``
+(:mod:`oar.trainer.batch`, :func:`oar.trainer.step.step_metrics`), an evaluation's ``summary.json`` a ``reward``
 entry (:mod:`oar.evaluate.evaluation`).
 
 How workers start (``start_method``). ``fork`` is never used: the parent has torch (threads)

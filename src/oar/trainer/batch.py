@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from oar.config.settings import RolloutSettings
 from oar.reward.pool import PoolStats
 from oar.rollout import Rollout, generate_per_prompt
 from oar.core.seeds import step_seed, stream_seed
@@ -22,7 +23,6 @@ __all__ = [
     "dynamic_sampling_keep",
     "collect_batch",
     "continuation_context",
-    "resume_cursor",
 ]
 
 
@@ -75,26 +75,26 @@ def dynamic_sampling_keep(rewards: torch.Tensor, group_ids: torch.Tensor) -> tor
 
 
 def collect_batch(engine: Any, stream: PromptStream, prompts_all: list[str], records: list[dict], *,
-                   config: dict, recipe: dict, seed: int, step: int, rank: int, world: int, local_prompts: int,
-                   pad_id: int, timings: dict[str, float], pool: Any) -> StepBatch:
-    """Steps 1-2 of the loop: sample ``n`` responses for this process's share of the next prompts and
+                   prompts_per_step: int, rollout: RolloutSettings, recipe: dict, seed: int, step: int, rank: int,
+                   world: int, local_prompts: int, pad_id: int, timings: dict[str, float], pool: Any) -> StepBatch:
+    """Steps 1-2 of the loop: sample ``rollout.n`` responses for this process's share of the next
+    ``prompts_per_step`` prompts and
     score them in the run's reward ``pool`` (:class:`oar.reward.pool.RewardPool`); with DAPO's dynamic sampling, regenerate until ``local_prompts`` groups have mixed
     rewards (at most ``max_num_gen_batches`` rounds). Adds to ``timings["rollout"]``/``["reward"]``; the
     batch's ``reward_stats`` count the reward pool's timeouts, crashes and retries over the rounds."""
     from oar.reward.score import overlong_penalty, score_batch
 
-    tcfg, rcfg, n = config["train"], config["rollout"], config["rollout"]["n"]
     kept: list[StepBatch] = []
     n_kept_groups, rounds, gen_total = 0, 0, 0
     reward_stats = PoolStats()
     max_rounds = recipe["max_num_gen_batches"] if recipe["dynamic_sampling"] else 1
-    positions = torch.arange(tcfg["prompts_per_step"])[rank::world]  # this process's prompts' places in the step
+    positions = torch.arange(prompts_per_step)[rank::world]  # this process's prompts' places in the step
     while True:
-        idx = stream.take(tcfg["prompts_per_step"])[rank::world]
+        idx = stream.take(prompts_per_step)[rank::world]
         t0 = time.perf_counter()
         prompts = [prompts_all[i] for i in idx]
-        gen = dict(n=n, temperature=rcfg["temperature"], top_p=rcfg["top_p"], max_new_tokens=rcfg["max_new_tokens"])
-        if rcfg["batch_invariant"]:  # seeded by the prompt's position in the step, not by the process
+        gen = rollout.sampling()
+        if rollout.batch_invariant:  # seeded by the prompt's position in the step, not by the process
             seeds = [step_seed(step_seed(seed, step, rounds), pos) for pos in positions.tolist()]
             ro = generate_per_prompt(engine, prompts, seeds=seeds, pad_id=pad_id, **gen)
         else:
@@ -108,13 +108,13 @@ def collect_batch(engine: Any, stream: PromptStream, prompts_all: list[str], rec
         correct = scores == recipe["correct"]
         rewards = scores.clone()
         if recipe["overlong_buffer"] > 0:
-            rewards = rewards + overlong_penalty(ro.response_mask.sum(1), max_length=rcfg["max_new_tokens"],
+            rewards = rewards + overlong_penalty(ro.response_mask.sum(1), max_length=rollout.max_new_tokens,
                                                  cache_length=recipe["overlong_buffer"],
                                                  penalty_factor=recipe["overlong_penalty"])
         timings["reward"] += time.perf_counter() - t0
         # the prompt's position in the step (over all processes) and round: unique across rounds and processes,
         # so what is keyed by group (OAR-G's per-response noise) does not depend on the number of processes
-        group_ids = positions[ro.prompt_index] + (rounds * tcfg["prompts_per_step"])
+        group_ids = positions[ro.prompt_index] + (rounds * prompts_per_step)
         gen_total += len(idx)
         rounds += 1
         rec = torch.tensor(idx, dtype=torch.long)[ro.prompt_index]
@@ -141,24 +141,24 @@ def collect_batch(engine: Any, stream: PromptStream, prompts_all: list[str], rec
     return batch
 
 
-def continuation_context(engine: Any, batch: StepBatch, prompts_all: list[str], records: list[dict], *, config: dict,
-                   recipe: dict, seed: int, pool: Any) -> Any:
+def continuation_context(engine: Any, batch: StepBatch, prompts_all: list[str], records: list[dict], *,
+                         rollout: RolloutSettings, recipe: dict, seed: int, pool: Any) -> Any:
     """What an estimator that samples continuations of the responses needs (``mc_value``): the
     engine, each row's prompt and gold answer, the rollout's reward and sampling settings. Built
-    by :func:`_credit` only for estimators registered with ``needs_continuations``. The continuations'
+    by :func:`oar.trainer.step.train_step` only for estimators registered with ``needs_continuations``. The continuations'
     reward checks run in the run's reward ``pool`` and are counted in ``batch.reward_stats``, with the step's."""
     from functools import partial
 
     from oar.credit.mc_value import ContinuationContext
     from oar.reward.score import score_batch
 
-    rcfg, rows = config["rollout"], batch.record_index.tolist()
+    rows = batch.record_index.tolist()
     score = partial(score_batch, correct=recipe["correct"], wrong=recipe["wrong"],
                     stats=batch.reward_stats, pool=pool)
     return ContinuationContext(engine=engine, prompts=[prompts_all[i] for i in rows],
                                golds=[records[i]["answer"] for i in rows], score=score,
-                               temperature=rcfg["temperature"], top_p=rcfg["top_p"],
-                               max_new_tokens=rcfg["max_new_tokens"], seed=seed)
+                               temperature=rollout.temperature, top_p=rollout.top_p,
+                               max_new_tokens=rollout.max_new_tokens, seed=seed)
 
 
 def _merge(parts: list[StepBatch], pad_id: int) -> StepBatch:
@@ -173,11 +173,3 @@ def _merge(parts: list[StepBatch], pad_id: int) -> StepBatch:
         kept_fraction=1.0,
         record_index=torch.cat([p.record_index for p in parts]),
     )
-
-
-def resume_cursor(state: dict, rank: int, world: int) -> int:
-    """Where this process's prompt stream resumes: its own cursor (``state["cursors"]``, one per
-    process, saved since the processes' streams can differ), else the main process's (a checkpoint
-    of one process, of another number of processes, or of an older oar)."""
-    cursors = state.get("cursors")
-    return int(cursors[rank]) if cursors and len(cursors) == world else int(state["cursor"])

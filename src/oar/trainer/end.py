@@ -4,19 +4,18 @@
 
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from oar.trainer.checkpoint import disk_full_named, intact_sentence
-from oar.core.io import atomic_write_json, read_jsonl
+from oar.core.io import atomic_write_json, read_jsonl, read_recorded_json
 from oar.trainer.preemption import StopSignal
 from oar.trainer.setup import TrainingRun
 from oar.trainer.runs import TIMED_PHASES, RunFolder
+from oar.trainer.step import mean_of
 from oar.trainer.strategy import Strategy
 
-__all__ = ["finish_run", "interrupted_run", "mean_of"]
+__all__ = ["finish_run", "interrupted_run"]
 
 
 def finish_run(loop: TrainingRun, last_metrics: dict[str, float]) -> dict:
@@ -41,16 +40,16 @@ def finish_run(loop: TrainingRun, last_metrics: dict[str, float]) -> dict:
         summary = {
             "method": loop.method.name,
             "seed": loop.seed,
-            "steps": loop.tcfg["steps"],
+            "steps": loop.train.steps,
             "strategy": strategy.name,
             "world_size": strategy.world,
             "final": last_metrics or (rows[-1] if rows else {}),
             "mean_time": {k: mean_of([r.get(f"time_{k}") or 0.0 for r in rows if "time_step" in r])  # not held-out rows
                           for k in [*TIMED_PHASES, "step"]},
-            "mlflow_run_id": loop.state["run_id"],
+            "mlflow_run_id": loop.state.run_id,
             "provenance": with_end_time(loop.provenance),
         }
-        recorded = _recorded_summary(folder.summary)
+        recorded = read_recorded_json(folder.summary)
         if not last_metrics and recorded and all(recorded.get(k) == summary[k] for k in _SAME_RUN_KEYS):
             summary = recorded  # nothing trained since it was written: the same file, byte for byte
         atomic_write_json(folder.summary, summary)
@@ -66,20 +65,6 @@ def finish_run(loop: TrainingRun, last_metrics: dict[str, float]) -> dict:
 
 #: What a recorded ``train_summary.json`` must share with the summary being written to be kept.
 _SAME_RUN_KEYS: tuple[str, ...] = ("method", "seed", "steps", "mlflow_run_id")
-
-
-def _recorded_summary(path: Path) -> dict | None:
-    """The run's recorded ``train_summary.json`` (None: none, unreadable, or not a mapping)."""
-    try:
-        recorded = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return recorded if isinstance(recorded, dict) else None
-
-
-def mean_of(xs: Sequence[float]) -> float:
-    xs = [x for x in xs if x is not None]
-    return float(sum(xs) / len(xs)) if xs else 0.0
 
 
 def interrupted_run(stop: StopSignal, step: int, folder: RunFolder, tracker: Any, strategy: Strategy, *,

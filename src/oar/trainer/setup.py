@@ -6,26 +6,36 @@ engine, the tracker, the held-out evaluation and the checkpoint schedule, gather
 
 from __future__ import annotations
 
+import contextlib
 import random
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import numpy as np
 import torch
 import yaml
 
-from oar.trainer.batch import PromptStream, resume_cursor
 from oar.config.methods import ResolvedMethod
+from oar.config.settings import EvalSamplingSettings, RewardSettings, RolloutSettings, TrainSettings
 from oar.config.validate import changed_settings
 from oar.data.records import training_records
-from oar.trainer.optim import make_scheduler
-from oar.trainer.preemption import CheckpointSchedule, StopSignal
+from oar.evaluate.heldout import HeldoutEval
 from oar.reward.pool import RewardPool
 from oar.rollout import make_engine
+from oar.trainer.batch import PromptStream
+from oar.trainer.optim import make_scheduler
+from oar.trainer.preemption import CheckpointSchedule, StopSignal
 from oar.trainer.runs import RunFolder, load_trainer_state, restore_rng
+from oar.trainer.state import RunState
 from oar.trainer.strategy import Strategy
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from oar.rollout.base import RolloutEngine
+    from oar.tracking.client import Tracker
 
 __all__ = ["check_train_inputs", "estimator_options", "TrainingRun", "setup_run"]
 
@@ -89,42 +99,38 @@ def check_train_inputs(config: dict, start_spec: dict, output: Path, *, start_ke
 
 @dataclass
 class TrainingRun:
-    """What the phases of one training run share (built by :func:`setup_run`)."""
+    """What the phases of one training run share (built by :func:`setup_run`): typed settings, the
+    run's parts and where it stands; no phase reads the config itself."""
 
-    config: dict
+    train: TrainSettings
+    rollout: RolloutSettings
+    reward: RewardSettings
+    task: Mapping[str, Any]  # the task section, as the task layer and the estimators read it
     method: ResolvedMethod
     seed: int
     folder: RunFolder
     identity: dict[str, str]
     strategy: Strategy
     stop: StopSignal
-    model: Any
-    tokenizer: Any
-    optimizer: Any
-    scheduler: Any
-    ref_model: Any
-    policy: Any  # what the rollout and the credit estimators call, in strategy.local_phase
+    model: torch.nn.Module  # prepared by the strategy (wrapped or sharded)
+    tokenizer: PreTrainedTokenizerBase
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    ref_model: torch.nn.Module | None  # only with a KL term
+    policy: torch.nn.Module  # what the rollout and the credit estimators call, in strategy.local_phase
     records: list[dict]
     prompts_all: list[str]
-    stream: "PromptStream"
-    engine: Any
+    stream: PromptStream
+    engine: RolloutEngine
     reward_pool: RewardPool  # the run's own: every reward check of its steps and held-out evaluations
-    tracker: Any
-    heldout: Any
+    tracker: Tracker | None  # on the main process
+    heldout: HeldoutEval
     schedule: CheckpointSchedule
-    state: dict[str, Any]
+    state: RunState
     resumed: bool  # started from a checkpoint
     intact: int | None  # the step of the checkpoint on disk
     provenance: dict[str, Any]  # of this invocation (oar.core.provenance), without its end time
     credit_options: dict[str, Any]  # what the estimator is called with (estimator_options)
-
-    @property
-    def tcfg(self) -> dict:
-        return self.config["train"]
-
-    @property
-    def rcfg(self) -> dict:
-        return self.config["rollout"]
 
     @property
     def recipe(self) -> dict:
@@ -133,29 +139,34 @@ class TrainingRun:
     @property
     def local_prompts(self) -> int:
         """This process's share of each step's prompts."""
-        return len(range(self.strategy.rank, self.tcfg["prompts_per_step"], self.strategy.world))
+        return len(range(self.strategy.rank, self.train.prompts_per_step, self.strategy.world))
 
     @property
     def agg_max_len(self) -> int | None:
         """Dr. GRPO's aggregation divides by the generation budget, not the batch's padded length."""
-        return self.rcfg["max_new_tokens"] if self.recipe["loss_agg"] == "seq-mean-token-sum-norm" else None
+        return self.rollout.max_new_tokens if self.recipe["loss_agg"] == "seq-mean-token-sum-norm" else None
 
 
+@contextlib.contextmanager
 def setup_run(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder, start_spec: dict,
-           identity: dict[str, str], strategy: Strategy, stop: StopSignal) -> TrainingRun:
-    """Model, reference and optimizer (restored from the checkpoint when resuming), then data,
-    engine, tracking, the held-out evaluation and the checkpoint schedule."""
-    from datetime import datetime, timezone
+              identity: dict[str, str], strategy: Strategy, stop: StopSignal) -> Iterator[TrainingRun]:
+    """The run's typed settings (read from ``config`` here, once), model, reference and optimizer
+    (restored from the checkpoint when resuming), then data, engine, tracking, the held-out
+    evaluation and the checkpoint schedule. A context manager: on leaving it (or when the set-up
+    itself fails) the engine and the run's reward pool are closed."""
+    with contextlib.ExitStack() as stack:
+        pool = RewardPool(workers=config["reward"]["workers"], timeout_s=config["reward"]["timeout_s"])
+        stack.callback(pool.close)
+        run = _build_run(config, method, seed, folder, start_spec, identity, strategy, stop, pool, stack)
+        yield run
 
-    from oar.data.prompts import render_prompt
-    from oar.evaluate.heldout import HeldoutEval
+
+def _restore(folder: RunFolder, identity: dict[str, str], strategy: Strategy, start_spec: dict,
+             train: TrainSettings, kl_coef: float) -> tuple[Any, ...]:
+    """The policy and its optimizer and schedule, new or restored from the folder's checkpoint, the
+    reference (None without a KL term) and the run's state; also whether a checkpoint was read."""
     from oar.models.loading import load_policy
-    from oar.core.provenance import provenance
-    from oar.rollout import refresh_engine
 
-    started = datetime.now(timezone.utc)
-    tcfg, rcfg = config["train"], config["rollout"]
-    _seed_everything(seed)
     saved = None
     if folder.state_file.exists():
         folder.check_checkpoint()  # every file whole (checkpoint.json's sizes, safetensors headers)
@@ -168,12 +179,13 @@ def setup_run(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder
             raise
         raise folder.unreadable_checkpoint(e) from e
     ref_model = None
-    if method.recipe["kl_coef"] > 0:  # the reference only exists when the KL term is used, placed like the policy
+    if kl_coef > 0:  # the reference only exists when the KL term is used, placed like the policy
         ref_model = strategy.prepare_frozen(load_policy(start_spec)[0])
     # float32 master weights (train.master_dtype), sharded or wrapped per train.strategy
-    model, optimizer = strategy.prepare(model, lr=tcfg["lr"], betas=tuple(tcfg["betas"]), weight_decay=tcfg["weight_decay"])
-    scheduler = make_scheduler(optimizer, warmup_steps=tcfg["warmup_steps"], floor_step=tcfg["steps"], schedule=tcfg["schedule"])
-    state: dict[str, Any] = {"step": 0, "cursor": 0, "run_id": None, "nonfinite_streak": 0}
+    model, optimizer = strategy.prepare(model, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay)
+    scheduler = make_scheduler(optimizer, warmup_steps=train.warmup_steps, floor_step=train.steps,
+                               schedule=train.schedule)
+    state = RunState()
     if saved is not None:
         try:
             strategy.load_training_state(model, optimizer, folder.checkpoint, saved)
@@ -183,41 +195,65 @@ def setup_run(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
             raise folder.unreadable_checkpoint(e) from e
-        state.update(saved["state"])
+        state = RunState.from_dict(saved["state"])
+    return model, tokenizer, optimizer, scheduler, ref_model, state, saved is not None
+
+
+def _build_run(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder, start_spec: dict,
+               identity: dict[str, str], strategy: Strategy, stop: StopSignal, reward_pool: RewardPool,
+               stack: contextlib.ExitStack) -> TrainingRun:
+    """:func:`setup_run`'s parts, in order; the engine's close joins ``stack`` once it exists."""
+    from datetime import datetime, timezone
+
+    from oar.data.prompts import render_prompt
+    from oar.evaluate.heldout import heldout_records
+    from oar.core.provenance import provenance
+    from oar.rollout import refresh_engine
+
+    started = datetime.now(timezone.utc)
+    train, rollout = TrainSettings.from_config(config), RolloutSettings.from_config(config)
+    reward = RewardSettings.from_config(config)
+    _seed_everything(seed)
+    model, tokenizer, optimizer, scheduler, ref_model, state, resumed = _restore(
+        folder, identity, strategy, start_spec, train, method.recipe["kl_coef"])
     if strategy.is_main:  # rows of steps after the checkpoint (or of a run killed before one) go
-        folder.keep_metrics_before(state["step"])
+        folder.keep_metrics_before(state.step)
     policy = strategy.policy(model)
 
     records = training_records(config["task"])
     prompts_all = [render_prompt(config["task"]["template"], r["question"], tokenizer) for r in records]
-    stream = PromptStream(len(records), seed, resume_cursor(state, strategy.rank, strategy.world))
-    engine = make_engine(rcfg["engine"], policy, tokenizer, batch_size=rcfg["batch_size"], seed=seed, sampler=rcfg["sampler"],
-                         model_path=str(start_spec["source"]), vllm_kwargs=rcfg["vllm"], sleep_mode=rcfg["sleep_mode"],
-                         colocated=True)
-    if saved is not None:  # the engine starts from the start model's weights
+    stream = PromptStream(len(records), seed, state.resume_cursor(strategy.rank, strategy.world))
+    engine = make_engine(rollout.engine, policy, tokenizer, batch_size=rollout.batch_size, seed=seed,
+                         sampler=rollout.sampler, model_path=str(start_spec["source"]), vllm_kwargs=dict(rollout.vllm),
+                         sleep_mode=rollout.sleep_mode, colocated=True)
+    stack.callback(engine.close)  # closed before the pool: while the process group exists (vLLM's teardown ends it)
+    if resumed:  # the engine starts from the start model's weights
         refresh_engine(engine, strategy, model)
     prov = provenance(device=strategy.device.type, started=started, credit_source=method.credit_source)
     tracker = _tracker(config, method, seed, folder, strategy, state, prov)
     # held-out accuracy of the start model (or of the resume point), then every train.heldout.every steps
-    reward_pool = RewardPool(workers=config["reward"]["workers"], timeout_s=config["reward"]["timeout_s"])
-    heldout = HeldoutEval(config, engine=engine, tokenizer=tokenizer, strategy=strategy, model=model, tracker=tracker,
-                          seed=seed, metrics_path=folder.metrics, total_steps=tcfg["steps"], pool=reward_pool)
-    heldout.after_step(state["step"], 0.0)
-    schedule = CheckpointSchedule(save_every=tcfg["save_every"], total_steps=tcfg["steps"],
-                                  save_every_minutes=tcfg["save_every_minutes"], stop=stop, strategy=strategy)
+    heldout = HeldoutEval(train.heldout, heldout_records(config) if train.heldout.every > 0 else [],
+                          template=config["task"]["template"], sampling=EvalSamplingSettings.from_config(config),
+                          reward=reward, engine=engine, tokenizer=tokenizer, strategy=strategy, model=model,
+                          tracker=tracker, seed=seed, metrics_path=folder.metrics, total_steps=train.steps,
+                          pool=reward_pool)
+    heldout.after_step(state.step, 0.0)
+    schedule = CheckpointSchedule(save_every=train.save_every, total_steps=train.steps,
+                                  save_every_minutes=train.save_every_minutes, stop=stop, strategy=strategy)
     for name in stop.reinstall():  # a library (the rollout engine) may have put its own handlers in place
         print(f"oar train: the {name} handler that stops after a step was replaced while starting; put back",
               file=sys.stderr)
-    return TrainingRun(config=config, method=method, seed=seed, folder=folder, identity=identity, strategy=strategy,
-                 stop=stop, model=model, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
-                 ref_model=ref_model, policy=policy, records=records, prompts_all=prompts_all, stream=stream,
-                 engine=engine, reward_pool=reward_pool, tracker=tracker, heldout=heldout, schedule=schedule, state=state,
-                 resumed=saved is not None, intact=state["step"] if saved is not None else None, provenance=prov,
-                 credit_options=estimator_options(config, method))
+    return TrainingRun(train=train, rollout=rollout, reward=reward, task=config["task"], method=method, seed=seed,
+                       folder=folder, identity=identity, strategy=strategy, stop=stop, model=model,
+                       tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler, ref_model=ref_model,
+                       policy=policy, records=records, prompts_all=prompts_all, stream=stream, engine=engine,
+                       reward_pool=reward_pool, tracker=tracker, heldout=heldout, schedule=schedule, state=state,
+                       resumed=resumed, intact=state.step if resumed else None, provenance=prov,
+                       credit_options=estimator_options(config, method))
 
 
 def _tracker(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder, strategy: Strategy,
-             state: dict[str, Any], prov: dict[str, Any]) -> Any:
+             state: RunState, prov: dict[str, Any]) -> Tracker | None:
     """The MLflow + metrics.jsonl tracker of the main process (None on the others): the run of the
     checkpoint when resuming; a start killed before its first checkpoint left an orphan run, ended here.
     Tagged as every stage's run (:func:`oar.tracking.stage_runs.train_run_tags`, the provenance ``prov`` of
@@ -232,14 +268,14 @@ def _tracker(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder,
     tags = {"method": method.name, "seed": str(seed), "config": config["name"], "output": str(folder.path),
             **train_run_tags(config, method.name, seed, folder.path, prov)}
     tracker = Tracker(folder.metrics, uri=uri, experiment=tr["experiment"], run_name=f"{method.name}-seed{seed}",
-                      tags=tags, run_id=state["run_id"])
+                      tags=tags, run_id=state.run_id)
     orphan = folder.recorded_mlflow_run()
     if uri and orphan and orphan != tracker.run_id:
         end_orphan_run(uri, orphan, replaced_by=tracker.run_id)
-    if uri and state["run_id"] is None:  # a new run: the folder's earlier runs are no longer current
+    if uri and state.run_id is None:  # a new run: the folder's earlier runs are no longer current
         supersede_older_runs(uri, tr["experiment"], tags, tracker.run_id)
     folder.record_mlflow_run(tracker.run_id)
-    state["run_id"] = tracker.run_id
+    state.run_id = tracker.run_id
     # the settings that differ from the schema's defaults, this method's and the seed (the whole
     # resolved config is the artifact config.yaml)
     tracker.log_params({**{f"config.{k}": v for k, v in changed_settings(config).items()}, "config.name": config["name"],

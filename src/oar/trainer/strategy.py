@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from oar.config.settings import TrainSettings
 from oar.core.io import SharedWriteError, commit_path
 from oar.trainer.optim import rl_param_groups
 
@@ -57,11 +58,11 @@ class Strategy:
 
     name = "base"
 
-    def __init__(self, accelerator: Any, tcfg: dict) -> None:
+    def __init__(self, accelerator: Any, train: TrainSettings) -> None:
         self.accelerator = accelerator
-        self.compute_dtype = COMPUTE_DTYPES[tcfg["compute_dtype"]]
-        self.master_dtype = torch.float32 if tcfg["master_dtype"] == "float32" else None
-        self.gradient_checkpointing = bool(tcfg["gradient_checkpointing"])
+        self.compute_dtype = COMPUTE_DTYPES[train.compute_dtype]
+        self.master_dtype = torch.float32 if train.master_dtype == "float32" else None
+        self.gradient_checkpointing = train.gradient_checkpointing
 
     # ------------------------------------------------------------------ processes
     @property
@@ -272,16 +273,16 @@ class FSDPStrategy(Strategy):
 
     name = "fsdp"
 
-    def __init__(self, accelerator: Any, tcfg: dict) -> None:
-        super().__init__(accelerator, tcfg)
+    def __init__(self, accelerator: Any, train: TrainSettings) -> None:
+        super().__init__(accelerator, train)
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-        fcfg = tcfg["fsdp"]
+        fcfg = train.fsdp
         param_dtype = None if self.compute_dtype == torch.float32 else self.compute_dtype
         self.mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-        self.cpu_offload = bool(fcfg["cpu_offload"])
+        self.cpu_offload = fcfg.cpu_offload
         self.offload = CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy()
-        self.reshard_after_forward = bool(fcfg["reshard_after_forward"])
+        self.reshard_after_forward = fcfg.reshard_after_forward
         _ensure_process_group(accelerator)
         self._arch: str | None = None
 
@@ -421,19 +422,18 @@ def make_strategy(config: dict) -> Strategy:
     ``config`` may be partial (tests, benchmarks): what it leaves out comes from the schema's defaults."""
     from accelerate import Accelerator
 
-    from oar.config.source import deep_merge
-    from oar.config.validate import schema, section_defaults
+    from oar.config.validate import schema
     from oar.core.device import check_device
 
-    tcfg = deep_merge(section_defaults("train"), config.get("train") or {})
+    train = TrainSettings.from_config(config)
     device = config["device"] if "device" in config else schema()["properties"]["device"]["default"]
     # device: cuda where torch sees no GPU is refused, never trained on the CPU (accelerate's fallback)
     check_device({**config, "device": device}, source=f"config {config.get('name', '')!r}".strip())
     accelerator = Accelerator(cpu=device == "cpu")
-    if tcfg["compute_dtype"] == "float16" and accelerator.device.type == "cpu":
+    if train.compute_dtype == "float16" and accelerator.device.type == "cpu":
         raise ValueError("train.compute_dtype: float16 needs a GPU; use bfloat16 or float32 on CPU")
-    if tcfg["fsdp"]["cpu_offload"] and accelerator.device.type == "cpu":
+    if train.fsdp.cpu_offload and accelerator.device.type == "cpu":
         # FSDP2's CPUOffloadPolicy moves shards to the accelerator for compute; without one it fails
         raise ValueError("train.fsdp.cpu_offload: needs a GPU (on CPU the shards are in CPU memory already)")
-    cls = {"ddp": DDPStrategy, "fsdp": FSDPStrategy}[tcfg["strategy"]]
-    return cls(accelerator, tcfg)
+    cls = {"ddp": DDPStrategy, "fsdp": FSDPStrategy}[train.strategy]
+    return cls(accelerator, train)

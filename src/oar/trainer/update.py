@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 import torch
 
+from oar.config.settings import TrainSettings
 from oar.credit.metrics import credited_rows
 from oar.trainer.loss import aggregate, k3_kl, policy_loss
 from oar.models.packing import MicroBatch, micro_batch_logprobs, plan_micro_batches
@@ -67,7 +68,7 @@ def policy_forward(
 
 
 def update_policy(model: Any, optimizer: Any, strategy: Strategy, ro: Rollout, token_adv: torch.Tensor,
-                   ref_model: Any, *, recipe: dict, tcfg: dict, temperature: float, agg_max_len: int | None,
+                   ref_model: Any, *, recipe: dict, train: TrainSettings, temperature: float, agg_max_len: int | None,
                    generator: torch.Generator, observe: Callable[[str], None] | None = None,
                    ) -> tuple[dict[str, list[float]], int]:
     """Step 4 of the loop: ``ppo_epochs`` passes over shuffled mini-batches of ``ro``, each split
@@ -94,8 +95,10 @@ def update_policy(model: Any, optimizer: Any, strategy: Strategy, ro: Rollout, t
 
     Args:
         ro: the step's rollout, ``(N, T)`` responses; token_adv: ``(N, T)`` token advantages.
+        train: the update's settings (``mini_batch_size``, ``micro_batch_size``, ``packing``,
+            ``micro_batch_tokens``, ``pack_length``, ``ppo_epochs``, ``skip_zero_advantage``, ``grad_clip``).
         observe: called with each event of :data:`UPDATE_EVENTS` as it happens (a memory or time
-            probe, e.g. ``benchmarks/gpu_check.py``'s per-phase peaks); None for the trainer.
+            probe: :meth:`oar.trainer.step.StepObserver.event`, e.g. ``benchmarks/gpu_check.py``'s per-phase peaks).
     Returns:
         statistics, one value per mini-batch, each the mini-batch's own aggregate (loss, pg_loss,
         kl_ref: its loss aggregation; clipfrac, approx_kl, entropy: token means; grad_norm), and
@@ -104,18 +107,18 @@ def update_policy(model: Any, optimizer: Any, strategy: Strategy, ro: Rollout, t
     """
     model.train()
     N = ro.response_ids.shape[0]
-    mb = min(tcfg["mini_batch_size"], N)
-    micro = min(tcfg["micro_batch_size"], tcfg["mini_batch_size"], max(N, 1))
-    layout = dict(packing=tcfg["packing"], micro_batch_size=micro, micro_batch_tokens=tcfg["micro_batch_tokens"],
-                  pack_length=tcfg["pack_length"])
+    mb = min(train.mini_batch_size, N)
+    micro = min(train.micro_batch_size, train.mini_batch_size, max(N, 1))
+    layout = dict(packing=train.packing, micro_batch_size=micro, micro_batch_tokens=train.micro_batch_tokens,
+                  pack_length=train.pack_length)
 
     def plan(rows: torch.Tensor) -> list[MicroBatch]:
         return plan_micro_batches(ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask, rows, **layout)
 
     # without a KL term, a row whose every token advantage is 0 adds exactly 0 to the loss's gradient
-    skip = tcfg["skip_zero_advantage"] and ref_model is None
+    skip = train.skip_zero_advantage and ref_model is None
     n_mini = strategy.max_over_ranks([math.ceil(N / max(mb, 1))])[0]
-    perms = [torch.randperm(N, generator=generator) for _ in range(tcfg["ppo_epochs"])]
+    perms = [torch.randperm(N, generator=generator) for _ in range(train.ppo_epochs)]
     minis = [perm[b * mb : (b + 1) * mb] for perm in perms for b in range(n_mini)]
     plans = [plan(rows[credited_rows(token_adv[rows], ro.response_mask[rows])] if skip else rows) for rows in minis]
     # per mini-batch, over processes; at least one (a zero-weight one where no row is credited), so
@@ -130,7 +133,7 @@ def update_policy(model: Any, optimizer: Any, strategy: Strategy, ro: Rollout, t
         total, n_seq = _mini_batch_backward(model, strategy, ro, token_adv, ref_model, rows, micro_batches,
                                             dummy, count, upd, recipe=recipe, temperature=temperature,
                                             agg_max_len=agg_max_len, observe=observe)
-        grad_norm = strategy.clip_grad_norm_(model, tcfg["grad_clip"])
+        grad_norm = strategy.clip_grad_norm_(model, train.grad_clip)
         bad = strategy.max_over_ranks([int(not (math.isfinite(total) and math.isfinite(grad_norm)))])[0]
         if bad:
             optimizer.zero_grad(set_to_none=True)  # skip this update (on every process)

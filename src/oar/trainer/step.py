@@ -1,0 +1,213 @@
+"""One training step (:func:`train_step`): rollout and reward, credit, policy update, metrics.
+
+The library's one step: :func:`oar.trainer.loop.train` runs it once per step between its logging and
+checkpoint phases, and the benchmarks call it through ``train`` with a :class:`StepObserver` that
+times or probes its phases. A :class:`StepObserver` sees every phase start and end
+(:data:`STEP_EVENTS`) and the update's micro-batch events (:data:`oar.trainer.update.UPDATE_EVENTS`),
+and after each step may end the invocation (``after_step`` returns True: as a kill would, without
+a checkpoint; :class:`EndAfter`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+
+from oar.core.seeds import CONTINUATIONS_SALT, UPDATE_SALT, step_seed
+from oar.credit import CreditBatch, estimator_spec
+from oar.credit.metrics import credited_concentration, ess_ratio, top_mass
+from oar.trainer.batch import StepBatch, collect_batch, continuation_context
+from oar.trainer.runs import TIMED_PHASES
+from oar.trainer.update import update_policy
+
+if TYPE_CHECKING:
+    from oar.trainer.setup import TrainingRun
+
+__all__ = ["STEP_EVENTS", "StepObserver", "EndAfter", "StepOutput", "train_step", "step_metrics", "marked_timer",
+           "mean_of"]
+
+#: What :func:`train_step` tells :meth:`StepObserver.event`, in order (the update's own events,
+#: :data:`oar.trainer.update.UPDATE_EVENTS`, come between ``update start`` and ``update end``).
+STEP_EVENTS: tuple[str, ...] = ("rollout start", "rollout end", "credit start", "credit end", "update start",
+                                "update end")
+
+
+class StepObserver:
+    """Hooks into the steps of a run; each does nothing unless a subclass says otherwise (a time or
+    memory probe, a benchmark that runs a set number of steps)."""
+
+    def event(self, name: str) -> None:
+        """Called at each of :data:`STEP_EVENTS` and :data:`oar.trainer.update.UPDATE_EVENTS`."""
+
+    def after_step(self, step: int, metrics: dict[str, float]) -> bool:
+        """Called on every process after step ``step`` (0-based) is logged and checkpointed when due,
+        with this process's metrics. Returns True to end this invocation now, as a kill would: no
+        further checkpoint; the same command resumes from the last one."""
+        return False
+
+
+class EndAfter(StepObserver):
+    """Ends the invocation after ``steps`` steps of it, as a kill would (``bench_methods.py`` times
+    one step per invocation this way, and the resume tests kill a run at a known step)."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps, self.done = steps, 0
+
+    def after_step(self, step: int, metrics: dict[str, float]) -> bool:
+        self.done += 1
+        return self.done >= self.steps
+
+
+@dataclass
+class StepOutput:
+    """What one :func:`train_step` produced (this process's share)."""
+
+    batch: StepBatch
+    credit: Any  # the estimator's oar.credit.CreditOutput
+    update: dict[str, list[float]]  # update_policy's statistics, one value per mini-batch
+    nonfinite: int  # updates skipped as non-finite
+    metrics: dict[str, float]  # step_metrics, before they are averaged over processes
+
+
+def train_step(run: "TrainingRun", step: int, observer: StepObserver | None = None) -> StepOutput:
+    """Step ``step`` of ``run``: 1-2. sample and score this process's prompts, 3. the method's token
+    advantages, 4. the policy update, 5. the step's metrics (with each phase's seconds)."""
+    observer = observer or StepObserver()
+    t_step = time.perf_counter()
+    timings = dict.fromkeys(TIMED_PHASES, 0.0)
+    with _phase("rollout", observer):
+        batch = _rollout(run, step, timings)
+    with _phase("credit", observer):
+        credit = _credit(run, batch, step, timings)
+    with _phase("update", observer):
+        upd, nonfinite = _update(run, batch, credit, step, timings, observer)
+    metrics = step_metrics(batch, credit, upd, nonfinite, lr=float(run.scheduler.get_last_lr()[0]),
+                           timings=timings, step_seconds=time.perf_counter() - t_step)
+    return StepOutput(batch=batch, credit=credit, update=upd, nonfinite=nonfinite, metrics=metrics)
+
+
+@contextlib.contextmanager
+def _phase(name: str, observer: StepObserver) -> Iterator[None]:
+    observer.event(f"{name} start")
+    yield
+    observer.event(f"{name} end")
+
+
+@contextlib.contextmanager
+def marked_timer(name: str, timings: dict[str, float]) -> Iterator[None]:
+    """Add the wall time of the block to ``timings[name]`` (verl's ``marked_timer``)."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0
+
+
+def _rollout(run: "TrainingRun", step: int, timings: dict[str, float]) -> StepBatch:
+    """Steps 1-2: sample and score this process's share of the step's prompts (:func:`collect_batch`),
+    in the engine's phase (:func:`oar.rollout.engine_phase`: the gathered policy for the HF engine)."""
+    from oar.rollout import engine_phase
+
+    with engine_phase(run.engine, run.strategy, run.model):
+        return collect_batch(run.engine, run.stream, run.prompts_all, run.records,
+                             prompts_per_step=run.train.prompts_per_step, rollout=run.rollout, recipe=run.recipe,
+                             seed=run.seed, step=step, rank=run.strategy.rank, world=run.strategy.world,
+                             local_prompts=run.local_prompts, pad_id=run.tokenizer.pad_token_id, timings=timings,
+                             pool=run.reward_pool)
+
+
+def _credit(run: "TrainingRun", batch: StepBatch, step: int, timings: dict[str, float]) -> Any:
+    """Step 3: the method's estimator (OAR-P / OAR-G / mc_value call the gathered policy). The engine
+    sleeps from here on (rollout.sleep_mode: its memory is free for the estimator's passes, as
+    ``oar plan``'s credit phase counts it), unless the estimator samples continuations through it."""
+    ro, spec = batch.rollout, estimator_spec(run.method.estimator)
+    extras = {"old_logprobs": ro.logprobs, "step": step, "seed": run.seed, "task": run.task}
+    if spec.needs_continuations:  # mc_value
+        extras["continuations"] = continuation_context(run.engine, batch, run.prompts_all, run.records,
+                                                       rollout=run.rollout, recipe=run.recipe,
+                                                       seed=step_seed(run.seed, step, CONTINUATIONS_SALT),
+                                                       pool=run.reward_pool)
+    else:
+        run.engine.sleep()
+    with run.strategy.local_phase(run.model) if spec.needs_model else contextlib.nullcontext():
+        with marked_timer("importance", timings):
+            return spec.fn(
+                CreditBatch(response_ids=ro.response_ids, response_mask=ro.response_mask, rewards=batch.rewards,
+                            group_ids=batch.group_ids, prompt_ids=ro.prompt_ids, prompt_mask=ro.prompt_mask,
+                            model=run.policy, tokenizer=run.tokenizer, extras=extras),
+                **run.credit_options,
+            )
+
+
+def _update(run: "TrainingRun", batch: StepBatch, credit: Any, step: int, timings: dict[str, float],
+            observer: StepObserver) -> tuple[dict[str, list[float]], int]:
+    """Step 4: the policy update (:func:`update_policy`), the scheduler, and the engine refreshed
+    with the new weights (:func:`oar.rollout.refresh_engine`; the engine sleeps meanwhile)."""
+    from oar.rollout import refresh_engine
+
+    with marked_timer("update", timings):
+        run.engine.sleep()  # rollout.sleep_mode: the engine frees its KV cache and weights meanwhile
+        out = update_policy(run.model, run.optimizer, run.strategy, batch.rollout,
+                            credit.token_advantages.float(), run.ref_model, recipe=run.recipe, train=run.train,
+                            temperature=run.rollout.temperature, agg_max_len=run.agg_max_len,
+                            generator=torch.Generator().manual_seed(step_seed(run.seed, step, UPDATE_SALT)),
+                            observe=observer.event)
+        run.scheduler.step()
+        refresh_engine(run.engine, run.strategy, run.model)
+    return out
+
+
+def step_metrics(batch: StepBatch, credit: Any, upd: dict[str, list[float]], nonfinite: int, *, lr: float,
+                 timings: dict[str, float], step_seconds: float) -> dict[str, float]:
+    """Step 5: the metrics of a step (this process's): rewards and lengths of the batch, the update's
+    losses and statistics, the credit's concentration, the share of responses with credit and its
+    concentration against uniform credit, the estimator's own stats (``credit_*``), the phases' seconds
+    (``time_*``) and the whole step's (``time_step``), and the step's reward checks that timed out, whose
+    worker died, and that were scored wrong for it after their retry (``reward_timeouts``,
+    ``reward_crashes``, ``reward_marked``: ``batch.reward_stats``, oar.reward.score's module docstring)."""
+    ro = batch.rollout
+    mask_f = ro.response_mask.float()
+    token_adv = credit.token_advantages.float()
+    weights = credit.weights if credit.weights is not None else torch.ones_like(mask_f)
+    credited, top_credited, top_uniform = credited_concentration(token_adv, ro.response_mask, frac=0.1)
+    return {
+        "reward": float(batch.rewards.mean()),
+        "accuracy": float(batch.correct.float().mean()),
+        "response_length": float(mask_f.sum(1).mean()),
+        "truncated": float(ro.truncated.float().mean()),
+        "entropy": mean_of(upd["entropy"]),
+        "kl_ref": mean_of(upd["kl_ref"]),
+        "approx_kl": mean_of(upd["approx_kl"]),
+        "clipfrac": mean_of(upd["clipfrac"]),
+        "loss": mean_of(upd["loss"]),
+        "pg_loss": mean_of(upd["pg_loss"]),
+        "grad_norm": mean_of(upd["grad_norm"]),
+        # share of the update's computed token positions that are padding (train.packing)
+        "update_padding": 1.0 - sum(upd["tokens_real"]) / max(sum(upd["tokens_computed"]), 1.0),
+        "ess_ratio": float(ess_ratio(weights, ro.response_mask).mean()),
+        "top10_mass": float(top_mass(token_adv, ro.response_mask, frac=0.1).mean()),
+        # responses with a non-zero advantage, and the concentration of their credit against uniform
+        "credited_share": credited,
+        "top10_mass_credited": top_credited,
+        "top10_mass_uniform": top_uniform,
+        "nonfinite_updates": float(nonfinite),
+        "gen_batches": float(batch.n_gen_batches),
+        "kept_groups": float(batch.kept_fraction),
+        "reward_timeouts": float(batch.reward_stats.timeouts),
+        "reward_crashes": float(batch.reward_stats.crashes),
+        "reward_marked": float(batch.reward_stats.marked),
+        "lr": lr,
+        **{f"time_{k}": v for k, v in timings.items()},
+        "time_step": step_seconds,
+        **{f"credit_{k}": float(v) for k, v in credit.stats.items()},
+    }
+
+
+def mean_of(xs: list[float]) -> float:
+    """The mean of the values that are not None (0.0 for none)."""
+    xs = [x for x in xs if x is not None]
+    return float(sum(xs) / len(xs)) if xs else 0.0
