@@ -27,10 +27,12 @@ Stages 2 and 3 run the library's own trainer (``python -m oar.cli train``) on a 
 config/paper.yaml (:func:`paper_check_config`); stage 1 as follows.
 
 Imports only torch, transformers (with its tokenizers), accelerate, PyYAML, the standard library and
-the ``oar`` modules that need nothing else (``oar.trainer.strategy``, ``oar.rollout``, ``oar.models.packing``,
-``oar.trainer.loss``, ``oar.credit``, ``oar.trainer.update``, ``oar.plan``, ``oar.models.loading``, ``oar.data``,
-``oar.config.load``), so it runs on a stock CUDA image without ``pip install``. The update is the
-trainer's own ``oar.trainer.update.update_policy`` (:func:`update_policy` passes it this run's layout); the
+the ``oar`` modules that need nothing else (``oar.trainer.strategy``, ``oar.trainer.step``, ``oar.rollout``,
+``oar.models.packing``, ``oar.credit``, ``oar.plan``, ``oar.models.loading``, ``oar.data``, ``oar.config``),
+so it runs on a stock CUDA image without ``pip install``. Each step's credit, update and metrics are
+the library's own step, ``oar.trainer.step.train_step_on_batch`` (what ``oar train`` runs after its
+rollout), on :class:`oar.trainer.step.StepParts` built here; the check builds only the step's batch
+(:func:`check_batch`) and probes the step through its observer (:class:`CheckObserver`). The
 settings are config/paper.yaml's, read by ``oar.config.load`` with the schema's defaults and without
 validation, which would need jsonschema (:func:`paper_settings`); ``oar.reward.score`` (math-verify) is
 not used: rewards are set, see below.
@@ -60,13 +62,14 @@ loss aggregation, and the OAR-P/OAR-G options of its methods):
 3. Steps ``grpo``, ``oar_g``, ``oar_p`` (estimators from ``oar.credit.get_estimator``), one
    untimed warm-up round then ``--rounds`` timed rounds, the method order rotating each round, the
    same prompts for every method within a round, one policy shared by all (each step updates it).
-   A step = rollout (``oar.rollout.HFEngine``, lean sampler) + credit + update (trainer layout), as
-   ``oar.trainer.loop`` times it, without the reward.
+   A step = rollout (``oar.rollout.HFEngine``, lean sampler) + the library's credit + update
+   (trainer layout), as ``oar.trainer.loop`` times it, without the reward.
 
 A random model never writes ``\\boxed{}``, and OAR-P/OAR-G score only responses with a boxed answer
 and a nonzero advantage; so each sampled response is cut to a length drawn in
 ``[max_new_tokens/2, max_new_tokens]`` (one response of every batch full length) and ends with
-``" \\boxed{k}"`` + eos, and the rewards alternate 1, 0, 1, 0 within each group: every response is
+``" \\boxed{k}"`` + eos, ``k`` the gold answer for every other response and a wrong one for the rest,
+and the rewards alternate 1, 0, 1, 0 within each group accordingly: every response is
 scored, the most work OAR can do on the batch (``scored_fraction`` says so). The tokenizer is the
 tiny model's character tokenizer with filler tokens up to the model's vocabulary (no download).
 
@@ -131,10 +134,10 @@ RECIPE_KEYS = ("eps_low", "eps_high", "clip_ratio_c", "loss_agg")
 METHOD_NAMES = ("grpo", "oar_g", "oar_p")
 
 
-def paper_settings() -> tuple[dict[str, Any], dict[str, Any], dict[str, tuple[str, dict[str, Any]]]]:
+def paper_settings() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """``(train, recipe, methods)`` of :data:`PAPER_CONFIG`: the :data:`TRAIN_KEYS` of its ``train``,
-    the :data:`RECIPE_KEYS` of GRPO's recipe, and ``{method: (estimator, options)}`` of
-    :data:`METHOD_NAMES` (``ResolvedMethod.estimator_options()``). Read with the schema's defaults but
+    the :data:`RECIPE_KEYS` of GRPO's recipe, and ``{method: oar.config.methods.ResolvedMethod}`` of
+    :data:`METHOD_NAMES` (estimator, ``estimator_options()``, recipe). Read with the schema's defaults but
     without validation (``oar.config.load.load_config(validate=False)``: the stock image has no jsonschema;
     the tests validate paper.yaml)."""
     from oar.config.load import load_config
@@ -144,7 +147,7 @@ def paper_settings() -> tuple[dict[str, Any], dict[str, Any], dict[str, tuple[st
     resolved = {name: resolve_method(cfg, name, source=str(PAPER_CONFIG), validate=False) for name in METHOD_NAMES}
     train = {k: cfg["train"][k] for k in TRAIN_KEYS}
     recipe = {k: resolved["grpo"].recipe[k] for k in RECIPE_KEYS}
-    return train, recipe, {name: (m.estimator, m.estimator_options()) for name, m in resolved.items()}
+    return train, recipe, resolved
 
 
 TRAIN, RECIPE, METHODS = paper_settings()
@@ -297,21 +300,45 @@ def run_config(size: str, run: dict[str, int], *, device: str, prompt_tokens: in
             "resources": {"train": {"gpu": 1}}}
 
 
-def prompt_sets(count: int, per_set: int, seed: int) -> list[list[str]]:
-    """``count`` lists of ``per_set`` prompts: synthetic training problems (3 two-digit operands) in
-    the ``qwen_boxed`` template."""
+def prompt_records(count: int, seed: int) -> list[dict]:
+    """``count`` synthetic training problems (3 two-digit operands): ``question``, gold ``answer``
+    and ``prompt`` (the question in the ``qwen_boxed`` template)."""
     from oar.data.prompts import render_prompt
     from oar.data.synthetic import generate
 
-    recs = generate("train", count * per_set, seed=seed, operands=[3], long_share=0.0, digits=2,
-                    operators=["+", "-"], filler_prob=0.0)
-    texts = [render_prompt(TEMPLATE, r["question"]) for r in recs]
-    return [texts[i * per_set : (i + 1) * per_set] for i in range(count)]
+    recs = generate("train", count, seed=seed, operands=[3], long_share=0.0, digits=2, operators=["+", "-"],
+                    filler_prob=0.0)
+    return [dict(r, prompt=render_prompt(TEMPLATE, r["question"])) for r in recs]
 
 
-def with_answers(ro: Any, tok: Any, *, n: int, max_new_tokens: int, generator: Any) -> Any:
+def check_answers(golds: list[str], n: int) -> list[str]:
+    """The answer each response of :func:`check_batch` ends with: response ``j`` of prompt ``i`` (row
+    ``i*n + j``) gives the gold answer for even ``j`` and the gold + 1 for odd ``j``."""
+    def wrong(gold: str) -> str:
+        return str(int(gold) + 1) if gold.lstrip("-").isdigit() else gold + "1"
+
+    return [golds[i // n] if (i % n) % 2 == 0 else wrong(golds[i // n]) for i in range(len(golds) * n)]
+
+
+def check_batch(raw: Any, tok: Any, golds: list[str], *, n: int, max_new_tokens: int, generator: Any) -> Any:
+    """The step's batch (``oar.trainer.batch.StepBatch``) from the engine's sampled ``raw`` rollout
+    of one prompt per gold: each response ends with its :func:`check_answers` answer
+    (:func:`with_answers`), and the rewards are what the reward scores those answers, 1, 0, 1, 0, ...
+    within each group (set here: the stock image has no math-verify). Every group is mixed."""
+    import torch
+
+    from oar.trainer.batch import StepBatch
+
+    answers = check_answers(golds, n)
+    ro = with_answers(raw, tok, answers, max_new_tokens=max_new_tokens, generator=generator)
+    rewards = torch.tensor([1.0 if (i % n) % 2 == 0 else 0.0 for i in range(len(answers))])
+    return StepBatch(rollout=ro, rewards=rewards, correct=rewards == 1.0, group_ids=ro.prompt_index.clone(),
+                     n_gen_batches=1, kept_fraction=1.0, record_index=ro.prompt_index.clone())
+
+
+def with_answers(ro: Any, tok: Any, answers: list[str], *, max_new_tokens: int, generator: Any) -> Any:
     """``ro`` with every response cut to a length drawn in ``[max_new_tokens/2, max_new_tokens]``
-    (the first one full length) and ending with ``" \\boxed{k}"`` + eos (see the module doc).
+    (the first one full length) and ending with ``" \\boxed{<its answer>}"`` + eos (see the module doc).
 
     The sampled tokens before the answer stay (special tokens among them replaced by ``"x"``) with
     their log-probs; the answer tokens get ``-log(vocab)`` (a random model's distribution is close
@@ -334,7 +361,7 @@ def with_answers(ro: Any, tok: Any, *, n: int, max_new_tokens: int, generator: A
     lengths[0] = T
     width = ro.response_ids.shape[1]
     for i in range(N):
-        ans = tok(f" \\boxed{{{(i // n) * 37 % 1000}}}", add_special_tokens=False)["input_ids"] + [eos]
+        ans = tok(f" \\boxed{{{answers[i]}}}", add_special_tokens=False)["input_ids"] + [eos]
         L = min(T, max(int(lengths[i]), len(ans) + 1))
         keep = L - len(ans)
         body = torch.full((keep,), filler, dtype=torch.long)
@@ -351,52 +378,52 @@ def with_answers(ro: Any, tok: Any, *, n: int, max_new_tokens: int, generator: A
                    prompt_index=ro.prompt_index, truncated=torch.zeros(N, dtype=torch.bool))
 
 
-def alternating_rewards(ro: Any, n: int) -> Any:
-    """1, 0, 1, 0, ... within each group (row ``i*n + j`` is response ``j`` of prompt ``i``): every group mixed."""
-    import torch
-
-    return torch.tensor([1.0 if (i % n) % 2 == 0 else 0.0 for i in range(ro.response_ids.shape[0])])
-
-
-# ----------------------------------------------------------------------------------------- update
-
-
-def update_policy(model: Any, optimizer: Any, strategy: Any, ro: Any, token_adv: Any, *, packing: str,
-                  micro_batch_size: int, mini_batch_size: int, micro_batch_tokens: int | None,
-                  pack_length: int | None, grad_clip: float, recipe: dict, generator: Any,
-                  marks: Any = None, temperature: float = 1.0) -> dict[str, Any]:
-    """One policy update by the trainer's own ``oar.trainer.update.update_policy``: one PPO epoch, no KL
-    reference, the given layout and clipping.
-
-    ``marks`` (a :class:`PhaseMarks`, optional) follows the update's events
-    (``oar.trainer.update.UPDATE_EVENTS``): reset at each micro-batch's start, marked at its backward's end
-    (``backward end``), reset before and marked after ``optimizer.step`` (``step``).
-
-    Returns:
-        ``tokens_real`` / ``tokens_computed`` (positions of the forwards, summed), ``loss`` and
-        ``grad_norm`` per mini-batch, ``nonfinite`` (skipped updates).
-    """
-    from oar.config.settings import TrainSettings
-    from oar.trainer.update import update_policy as trainer_update
-
-    def observe(event: str) -> None:
-        if event in ("micro-batch", "step start"):
-            marks.reset()
-        else:
-            marks.mark(event)
-
-    train = TrainSettings.from_config({"train": {
-        "packing": packing, "micro_batch_size": micro_batch_size, "mini_batch_size": mini_batch_size,
-        "micro_batch_tokens": micro_batch_tokens, "pack_length": pack_length, "grad_clip": grad_clip,
-        "ppo_epochs": 1, "skip_zero_advantage": False}})  # every row computed: the check times the whole update
-    upd, nonfinite = trainer_update(model, optimizer, strategy, ro, token_adv, None, recipe=dict(recipe, kl_coef=0.0),
-                                    train=train, temperature=temperature, agg_max_len=None, generator=generator,
-                                    observe=observe if marks is not None else None)
-    return {"tokens_real": int(sum(upd["tokens_real"])), "tokens_computed": int(sum(upd["tokens_computed"])),
-            "loss": upd["loss"], "grad_norm": upd["grad_norm"], "nonfinite": nonfinite}
-
-
 # ----------------------------------------------------------------------------------------- memory
+
+
+class CheckObserver:
+    """The check's probe of the library's step (an ``oar.trainer.step.StepObserver``: its ``event``
+    sees every phase and the update's events, ``oar.trainer.update.UPDATE_EVENTS``): with ``marks``
+    (a :class:`PhaseMarks`) the rollout's and the update's memory phases (reset at a phase's or
+    micro-batch's start, marked at its end, at each backward's end and after ``optimizer.step``);
+    always the credit phase's seconds (``seconds["credit"]``) and, on a GPU, its peak memory
+    (``credit_peak``)."""
+
+    RESETS = ("rollout start", "micro-batch", "step start")
+    MARKS = {"rollout end": "rollout", "backward end": "backward end", "step": "step"}
+
+    def __init__(self, marks: "PhaseMarks | None", *, cuda: bool) -> None:
+        self.marks, self.cuda = marks, cuda
+        self.seconds: dict[str, float] = {}
+        self.credit_peak: int | None = None
+        self._t0 = 0.0
+
+    def _sync(self) -> float:
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+        return time.monotonic()
+
+    def event(self, name: str) -> None:
+        if name == "credit start":
+            self._t0 = self._sync()
+            if self.cuda:
+                import torch
+
+                torch.cuda.reset_peak_memory_stats()
+        elif name == "credit end":
+            self.seconds["credit"] = self._sync() - self._t0
+            if self.cuda:
+                import torch
+
+                self.credit_peak = int(torch.cuda.max_memory_allocated())
+        if self.marks is None:
+            return
+        if name in self.RESETS:
+            self.marks.reset()
+        elif name in self.MARKS:
+            self.marks.mark(self.MARKS[name])
 
 
 class PhaseMarks:
@@ -501,8 +528,13 @@ class Check:
         self.method_seconds: dict[str, list[float]] = {}
 
     def setup(self) -> None:
+        from oar.config.settings import RolloutSettings, TrainSettings
         from oar.credit import estimator_spec
+        from oar.reward.pool import RewardPool
         from oar.rollout import make_engine
+        from oar.trainer.batch import PromptStream
+        from oar.trainer.optim import make_scheduler
+        from oar.trainer.step import StepParts
         from oar.trainer.strategy import make_strategy
 
         torch = self.torch
@@ -515,17 +547,32 @@ class Check:
         self.sampler = self.args.sampler or "lean"
         self.packing = self.args.packing or TRAIN["packing"]
         self.report.data["compat"] = compat
-        self.model, self.optimizer = self.strategy.prepare(model, lr=TRAIN["lr"], betas=tuple(TRAIN["betas"]),
-                                                           weight_decay=TRAIN["weight_decay"])
+        train = TrainSettings.from_config(self.cfg)
+        self.model, self.optimizer = self.strategy.prepare(model, lr=train.lr, betas=train.betas,
+                                                           weight_decay=train.weight_decay)
         self.policy = self.strategy.policy(self.model)
         self.engine = make_engine("hf", self.policy, self.tok, batch_size=self.cfg["rollout"]["batch_size"],
                                   sampler=self.sampler)
-        self.estimators = {m: estimator_spec(est) for m, (est, _) in METHODS.items()}
+        self.estimators = {m: estimator_spec(resolved.estimator) for m, resolved in METHODS.items()}
         # the methods whose credit calls the policy (run inside Strategy.local_phase), as the registry says
         self.model_credits = [m for m, spec in self.estimators.items() if spec.needs_model]
         self.backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
         rounds = self.run["rounds"] + 3  # + the fsdp step, the measured step and the warm-up round
-        self.prompts = prompt_sets(rounds, self.run["prompts"], seed=self.args.seed + 1234)
+        self.records = prompt_records(rounds * self.run["prompts"], seed=self.args.seed + 1234)
+        self.gold = {r["prompt"]: r["answer"] for r in self.records}
+        prompts = [r["prompt"] for r in self.records]
+        self.prompts = [prompts[i * self.run["prompts"] : (i + 1) * self.run["prompts"]] for i in range(rounds)]
+        # the library's step (oar.trainer.step.train_step_on_batch) runs on these parts; the check
+        # builds each step's batch itself (see the module doc), so its reward pool is never started
+        self.parts = StepParts(
+            train=train, rollout=RolloutSettings.from_config(self.cfg), task={"template": TEMPLATE},
+            method=METHODS["grpo"], seed=self.args.seed, strategy=self.strategy, model=self.model, tokenizer=self.tok,
+            optimizer=self.optimizer,
+            # the check's few steps at the paper's full lr (no warm-up), as one step of a run in progress
+            scheduler=make_scheduler(self.optimizer, warmup_steps=0, floor_step=1, schedule="constant"),
+            ref_model=None, policy=self.policy, records=self.records, prompts_all=prompts,
+            stream=PromptStream(len(self.records), self.args.seed), engine=self.engine,
+            reward_pool=RewardPool(workers=1), credit_options={})
         if self.cuda:
             torch.cuda.synchronize()
         log(f"setup {time.monotonic() - t0:.1f} s: {self.params / 1e6:.1f}M parameters on {self.strategy.device}, "
@@ -538,52 +585,44 @@ class Check:
 
     def step(self, method: str, prompts: list[str], *, packing: str | None = None, measure: bool = False,
              seed: int = 0) -> dict[str, Any]:
-        """One step of ``method`` on ``prompts``: rollout (+ answers, rewards), credit, update.
-        ``measure``: record the plan's phases in ``self.marks`` (rollout and update)."""
-        from oar.credit import CreditBatch
+        """One step of ``method`` on ``prompts``: the batch (sampled, answers set, rewards alternating:
+        :func:`check_batch`), then the library's credit, update and metrics
+        (``oar.trainer.step.train_step_on_batch``). ``measure``: record the plan's phases in
+        ``self.marks`` (rollout and update: :class:`CheckObserver`)."""
+        import dataclasses
 
-        torch = self.torch
+        from oar.trainer.step import train_step_on_batch
+
         run, strategy, model = self.run, self.strategy, self.model
-        marks = self.marks if measure else None
+        observer = CheckObserver(self.marks if measure else None, cuda=self.cuda)
         t0 = self._sync()
-        if marks is not None:
-            marks.reset()
+        observer.event("rollout start")
         with strategy.local_phase(model):
             raw = self.engine.generate(prompts, n=run["n"], temperature=1.0, top_p=1.0,
                                        max_new_tokens=run["max_new_tokens"], seed=seed)
-            if marks is not None:
-                marks.mark("rollout")
+        observer.event("rollout end")
         t_gen = self._sync() - t0
-        ro = with_answers(raw, self.tok, n=run["n"], max_new_tokens=run["max_new_tokens"], generator=self.gen)
-        rewards = alternating_rewards(ro, run["n"])
+        batch = check_batch(raw, self.tok, [self.gold[p] for p in prompts], n=run["n"],
+                            max_new_tokens=run["max_new_tokens"], generator=self.gen)
         t1 = self._sync()
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats()
-        options = METHODS[method][1]
-        with strategy.local_phase(model) if self.estimators[method].needs_model else contextlib.nullcontext():
-            credit = self.estimators[method].fn(
-                CreditBatch(response_ids=ro.response_ids, response_mask=ro.response_mask, rewards=rewards,
-                            group_ids=ro.prompt_index.clone(), prompt_ids=ro.prompt_ids, prompt_mask=ro.prompt_mask,
-                            model=self.policy, tokenizer=self.tok,
-                            extras={"old_logprobs": ro.logprobs, "step": self.steps_done, "seed": self.args.seed}),
-                **options)
-            token_adv = credit.token_advantages.float()
-        t2 = self._sync()
-        credit_peak = int(torch.cuda.max_memory_allocated()) if self.cuda else None
-        upd = update_policy(model, self.optimizer, strategy, ro, token_adv, packing=packing or self.packing,
-                            micro_batch_size=run["micro_batch_size"], mini_batch_size=run["mini_batch_size"],
-                            micro_batch_tokens=TRAIN["micro_batch_tokens"], pack_length=TRAIN["pack_length"],
-                            grad_clip=TRAIN["grad_clip"], recipe=RECIPE,
-                            generator=torch.Generator().manual_seed(seed), marks=marks)
+        resolved = METHODS[method]
+        parts = dataclasses.replace(
+            self.parts, method=resolved, credit_options=resolved.estimator_options(), seed=seed,
+            train=dataclasses.replace(self.parts.train, packing=packing or self.packing, ppo_epochs=1,
+                                      skip_zero_advantage=False))  # every row computed: the whole update timed
+        out = train_step_on_batch(parts, batch, self.steps_done, observer=observer)
         t3 = self._sync()
+        t2 = t1 + observer.seconds.get("credit", 0.0)
         self.steps_done += 1
         self.step_seconds.append(t3 - t0)
         self.method_seconds.setdefault(method, []).append(t3 - t0)
+        upd = out.update
         return {"method": method, "step_s": t3 - t0, "rollout_s": t1 - t0, "generate_s": t_gen, "credit_s": t2 - t1,
                 "update_s": t3 - t2, "sampled_tokens": int(raw.response_mask.sum()),
-                "prompt_tokens": int(ro.prompt_ids.shape[1]), "update_tokens": upd["tokens_real"],
-                "update_computed_tokens": upd["tokens_computed"], "loss": upd["loss"], "nonfinite": upd["nonfinite"],
-                "scored_fraction": credit.stats.get("scored_fraction"), "credit_peak": credit_peak, "raw": raw}
+                "prompt_tokens": int(batch.rollout.prompt_ids.shape[1]), "update_tokens": int(sum(upd["tokens_real"])),
+                "update_computed_tokens": int(sum(upd["tokens_computed"])), "loss": upd["loss"],
+                "nonfinite": out.nonfinite, "scored_fraction": out.credit.stats.get("scored_fraction"),
+                "credit_peak": observer.credit_peak, "raw": raw}
 
     def describe(self) -> None:
         """``model`` (shape, parameters as built and as ``oar.plan`` counts them) and ``settings``."""
@@ -602,7 +641,7 @@ class Check:
                          "gradient_checkpointing": TRAIN["gradient_checkpointing"],
                          "packing": getattr(self, "packing", None), "sampler": getattr(self, "sampler", None),
                          "micro_batch_tokens": TRAIN["micro_batch_tokens"], "lr": TRAIN["lr"],
-                         "methods": {m: o for m, (_, o) in METHODS.items()}}
+                         "methods": {m: resolved.estimator_options() for m, resolved in METHODS.items()}}
 
     def need(self, method: str | None = None) -> float:
         """Seconds the next step (of ``method``) is expected to take: 1.3 x the longest step of

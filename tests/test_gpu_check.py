@@ -1,11 +1,9 @@
 """benchmarks/gpu_check.py, the GPU acceptance check (issue 22), in its CPU mode: one run as a
 subprocess with the project's non-stock dependencies made unimportable (as on a stock CUDA image),
-its one JSON line parsed; its composed policy update against the trainer's own; its settings
-against config/paper.yaml."""
+its one JSON line parsed; its step the library's; its settings against config/paper.yaml."""
 
 from __future__ import annotations
 
-import copy
 import importlib.util
 import json
 import math
@@ -73,36 +71,30 @@ def test_cpu_run_prints_one_json_line_with_every_check():
         assert 0.3 < v["ratio"] < 3.0, (phase, v)
 
 
-def test_composed_update_equals_the_trainers():
-    """gpu_check.update_policy is the trainer's oar.trainer.update.update_policy with gpu_check's layout: same
-    rollout, advantages, seeds, shared_prompt layout with two micro-batches -> the same weights after
-    the step, and the memory marks it passes see every micro-batch's backward and the step."""
-    from oar.credit import CreditBatch, get_estimator
-    from oar.rollout import make_engine
-    from oar.trainer.strategy import make_strategy
-    from oar.trainer.update import update_policy
+def test_the_checks_step_is_the_librarys(monkeypatch):
+    """Check.step builds the batch (sampled, answers set: the gold for every other response, rewards
+    1, 0, 1, 0 in each group) and runs the library's step on it (oar.trainer.step.train_step_on_batch:
+    the method's estimator, the trainer's update, the step's metrics): called once per step with the
+    method's resolved recipe and options, every group mixed, the weights moved, and the observer sees
+    the rollout, each micro-batch's backward and the optimizer step."""
+    import oar.trainer.step as library_step
 
     gc = _gpu_check()
     torch.set_num_threads(1)
-    strategy = make_strategy({"device": "cpu", "train": {"strategy": "ddp"}})
-    tok = gc.make_tokenizer(gc.SHAPES["toy"]["vocab_size"])
-    model = gc.make_model("toy", tok, "cpu", seed=0)
-    twin = copy.deepcopy(model)
-    engine = make_engine("hf", model, tok, batch_size=8, sampler="lean")
-    prompts = gc.prompt_sets(1, 2, seed=1)[0]
-    raw = engine.generate(prompts, n=4, max_new_tokens=12, seed=3)
-    ro = gc.with_answers(raw, tok, n=4, max_new_tokens=12, generator=torch.Generator().manual_seed(0))
-    credit = get_estimator("grpo")(CreditBatch(response_ids=ro.response_ids, response_mask=ro.response_mask,
-                                               rewards=gc.alternating_rewards(ro, 4), group_ids=ro.prompt_index),
-                                   norm_by_std=True)
-    adv = credit.token_advantages.float()
-    assert adv.abs().sum() > 0
-    layout = dict(packing="shared_prompt", micro_batch_size=4, mini_batch_size=8, micro_batch_tokens=8192,
-                  pack_length=None, grad_clip=1.0)
-    results = []
-    for m in (model, twin):
-        m, opt = strategy.prepare(m, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0)
-        results.append((m, opt))
+    monkeypatch.setitem(gc.TRAIN, "strategy", "ddp")  # one process: no process group of FSDP's in this worker
+    calls = []
+    real = library_step.train_step_on_batch
+
+    def spy(parts, batch, step, **kw):
+        out = real(parts, batch, step, **kw)
+        calls.append((parts, batch, out))
+        return out
+
+    monkeypatch.setattr(library_step, "train_step_on_batch", spy)
+    check = gc.Check(gc.parse_args(["--device", "cpu", "--size", "toy", "--prompts", "2", "--n", "4"]),
+                     gc.Report(sys.stdout))
+    check.setup()
+    before = [p.detach().clone() for p in check.model.parameters()]
     events = []
 
     class Marks:
@@ -112,23 +104,36 @@ def test_composed_update_equals_the_trainers():
         def mark(self, name):
             events.append(name)
 
-    mine = gc.update_policy(*results[0], strategy, ro, adv, recipe=gc.RECIPE,
-                            generator=torch.Generator().manual_seed(5), marks=Marks(), **layout)
-    assert events == ["reset", "backward end", "reset", "backward end", "reset", "step"]
-    from oar.config.settings import TrainSettings
+    check.marks = Marks()
+    st = check.step("oar_g", check.prompts[0], measure=True, seed=3)
+    assert len(calls) == 1
+    parts, batch, out = calls[0]
+    assert parts.method.name == "oar_g" and parts.credit_options == gc.METHODS["oar_g"].estimator_options()
+    assert batch.rewards.tolist() == [1.0, 0.0, 1.0, 0.0] * 2 and batch.correct.sum() == 4
+    from oar.reward.answer import extract_boxed
 
-    train = TrainSettings.from_config({"train": dict(layout, ppo_epochs=1, skip_zero_advantage=False)})
-    theirs, nonfinite = update_policy(*results[1], strategy, ro, adv, None, recipe=dict(gc.RECIPE, kl_coef=0.0),
-                                       train=train, temperature=1.0, agg_max_len=None,
-                                       generator=torch.Generator().manual_seed(5))
-    assert nonfinite == 0 and mine["nonfinite"] == 0
-    assert mine["tokens_real"] == sum(theirs["tokens_real"]) > 0
-    assert mine["tokens_computed"] == sum(theirs["tokens_computed"])
-    assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-6)
-    start = gc.make_model("toy", tok, "cpu", seed=0)
-    for (k, p), q, s in zip(results[0][0].named_parameters(), results[1][0].parameters(), start.parameters()):
-        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=k)
-    assert any(not torch.equal(p, s) for p, s in zip(results[0][0].parameters(), start.parameters()))
+    golds = [check.gold[p] for p in check.prompts[0]]
+    boxed = [extract_boxed(t) for t in batch.rollout.texts]
+    assert boxed == gc.check_answers(golds, 4) and boxed[0] == golds[0] != boxed[1]
+    assert st["scored_fraction"] == out.credit.stats["scored_fraction"] == 1.0  # every response scored
+    assert st["loss"] == out.update["loss"] and st["nonfinite"] == 0
+    assert any(not torch.equal(p, q) for p, q in zip(check.model.parameters(), before))  # the weights moved
+    assert events[:2] == ["reset", "rollout"] and events[-2:] == ["reset", "step"]
+    assert events.count("backward end") >= 1 and out.metrics["accuracy"] == 0.5
+
+
+def test_no_benchmark_composes_an_update_of_its_own():
+    """The benchmarks reach the policy update only through the library's step (``oar train``,
+    ``oar.trainer.step``): none imports ``oar.trainer.update.update_policy``."""
+    import ast
+
+    found = []
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module == "oar.trainer.update":
+                if any(a.name == "update_policy" for a in node.names):
+                    found.append(f"{path.name}:{node.lineno}")
+    assert not found, found
 
 
 def test_settings_are_paper_yamls(tmp_path, monkeypatch):
@@ -139,9 +144,9 @@ def test_settings_are_paper_yamls(tmp_path, monkeypatch):
 
     gc = _gpu_check()
     cfg = load_config(ROOT / "config" / "paper.yaml")
-    for name, (estimator, options) in gc.METHODS.items():
+    for name, resolved in gc.METHODS.items():
         m = resolve_method(cfg, name)
-        assert (m.estimator, m.estimator_options()) == (estimator, options), name
+        assert (m.estimator, m.estimator_options()) == (resolved.estimator, resolved.estimator_options()), name
         assert {k: m.recipe[k] for k in gc.RECIPE} == gc.RECIPE, name
     assert {k: cfg["train"][k] for k in gc.TRAIN} == gc.TRAIN
     assert set(gc.METHODS) == {"grpo", "oar_g", "oar_p"} and len(gc.TRAIN) == len(gc.TRAIN_KEYS)
@@ -151,7 +156,8 @@ def test_settings_are_paper_yamls(tmp_path, monkeypatch):
     monkeypatch.setattr(gc, "PAPER_CONFIG", changed)
     train, recipe, methods = gc.paper_settings()
     assert train["lr"] == 3.0e-5 and train["packing"] == gc.TRAIN["packing"] and recipe == gc.RECIPE
-    assert methods["oar_p"][1]["chunk_size"] == 7 and methods["grpo"] == gc.METHODS["grpo"]
+    assert methods["oar_p"].estimator_options()["chunk_size"] == 7
+    assert methods["grpo"].estimator_options() == gc.METHODS["grpo"].estimator_options()
 
 @pytest.mark.distributed
 def test_nproc_2_on_cpu_runs_engines_and_a_training_step_on_two_processes():

@@ -11,7 +11,7 @@ import random
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 import torch
@@ -29,12 +29,10 @@ from oar.trainer.optim import make_scheduler
 from oar.trainer.preemption import CheckpointSchedule, StopSignal
 from oar.trainer.runs import RunFolder, load_trainer_state, restore_rng
 from oar.trainer.state import RunState
+from oar.trainer.step import StepParts
 from oar.trainer.strategy import Strategy
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
-
-    from oar.rollout.base import RolloutEngine
     from oar.tracking.client import Tracker
 
 __all__ = ["check_train_inputs", "estimator_options", "TrainingRun", "setup_run"]
@@ -98,31 +96,15 @@ def check_train_inputs(config: dict, start_spec: dict, output: Path, *, start_ke
 
 
 @dataclass
-class TrainingRun:
-    """What the phases of one training run share (built by :func:`setup_run`): typed settings, the
-    run's parts and where it stands; no phase reads the config itself."""
+class TrainingRun(StepParts):
+    """What the phases of one training run share (built by :func:`setup_run`): the parts of a step
+    (:class:`oar.trainer.step.StepParts`: typed settings, model, engine, data), plus the run's folder,
+    tracking, held-out evaluation, checkpoint schedule and where it stands; no phase reads the config."""
 
-    train: TrainSettings
-    rollout: RolloutSettings
     reward: RewardSettings
-    task: Mapping[str, Any]  # the task section, as the task layer and the estimators read it
-    method: ResolvedMethod
-    seed: int
     folder: RunFolder
     identity: dict[str, str]
-    strategy: Strategy
     stop: StopSignal
-    model: torch.nn.Module  # prepared by the strategy (wrapped or sharded)
-    tokenizer: PreTrainedTokenizerBase
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    ref_model: torch.nn.Module | None  # only with a KL term
-    policy: torch.nn.Module  # what the rollout and the credit estimators call, in strategy.local_phase
-    records: list[dict]
-    prompts_all: list[str]
-    stream: PromptStream
-    engine: RolloutEngine
-    reward_pool: RewardPool  # the run's own: every reward check of its steps and held-out evaluations
     tracker: Tracker | None  # on the main process
     heldout: HeldoutEval
     schedule: CheckpointSchedule
@@ -130,21 +112,6 @@ class TrainingRun:
     resumed: bool  # started from a checkpoint
     intact: int | None  # the step of the checkpoint on disk
     provenance: dict[str, Any]  # of this invocation (oar.core.provenance), without its end time
-    credit_options: dict[str, Any]  # what the estimator is called with (estimator_options)
-
-    @property
-    def recipe(self) -> dict:
-        return self.method.recipe
-
-    @property
-    def local_prompts(self) -> int:
-        """This process's share of each step's prompts."""
-        return len(range(self.strategy.rank, self.train.prompts_per_step, self.strategy.world))
-
-    @property
-    def agg_max_len(self) -> int | None:
-        """Dr. GRPO's aggregation divides by the generation budget, not the batch's padded length."""
-        return self.rollout.max_new_tokens if self.recipe["loss_agg"] == "seq-mean-token-sum-norm" else None
 
 
 @contextlib.contextmanager

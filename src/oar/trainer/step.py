@@ -13,27 +13,74 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import torch
 
+from oar.config.settings import RolloutSettings, TrainSettings
 from oar.core.seeds import CONTINUATIONS_SALT, UPDATE_SALT, step_seed
 from oar.credit import CreditBatch, estimator_spec
 from oar.credit.metrics import credited_concentration, ess_ratio, top_mass
-from oar.trainer.batch import StepBatch, collect_batch, continuation_context
+from oar.trainer.batch import PromptStream, StepBatch, collect_batch, continuation_context
 from oar.trainer.runs import TIMED_PHASES
 from oar.trainer.update import update_policy
 
 if TYPE_CHECKING:
-    from oar.trainer.setup import TrainingRun
+    from transformers import PreTrainedTokenizerBase
 
-__all__ = ["STEP_EVENTS", "StepObserver", "EndAfter", "StepOutput", "train_step", "step_metrics", "marked_timer",
+    from oar.config.methods import ResolvedMethod
+    from oar.reward.pool import RewardPool
+    from oar.rollout.base import RolloutEngine
+    from oar.trainer.strategy import Strategy
+
+__all__ = ["STEP_EVENTS", "StepParts", "StepObserver", "EndAfter", "StepOutput", "train_step", "train_step_on_batch", "step_metrics", "marked_timer",
            "mean_of"]
 
 #: What :func:`train_step` tells :meth:`StepObserver.event`, in order (the update's own events,
 #: :data:`oar.trainer.update.UPDATE_EVENTS`, come between ``update start`` and ``update end``).
 STEP_EVENTS: tuple[str, ...] = ("rollout start", "rollout end", "credit start", "credit end", "update start",
                                 "update end")
+
+
+@dataclass
+class StepParts:
+    """What :func:`train_step` reads: the settings, the policy and its optimizer, the engine, the
+    training prompts and the estimator. :class:`oar.trainer.setup.TrainingRun` is one (set up from a
+    config by ``setup_run``); ``benchmarks/gpu_check.py`` builds one around a model of the paper's
+    shape."""
+
+    train: TrainSettings
+    rollout: RolloutSettings
+    task: Mapping[str, Any]  # the task section, as the task layer and the estimators read it
+    method: "ResolvedMethod"
+    seed: int
+    strategy: "Strategy"
+    model: torch.nn.Module  # prepared by the strategy (wrapped or sharded)
+    tokenizer: "PreTrainedTokenizerBase"
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    ref_model: torch.nn.Module | None  # only with a KL term
+    policy: torch.nn.Module  # what the rollout and the credit estimators call, in strategy.local_phase
+    records: list[dict]  # the training records (question, answer), by index
+    prompts_all: list[str]  # each record's rendered prompt
+    stream: PromptStream
+    engine: "RolloutEngine"
+    reward_pool: "RewardPool"  # the run's own: every reward check of its steps (and held-out evaluations)
+    credit_options: dict[str, Any]  # what the estimator is called with (oar.trainer.setup.estimator_options)
+
+    @property
+    def recipe(self) -> dict:
+        return self.method.recipe
+
+    @property
+    def local_prompts(self) -> int:
+        """This process's share of each step's prompts."""
+        return len(range(self.strategy.rank, self.train.prompts_per_step, self.strategy.world))
+
+    @property
+    def agg_max_len(self) -> int | None:
+        """Dr. GRPO's aggregation divides by the generation budget, not the batch's padded length."""
+        return self.rollout.max_new_tokens if self.recipe["loss_agg"] == "seq-mean-token-sum-norm" else None
 
 
 class StepObserver:
@@ -73,20 +120,38 @@ class StepOutput:
     metrics: dict[str, float]  # step_metrics, before they are averaged over processes
 
 
-def train_step(run: "TrainingRun", step: int, observer: StepObserver | None = None) -> StepOutput:
-    """Step ``step`` of ``run``: 1-2. sample and score this process's prompts, 3. the method's token
-    advantages, 4. the policy update, 5. the step's metrics (with each phase's seconds)."""
+def train_step(run: StepParts, step: int, observer: StepObserver | None = None) -> StepOutput:
+    """Step ``step`` of ``run``: 1-2. sample and score this process's prompts, then
+    :func:`train_step_on_batch` (3. the method's token advantages, 4. the policy update, 5. the step's
+    metrics with each phase's seconds)."""
     observer = observer or StepObserver()
-    t_step = time.perf_counter()
+    started = time.perf_counter()
     timings = dict.fromkeys(TIMED_PHASES, 0.0)
     with _phase("rollout", observer):
         batch = _rollout(run, step, timings)
+    return train_step_on_batch(run, batch, step, observer=observer, timings=timings, started=started)
+
+
+def train_step_on_batch(run: StepParts, batch: StepBatch, step: int, *, observer: StepObserver | None = None,
+                        timings: dict[str, float] | None = None, started: float | None = None) -> StepOutput:
+    """Steps 3-5 of a step whose scored batch is given: the method's token advantages, the policy
+    update and the step's metrics. :func:`train_step` calls it after its rollout; ``gpu_check.py``
+    calls it on a batch whose answers and rewards it sets itself (a model of the paper's shape with
+    random weights answers nothing right).
+
+    Args:
+        timings: the step's phase seconds so far (:data:`oar.trainer.runs.TIMED_PHASES`; None: zeros).
+        started: ``time.perf_counter()`` at the step's start (None: now), for ``time_step``.
+    """
+    observer = observer or StepObserver()
+    started = time.perf_counter() if started is None else started
+    timings = dict.fromkeys(TIMED_PHASES, 0.0) if timings is None else timings
     with _phase("credit", observer):
         credit = _credit(run, batch, step, timings)
     with _phase("update", observer):
         upd, nonfinite = _update(run, batch, credit, step, timings, observer)
     metrics = step_metrics(batch, credit, upd, nonfinite, lr=float(run.scheduler.get_last_lr()[0]),
-                           timings=timings, step_seconds=time.perf_counter() - t_step)
+                           timings=timings, step_seconds=time.perf_counter() - started)
     return StepOutput(batch=batch, credit=credit, update=upd, nonfinite=nonfinite, metrics=metrics)
 
 
@@ -107,7 +172,7 @@ def marked_timer(name: str, timings: dict[str, float]) -> Iterator[None]:
         timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0
 
 
-def _rollout(run: "TrainingRun", step: int, timings: dict[str, float]) -> StepBatch:
+def _rollout(run: StepParts, step: int, timings: dict[str, float]) -> StepBatch:
     """Steps 1-2: sample and score this process's share of the step's prompts (:func:`collect_batch`),
     in the engine's phase (:func:`oar.rollout.engine_phase`: the gathered policy for the HF engine)."""
     from oar.rollout import engine_phase
@@ -120,7 +185,7 @@ def _rollout(run: "TrainingRun", step: int, timings: dict[str, float]) -> StepBa
                              pool=run.reward_pool)
 
 
-def _credit(run: "TrainingRun", batch: StepBatch, step: int, timings: dict[str, float]) -> Any:
+def _credit(run: StepParts, batch: StepBatch, step: int, timings: dict[str, float]) -> Any:
     """Step 3: the method's estimator (OAR-P / OAR-G / mc_value call the gathered policy). The engine
     sleeps from here on (rollout.sleep_mode: its memory is free for the estimator's passes, as
     ``oar plan``'s credit phase counts it), unless the estimator samples continuations through it."""
@@ -143,7 +208,7 @@ def _credit(run: "TrainingRun", batch: StepBatch, step: int, timings: dict[str, 
             )
 
 
-def _update(run: "TrainingRun", batch: StepBatch, credit: Any, step: int, timings: dict[str, float],
+def _update(run: StepParts, batch: StepBatch, credit: Any, step: int, timings: dict[str, float],
             observer: StepObserver) -> tuple[dict[str, list[float]], int]:
     """Step 4: the policy update (:func:`update_policy`), the scheduler, and the engine refreshed
     with the new weights (:func:`oar.rollout.refresh_engine`; the engine sleeps meanwhile)."""
