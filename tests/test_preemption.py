@@ -244,7 +244,7 @@ def _signal_during(monkeypatch, phase: str, sig: signal.Signals, *, times: int =
     ``STOP_AT - 1``: before its rollout, before its update, or after it ("boundary"), the first
     time it runs. Returns the list the steps that ran are appended to."""
     import oar.evaluate.heldout
-    import oar.trainer.loop as tr
+    import oar.trainer.step as tr  # the step calls collect_batch and update_policy
 
     ran: list[int] = []
     target = STOP_AT - 1
@@ -326,7 +326,7 @@ _DRIVER = textwrap.dedent('''
     phase, at, who, sig, *again = os.environ["OAR_TEST_HOOK"].split(":")
     at, sig = int(at), getattr(signal, sig)
     mine = os.environ.get("RANK", "0") == os.environ.get("OAR_TEST_RANK", "0")
-    import oar.evaluate.heldout, oar.trainer.strategy, oar.trainer.loop as tr
+    import oar.evaluate.heldout, oar.trainer.strategy, oar.trainer.step as tr
 
     def everyone():  # torchrun and its workers (each in a session of its own), or this process alone
         if "RANK" not in os.environ:

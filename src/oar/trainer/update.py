@@ -94,9 +94,7 @@ def update_policy(model: Any, optimizer: Any, strategy: Strategy, ro: Rollout, t
     collectives stay in step.
 
     Args:
-        ro: the step's rollout, ``(N, T)`` responses; token_adv: ``(N, T)`` token advantages.
-        train: the update's settings (``mini_batch_size``, ``micro_batch_size``, ``packing``,
-            ``micro_batch_tokens``, ``pack_length``, ``ppo_epochs``, ``skip_zero_advantage``, ``grad_clip``).
+        ro: the step's rollout, ``(N, T)`` responses; token_adv: ``(N, T)`` token advantages; train: the layout.
         observe: called with each event of :data:`UPDATE_EVENTS` as it happens (a memory or time
             probe: :meth:`oar.trainer.step.StepObserver.event`, e.g. ``benchmarks/gpu_check.py``'s per-phase peaks).
     Returns:
