@@ -95,7 +95,7 @@ import sys  # noqa: E402
 import threading  # noqa: E402
 import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+from typing import Any, NamedTuple  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -128,29 +128,37 @@ PAPER_CONFIG = ROOT / "config" / "paper.yaml"
 #: The ``train`` keys of :data:`PAPER_CONFIG` used here (the rest of ``train`` does not apply to one process).
 TRAIN_KEYS = ("strategy", "compute_dtype", "master_dtype", "gradient_checkpointing", "fsdp", "packing",
               "micro_batch_tokens", "pack_length", "lr", "betas", "weight_decay", "grad_clip")
-#: The loss settings of a method's recipe used here (the three methods share GRPO's).
-RECIPE_KEYS = ("eps_low", "eps_high", "clip_ratio_c", "loss_agg")
 #: The methods of :data:`PAPER_CONFIG` that are timed.
 METHOD_NAMES = ("grpo", "oar_g", "oar_p")
 
 
-def paper_settings() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """``(train, recipe, methods)`` of :data:`PAPER_CONFIG`: the :data:`TRAIN_KEYS` of its ``train``,
-    the :data:`RECIPE_KEYS` of GRPO's recipe, and ``{method: oar.config.methods.ResolvedMethod}`` of
-    :data:`METHOD_NAMES` (estimator, ``estimator_options()``, recipe). Read with the schema's defaults but
-    without validation (``oar.config.load.load_config(validate=False)``: the stock image has no jsonschema;
-    the tests validate paper.yaml)."""
+class PaperSettings(NamedTuple):
+    train: dict[str, Any]
+    methods: dict[str, Any]
+
+
+def paper_settings() -> PaperSettings:
+    """``(train, methods)`` of :data:`PAPER_CONFIG`, read now: the :data:`TRAIN_KEYS` of its ``train``
+    and ``{method: oar.config.methods.ResolvedMethod}`` of :data:`METHOD_NAMES` (estimator,
+    ``estimator_options()``, recipe). Read with the schema's defaults but without validation
+    (``oar.config.load.load_config(validate=False)``: the stock image has no jsonschema; the tests
+    validate paper.yaml)."""
     from oar.config.load import load_config
     from oar.config.methods import resolve_method
 
     cfg = load_config(PAPER_CONFIG, validate=False)
     resolved = {name: resolve_method(cfg, name, source=str(PAPER_CONFIG), validate=False) for name in METHOD_NAMES}
-    train = {k: cfg["train"][k] for k in TRAIN_KEYS}
-    recipe = {k: resolved["grpo"].recipe[k] for k in RECIPE_KEYS}
-    return train, recipe, resolved
+    return PaperSettings({k: cfg["train"][k] for k in TRAIN_KEYS}, resolved)
 
 
-TRAIN, RECIPE, METHODS = paper_settings()
+_PAPER: list[PaperSettings] = []
+
+
+def paper() -> PaperSettings:
+    """:func:`paper_settings`, read once when the check first needs them (not at import)."""
+    if not _PAPER:
+        _PAPER.append(paper_settings())
+    return _PAPER[0]
 TEMPLATE = "qwen_boxed"  # prompt template (no chat template: question + boxed instruction + newline)
 WATCHDOG_GRACE_S = 45.0
 #: Largest mean |log p| gap between the rollout's and the update's log-probs of the sampled tokens
@@ -282,7 +290,7 @@ def transformers_compat(model: Any) -> dict[str, Any]:
 
 
 def run_config(size: str, run: dict[str, int], *, device: str, prompt_tokens: int, gpu_gb: float) -> dict:
-    """The config ``oar.trainer.strategy.make_strategy`` and ``oar.plan`` read: :data:`TRAIN`, the run's batch,
+    """The config ``oar.trainer.strategy.make_strategy`` and ``oar.plan`` read: :func:`paper`'s train settings, the run's batch,
     one process (``resources.train.gpu: 1``), the rest the schema's defaults
     (:func:`oar.config.validate.section_defaults`; no validation: the stock image has no jsonschema)."""
     from oar.config.source import deep_merge
@@ -291,7 +299,7 @@ def run_config(size: str, run: dict[str, int], *, device: str, prompt_tokens: in
     given = {
         "model": {"source": f"gpu_check:{size}", "dtype": "float32"},
         "plan": {"model": plan_shape(size), "prompt_tokens": prompt_tokens, "gpu_memory_gb": gpu_gb, "headroom": 0.0},
-        "train": dict(TRAIN, prompts_per_step=run["prompts"], mini_batch_size=run["mini_batch_size"],
+        "train": dict(paper().train, prompts_per_step=run["prompts"], mini_batch_size=run["mini_batch_size"],
                       micro_batch_size=run["micro_batch_size"]),
         "rollout": {"engine": "hf", "sampler": "lean", "n": run["n"], "max_new_tokens": run["max_new_tokens"],
                     "batch_size": run["prompts"] * run["n"], "temperature": 1.0, "top_p": 1.0},
@@ -545,7 +553,7 @@ class Check:
         self.params = sum(p.numel() for p in model.parameters())
         compat = transformers_compat(model)
         self.sampler = self.args.sampler or "lean"
-        self.packing = self.args.packing or TRAIN["packing"]
+        self.packing = self.args.packing or paper().train["packing"]
         self.report.data["compat"] = compat
         train = TrainSettings.from_config(self.cfg)
         self.model, self.optimizer = self.strategy.prepare(model, lr=train.lr, betas=train.betas,
@@ -553,7 +561,7 @@ class Check:
         self.policy = self.strategy.policy(self.model)
         self.engine = make_engine("hf", self.policy, self.tok, batch_size=self.cfg["rollout"]["batch_size"],
                                   sampler=self.sampler)
-        self.estimators = {m: estimator_spec(resolved.estimator) for m, resolved in METHODS.items()}
+        self.estimators = {m: estimator_spec(resolved.estimator) for m, resolved in paper().methods.items()}
         # the methods whose credit calls the policy (run inside Strategy.local_phase), as the registry says
         self.model_credits = [m for m, spec in self.estimators.items() if spec.needs_model]
         self.backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
@@ -566,7 +574,7 @@ class Check:
         # builds each step's batch itself (see the module doc), so its reward pool is never started
         self.parts = StepParts(
             train=train, rollout=RolloutSettings.from_config(self.cfg), task={"template": TEMPLATE},
-            method=METHODS["grpo"], seed=self.args.seed, strategy=self.strategy, model=self.model, tokenizer=self.tok,
+            method=paper().methods["grpo"], seed=self.args.seed, strategy=self.strategy, model=self.model, tokenizer=self.tok,
             optimizer=self.optimizer,
             # the check's few steps at the paper's full lr (no warm-up), as one step of a run in progress
             scheduler=make_scheduler(self.optimizer, warmup_steps=0, floor_step=1, schedule="constant"),
@@ -605,7 +613,7 @@ class Check:
         batch = check_batch(raw, self.tok, [self.gold[p] for p in prompts], n=run["n"],
                             max_new_tokens=run["max_new_tokens"], generator=self.gen)
         t1 = self._sync()
-        resolved = METHODS[method]
+        resolved = paper().methods[method]
         parts = dataclasses.replace(
             self.parts, method=resolved, credit_options=resolved.estimator_options(), seed=seed,
             train=dataclasses.replace(self.parts.train, packing=packing or self.packing, ppo_epochs=1,
@@ -636,12 +644,12 @@ class Check:
             d["model"]["params_plan"] = ModelShape(**plan_shape(self.size)).num_params
         except Exception as e:  # noqa: BLE001
             self.report.error("params_plan", e)
-        d["settings"] = {**self.run, "backend": getattr(self, "backend", None), "strategy": TRAIN["strategy"],
-                         "compute_dtype": TRAIN["compute_dtype"], "master_dtype": TRAIN["master_dtype"],
-                         "gradient_checkpointing": TRAIN["gradient_checkpointing"],
+        d["settings"] = {**self.run, "backend": getattr(self, "backend", None), "strategy": paper().train["strategy"],
+                         "compute_dtype": paper().train["compute_dtype"], "master_dtype": paper().train["master_dtype"],
+                         "gradient_checkpointing": paper().train["gradient_checkpointing"],
                          "packing": getattr(self, "packing", None), "sampler": getattr(self, "sampler", None),
-                         "micro_batch_tokens": TRAIN["micro_batch_tokens"], "lr": TRAIN["lr"],
-                         "methods": {m: resolved.estimator_options() for m, resolved in METHODS.items()}}
+                         "micro_batch_tokens": paper().train["micro_batch_tokens"], "lr": paper().train["lr"],
+                         "methods": {m: resolved.estimator_options() for m, resolved in paper().methods.items()}}
 
     def need(self, method: str | None = None) -> float:
         """Seconds the next step (of ``method``) is expected to take: 1.3 x the longest step of
@@ -686,7 +694,7 @@ class Check:
         frac = changed / max(total, 1)
         loss_ok = bool(st["loss"]) and all(math.isfinite(x) for x in st["loss"]) and not st["nonfinite"]
         ckpt = bool(getattr(model, "is_gradient_checkpointing", False))
-        ok = sharded and dtypes == ["float32"] and seen == {TRAIN["compute_dtype"]} and loss_ok and frac > 0 and ckpt
+        ok = sharded and dtypes == ["float32"] and seen == {paper().train["compute_dtype"]} and loss_ok and frac > 0 and ckpt
         self.report.data["fsdp"] = {
             "ok": ok, "weights_changed_frac": frac, "sharded_dtensor": sharded, "master_dtypes": dtypes,
             "layer_compute_dtypes": sorted(seen), "gradient_checkpointing": ckpt, "loss": st["loss"],
@@ -708,7 +716,7 @@ class Check:
         diffs = []
         mbs = plan_micro_batches(raw.prompt_ids, raw.prompt_mask, raw.response_ids, raw.response_mask,
                                  torch.arange(N), packing=self.packing, micro_batch_size=self.run["micro_batch_size"],
-                                 micro_batch_tokens=TRAIN["micro_batch_tokens"], pack_length=TRAIN["pack_length"])
+                                 micro_batch_tokens=paper().train["micro_batch_tokens"], pack_length=paper().train["pack_length"])
         with torch.no_grad(), self.strategy.local_phase(self.model):
             for mb in mbs:
                 logp, _ = micro_batch_logprobs(self.model, mb)
@@ -764,7 +772,7 @@ class Check:
 
     def timed_rounds(self, budget: Budget) -> None:
         """A warm-up round, then ``rounds`` timed rounds of every method (order rotating)."""
-        names = list(METHODS)
+        names = list(paper().methods)
         steps: list[dict] = []
         for r in range(self.run["rounds"] + 1):
             order = names[r % len(names):] + names[: r % len(names)]

@@ -81,7 +81,7 @@ def test_the_checks_step_is_the_librarys(monkeypatch):
 
     gc = _gpu_check()
     torch.set_num_threads(1)
-    monkeypatch.setitem(gc.TRAIN, "strategy", "ddp")  # one process: no process group of FSDP's in this worker
+    monkeypatch.setitem(gc.paper().train, "strategy", "ddp")  # one process: no process group of FSDP's in this worker
     calls = []
     real = library_step.train_step_on_batch
 
@@ -108,7 +108,7 @@ def test_the_checks_step_is_the_librarys(monkeypatch):
     st = check.step("oar_g", check.prompts[0], measure=True, seed=3)
     assert len(calls) == 1
     parts, batch, out = calls[0]
-    assert parts.method.name == "oar_g" and parts.credit_options == gc.METHODS["oar_g"].estimator_options()
+    assert parts.method.name == "oar_g" and parts.credit_options == gc.paper().methods["oar_g"].estimator_options()
     assert batch.rewards.tolist() == [1.0, 0.0, 1.0, 0.0] * 2 and batch.correct.sum() == 4
     from oar.reward.answer import extract_boxed
 
@@ -137,27 +137,30 @@ def test_no_benchmark_composes_an_update_of_its_own():
 
 
 def test_settings_are_paper_yamls(tmp_path, monkeypatch):
-    """gpu_check's TRAIN, RECIPE and METHODS are config/paper.yaml's as validation resolves it (read
-    without jsonschema), and come from the file: a changed paper.yaml changes them."""
+    """gpu_check's train settings and methods are config/paper.yaml's as validation resolves it (read
+    without jsonschema), read from the file when first needed, not at import: a changed paper.yaml
+    changes them."""
     from oar.config.load import load_config
     from oar.config.methods import resolve_method
 
     gc = _gpu_check()
+    assert gc._PAPER == []  # importing the check read nothing
     cfg = load_config(ROOT / "config" / "paper.yaml")
-    for name, resolved in gc.METHODS.items():
+    train, methods = gc.paper()
+    for name, resolved in methods.items():
         m = resolve_method(cfg, name)
         assert (m.estimator, m.estimator_options()) == (resolved.estimator, resolved.estimator_options()), name
-        assert {k: m.recipe[k] for k in gc.RECIPE} == gc.RECIPE, name
-    assert {k: cfg["train"][k] for k in gc.TRAIN} == gc.TRAIN
-    assert set(gc.METHODS) == {"grpo", "oar_g", "oar_p"} and len(gc.TRAIN) == len(gc.TRAIN_KEYS)
+        assert m.recipe == resolved.recipe, name
+    assert {k: cfg["train"][k] for k in train} == train
+    assert set(methods) == {"grpo", "oar_g", "oar_p"} and len(train) == len(gc.TRAIN_KEYS)
     changed = tmp_path / "paper.yaml"
     changed.write_text(f"extends: {ROOT / 'config' / 'paper.yaml'}\ntrain: {{lr: 3.0e-5}}\n"
                        "methods: {oar_p: {chunk_size: 7}}\n")
     monkeypatch.setattr(gc, "PAPER_CONFIG", changed)
-    train, recipe, methods = gc.paper_settings()
-    assert train["lr"] == 3.0e-5 and train["packing"] == gc.TRAIN["packing"] and recipe == gc.RECIPE
-    assert methods["oar_p"].estimator_options()["chunk_size"] == 7
-    assert methods["grpo"].estimator_options() == gc.METHODS["grpo"].estimator_options()
+    train2, methods2 = gc.paper_settings()
+    assert train2["lr"] == 3.0e-5 and train2["packing"] == train["packing"]
+    assert methods2["oar_p"].estimator_options()["chunk_size"] == 7
+    assert methods2["grpo"].estimator_options() == methods["grpo"].estimator_options()
 
 @pytest.mark.distributed
 def test_nproc_2_on_cpu_runs_engines_and_a_training_step_on_two_processes():
