@@ -11,7 +11,7 @@ import pytest
 
 from oar.config.load import load_config
 from oar.config.settings import (EvalSamplingSettings, FSDPSettings, HeldoutSettings, PreemptionSettings,
-                                 RewardSettings, RolloutSettings, TrainSettings)
+                                 RewardSettings, RolloutSettings, SFTSettings, TrainSettings)
 from oar.config.validate import schema
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,7 +27,7 @@ def _keys(*path: str) -> set[str]:
 @pytest.mark.parametrize("cls, path", [
     (TrainSettings, ("train",)), (RolloutSettings, ("rollout",)), (RewardSettings, ("reward",)),
     (HeldoutSettings, ("train", "heldout")), (FSDPSettings, ("train", "fsdp")),
-    (PreemptionSettings, ("train", "preemption")),
+    (PreemptionSettings, ("train", "preemption")), (SFTSettings, ("sft",)),
 ])
 def test_each_settings_class_names_exactly_its_sections_schema_keys(cls, path):
     assert {f.name for f in dataclasses.fields(cls)} == _keys(*path)
@@ -51,6 +51,15 @@ def test_settings_carry_the_configs_values_and_the_schemas_defaults():
     defaults = schema()["properties"]["train"]["properties"]
     assert partial.steps == 3 and partial.mini_batch_size == defaults["mini_batch_size"]["default"]
     assert partial.fsdp.reshard_after_forward == defaults["fsdp"]["properties"]["reshard_after_forward"]["default"]
+
+
+def test_a_number_setting_written_as_an_integer_is_a_float_and_a_missing_key_the_schemas_default():
+    sft = SFTSettings.from_config({"sft": {"lr": 1, "betas": [1, 0.98], "steps": 5}})
+    assert sft.lr == 1.0 and isinstance(sft.lr, float) and sft.betas == (1.0, 0.98) and isinstance(sft.betas[0], float)
+    assert sft.steps == 5 and isinstance(sft.steps, int)
+    assert sft.seed == schema()["properties"]["sft"]["properties"]["seed"]["default"]
+    assert sft.optimisation() == {"steps": 5, "batch_size": sft.batch_size, "lr": 1.0, "weight_decay": sft.weight_decay,
+                                  "betas": [1.0, 0.98], "warmup_steps": sft.warmup_steps, "grad_clip": sft.grad_clip}
 
 
 def test_settings_are_frozen():

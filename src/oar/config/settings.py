@@ -4,7 +4,8 @@
 reads ``attribution:`` through ``AttributionSettings``: :class:`TrainSettings` (``train:``, with
 :class:`HeldoutSettings`, :class:`FSDPSettings` and :class:`PreemptionSettings` for its nested
 sections), :class:`RolloutSettings` (``rollout:``), :class:`RewardSettings` (``reward:``) and
-:class:`EvalSamplingSettings` (how ``eval:`` samples, for the held-out evaluation).
+:class:`EvalSamplingSettings` (how ``eval:`` samples, for the held-out evaluation); the warm-start SFT
+reads :class:`SFTSettings` (``sft:``).
 
 The schema stays the one home of every default: a section the config leaves partly out (tests,
 benchmarks, ``gpu_check``) is completed from ``section_defaults``, and each dataclass names exactly
@@ -30,6 +31,7 @@ __all__ = [
     "PreemptionSettings",
     "RewardSettings",
     "RolloutSettings",
+    "SFTSettings",
     "TrainSettings",
     "settings_from_section",
 ]
@@ -144,6 +146,34 @@ class EvalSamplingSettings:
 
 
 @dataclass(frozen=True)
+class SFTSettings:
+    """``sft:``: the warm-start SFT (its own loop, optimizer and schedule) and its held-out check."""
+
+    enabled: bool
+    steps: int
+    batch_size: int
+    micro_batch_size: int | None
+    lr: float
+    weight_decay: float
+    betas: tuple[float, float]
+    warmup_steps: int
+    grad_clip: float
+    eval_size: int
+    max_new_tokens: int
+    seed: int
+    cache_dir: str | None
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> "SFTSettings":
+        return settings_from_section(cls, "sft", config)
+
+    def optimisation(self) -> dict[str, Any]:
+        """``oar.trainer.sft.run_sft``'s optimisation keywords: steps, batch size, AdamW and its schedule."""
+        return dict(steps=self.steps, batch_size=self.batch_size, lr=self.lr, weight_decay=self.weight_decay,
+                    betas=list(self.betas), warmup_steps=self.warmup_steps, grad_clip=self.grad_clip)
+
+
+@dataclass(frozen=True)
 class RewardSettings:
     """``reward:``: each answer check's time limit and the reward pool's worker processes."""
 
@@ -179,7 +209,9 @@ def _build(cls: type[S], values: Mapping[str, Any], where: str) -> S:
         if nested is not None:
             value = _build(nested, value, f"{where}.{f.name}")
         elif isinstance(value, list):
-            value = tuple(value)
+            value = tuple(float(v) if "float" in str(f.type) and isinstance(v, int) else v for v in value)
+        elif str(f.type).startswith("float") and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)  # YAML's 1 for a number setting: the float it means
         elif isinstance(value, Mapping):
             value = types.MappingProxyType(dict(value))
         kwargs[f.name] = value

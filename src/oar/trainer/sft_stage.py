@@ -12,22 +12,10 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from oar.config.identity import sft_cache_key
+from oar.config.settings import RewardSettings, SFTSettings
 from oar.trainer.sft import LogFn, greedy_accuracy, run_sft, save_sft_model
 
 __all__ = ["sft_from_config", "sft_or_cached"]
-
-
-def _section(config: Mapping[str, Any], name: str) -> Mapping[str, Any]:
-    sec = config.get(name)
-    if not isinstance(sec, Mapping):
-        raise ValueError(f"config: missing or malformed section {name!r}")
-    return sec
-
-
-def _key(sec: Mapping[str, Any], section: str, key: str) -> Any:
-    if key not in sec:
-        raise ValueError(f"config: missing key {section}.{key}")
-    return sec[key]
 
 
 def sft_data(config: Mapping[str, Any]) -> tuple[list[dict], dict[str, list[dict]]]:
@@ -51,19 +39,15 @@ def sft_data(config: Mapping[str, Any]) -> tuple[list[dict], dict[str, list[dict
     from oar.data.records import training_records
     from oar.data.synthetic import generate
 
-    task = _section(config, "task")
-    sft = _section(config, "sft")
-    kind = _key(task, "task", "kind")
-    eval_size = int(_key(sft, "sft", "eval_size"))
-    train_size = int(_key(task, "task", "train_size"))
+    task = config["task"]
+    kind, eval_size, train_size = task["kind"], SFTSettings.from_config(config).eval_size, int(task["train_size"])
     if kind == "synthetic":
-        options = dict(_key(task, "task", "synthetic"))
-        seed = int(_key(task, "task", "seed"))
+        options = dict(task["synthetic"])
+        seed = int(task["seed"])
         evals = {split: generate(split, eval_size, seed=seed, **options) for split in ("test", "ood")}
         return training_records({**task, "synthetic": options, "seed": seed, "train_size": train_size}), evals
     if kind != "benchmark":
         raise ValueError(f"config: task.kind={kind!r}: SFT supports 'synthetic' and 'benchmark'")
-    _key(task, "task", "benchmark")
     records = training_records(task)
     name, source = task["benchmark"]["name"], task["benchmark"].get("source")
     if "solution" not in records[0]:
@@ -114,35 +98,30 @@ def sft_from_config(
     t0 = time.perf_counter()
     check_output_folder(output_dir, what="the SFT output folder (--output)")  # before the training, not after
     started = datetime.now(timezone.utc)
-    model_spec = dict(_section(config, "model"))
-    task = _section(config, "task")
-    sft = _section(config, "sft")
-    reward = _section(config, "reward")
-    template = _key(task, "task", "template")
-    sft_seed = int(_key(sft, "sft", "seed"))
-    max_new_tokens = int(_key(sft, "sft", "max_new_tokens"))
+    model_spec = dict(config["model"])
+    sft, reward = SFTSettings.from_config(config), RewardSettings.from_config(config)
+    template = config["task"]["template"]
     train_records, eval_sets = sft_data(config)
 
     if model_spec.get("source") == "tiny":
-        model_spec["tiny"] = {"seed": sft_seed, **dict(model_spec.get("tiny") or {})}
+        model_spec["tiny"] = {"seed": sft.seed, **dict(model_spec.get("tiny") or {})}
     model, tokenizer = load_policy(model_spec)
     device = job_device(config)
     model.to(device)
 
-    result = run_sft(model, tokenizer, train_records, **_run_sft_options(sft), seed=sft_seed,
-                     micro_batch_size=sft.get("micro_batch_size"), template=template, progress=progress,
-                     log_fn=log_fn)
+    result = run_sft(model, tokenizer, train_records, **sft.optimisation(), seed=sft.seed,
+                     micro_batch_size=sft.micro_batch_size, template=template, progress=progress, log_fn=log_fn)
     accuracy, extracted, examples = sft_heldout_accuracy(
-        model, tokenizer, eval_sets, reward, template=template, max_new_tokens=max_new_tokens, step=result["steps"],
-        log_fn=log_fn, n_examples=n_examples)
+        model, tokenizer, eval_sets, reward, template=template, max_new_tokens=sft.max_new_tokens,
+        step=result["steps"], log_fn=log_fn, n_examples=n_examples)
     summary = {
         "accuracy": accuracy,
         "extracted": extracted,
-        "eval_size": int(_key(sft, "sft", "eval_size")),
+        "eval_size": sft.eval_size,
         "seconds": None,  # filled below
         "sft": result,
         "examples": examples,
-        "config_sft": dict(sft),
+        "config_sft": dict(config["sft"]),  # the section as the config gave it
         "model": _model_facts(model, model_spec.get("source")),
         "train_size": len(train_records),
         "template": template,
@@ -163,26 +142,11 @@ def _model_facts(model, source: Any) -> dict[str, Any]:
     }
 
 
-def _run_sft_options(sft: Mapping[str, Any]) -> dict[str, Any]:
-    """:func:`run_sft`'s optimisation settings from the ``sft`` section (``steps``, ``batch_size``,
-    ``lr``, ``weight_decay``, ``betas``, ``warmup_steps``, ``grad_clip``; read in that order, the first
-    missing one a ValueError)."""
-    return dict(
-        steps=int(_key(sft, "sft", "steps")),
-        batch_size=int(_key(sft, "sft", "batch_size")),
-        lr=float(_key(sft, "sft", "lr")),
-        weight_decay=float(_key(sft, "sft", "weight_decay")),
-        betas=[float(b) for b in _key(sft, "sft", "betas")],
-        warmup_steps=int(_key(sft, "sft", "warmup_steps")),
-        grad_clip=float(_key(sft, "sft", "grad_clip")),
-    )
-
-
 def sft_heldout_accuracy(
     model,
     tokenizer,
     eval_sets: Mapping[str, Sequence[Mapping[str, Any]]],
-    reward: Mapping[str, Any],
+    reward: RewardSettings,
     *,
     template: str,
     max_new_tokens: int,
@@ -190,8 +154,7 @@ def sft_heldout_accuracy(
     log_fn: LogFn | None,
     n_examples: int,
 ) -> tuple[dict[str, float], dict[str, float], list[dict]]:
-    """Greedy accuracy (:func:`greedy_accuracy`, the ``reward`` section's ``timeout_s`` and
-    ``workers``) and the share of responses with an extractable final answer on each held-out set,
+    """Greedy accuracy (:func:`greedy_accuracy`, with ``reward``'s ``timeout_s`` and ``workers``) and the share of responses with an extractable final answer on each held-out set,
     each logged at ``step``; with the first ``n_examples`` questions of the first set, their responses
     and gold answers.
 
@@ -200,16 +163,13 @@ def sft_heldout_accuracy(
     """
     from oar.reward.score import extracted_answer
 
-    reward_kw = {
-        "timeout_s": float(_key(reward, "reward", "timeout_s")),
-        "workers": _key(reward, "reward", "workers"),
-    }
     accuracy: dict[str, float] = {}
     extracted: dict[str, float] = {}
     examples: list[dict] = []
     for split, recs in eval_sets.items():
         acc, responses = greedy_accuracy(model, tokenizer, recs, template=template,
-                                         max_new_tokens=max_new_tokens, **reward_kw)
+                                         max_new_tokens=max_new_tokens, timeout_s=reward.timeout_s,
+                                         workers=reward.workers)
         accuracy[split] = acc
         extracted[split] = sum(extracted_answer(r) is not None for r in responses) / len(responses)
         if log_fn is not None:
@@ -243,7 +203,7 @@ def sft_or_cached(config: Mapping[str, Any], output_dir: str | os.PathLike, *, p
     from oar.core.io import atomic_path, atomic_write_json, check_output_folder
 
     check_output_folder(output_dir, what="the SFT output folder (--output)")
-    cache_dir = config["sft"].get("cache_dir")
+    cache_dir = SFTSettings.from_config(config).cache_dir
     if not cache_dir:
         return sft_from_config(config, output_dir, progress=progress, log_fn=log_fn)
     check_output_folder(cache_dir, what="the SFT cache (sft.cache_dir)")
