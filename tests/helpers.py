@@ -111,7 +111,7 @@ def credit_batch(responses, rewards, prompts=None, task=None, model=None):
         r_mask[b, : len(rid[b])] = 1
     return CreditBatch(response_ids=r_ids, response_mask=r_mask, rewards=torch.tensor(rewards),
                        group_ids=torch.zeros(B, dtype=torch.long), prompt_ids=p_ids, prompt_mask=p_mask,
-                       model=model, tokenizer=tok, extras={"task": task or SYNTHETIC_TASK, "seed": 3, "step": 1})
+                       model=model, tokenizer=tok, task=task or SYNTHETIC_TASK, seed=3, step=1)
 
 
 def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:

@@ -229,7 +229,7 @@ def test_relocate_mistakes_keeps_the_rate_and_leaves_one_step_responses():
 
 def test_degraded_oracle_is_the_oracle_at_localisation_1_and_seeded():
     b = _batch()
-    b.extras.update(seed=3, step=5)
+    b.seed, b.step = 3, 5
     full = get_estimator("oracle_first_mistake")(b)
     same = get_estimator("oracle_first_mistake")(b, localisation=1.0)
     assert torch.equal(full.token_advantages, same.token_advantages) and "relocated_fraction" not in same.stats

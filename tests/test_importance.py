@@ -709,11 +709,11 @@ def test_oar_g_bad_new_arguments_raise(tiny, probe):
 def test_oar_g_estimator_step_seed_chunking_and_variant(tiny):
     batch = credit_batch(tiny, [1.0, 0.0, 0.0, 1.0], [0, 0, 0, 0])
     est = get_estimator("oar_g")
-    batch.extras = {"seed": 3, "step": 5}
+    batch.seed, batch.step = 3, 5
     a = est(batch, conclude=CONC, noise_std=0.1)
     b = est(batch, conclude=CONC, noise_std=0.1, chunk_size=1)
     torch.testing.assert_close(a.weights, b.weights, atol=1e-4, rtol=1e-4)  # float rounding only
-    batch.extras = {"seed": 3, "step": 6}  # another step: other noise
+    batch.step = 6  # another step: other noise
     c = est(batch, conclude=CONC, noise_std=0.1)
     assert not torch.allclose(a.weights, c.weights)
     # the variant's options reach gradient_importance

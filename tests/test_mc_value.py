@@ -92,7 +92,7 @@ def test_step_boundaries_on_bpe_tokens_that_begin_inside_a_match():
 def test_mc_value_blames_the_first_mistake_not_its_copy():
     engine = PrefixEngine()
     batch = _batch(RESPONSES, REWARDS)
-    batch.extras["continuations"] = _context(engine, 2)
+    batch.continuations = _context(engine, 2)
     res = get_estimator("mc_value")(batch, k=2)
     # every prefix of the batch in one engine call, k continuations each; "4+3=" is shared by both rows:
     # one state, continued once
@@ -167,7 +167,7 @@ def test_step_deltas_telescope_to_the_grpo_advantage():
 
 
 def test_only_mc_value_is_registered_as_needing_continuations():
-    """The trainer builds CreditBatch.extras["continuations"] only for estimators registered with
+    """The trainer builds CreditBatch.continuations only for estimators registered with
     needs_continuations (test_copy_aware_methods_train checks a run of another one builds none)."""
     from oar.credit import estimator_needs_continuations, list_estimators
 
@@ -179,7 +179,7 @@ def test_mc_value_errors_name_what_is_missing():
     batch = _batch(RESPONSES, REWARDS)
     with pytest.raises(ValueError, match="continuations"):
         get_estimator("mc_value")(batch)
-    batch.extras["continuations"] = _context(PrefixEngine(), 2)
+    batch.continuations = _context(PrefixEngine(), 2)
     with pytest.raises(TypeError, match="unknown option"):
         get_estimator("mc_value")(batch, K=2)
     with pytest.raises(ValueError, match="step_split"):
@@ -218,12 +218,12 @@ def test_copy_aware_methods_train(small_config, tmp_path, monkeypatch, method):
     builds none); the credit itself is checked on hand-built responses above."""
     import json
 
-    import oar.trainer.loop
+    import oar.trainer.step
     from oar.models.tiny import build_tiny
     from oar.trainer.loop import train
 
     if method["credit"] != "mc_value":  # not registered with needs_continuations: the trainer builds none
-        monkeypatch.setattr(oar.trainer.loop, "continuation_context", lambda *a, **k: pytest.fail("continuations built"))
+        monkeypatch.setattr(oar.trainer.step, "continuation_context", lambda *a, **k: pytest.fail("continuations built"))
 
     small_config["methods"]["copy_aware"] = method
     init = tmp_path / "init"
@@ -309,7 +309,7 @@ def test_refine_spreads_each_steps_credit_by_oar_g_and_keeps_its_sum():
 
     model, _ = build_tiny(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=1)
     batch = _batch(RESPONSES, REWARDS, model=model)
-    batch.extras["continuations"] = _context(PrefixEngine(), 2)
+    batch.continuations = _context(PrefixEngine(), 2)
     plain = get_estimator("mc_value")(batch, greedy=True)
     refined = get_estimator("mc_value")(batch, greedy=True, refine={"mode": "answer_joint"}, refine_floor=0.1)
     bounds, _, _ = step_boundaries(batch.tokenizer, batch.response_ids, batch.response_mask)
@@ -323,7 +323,7 @@ def test_refine_spreads_each_steps_credit_by_oar_g_and_keeps_its_sum():
     # continuation is right too, has nothing to spread and is not scored; the first group's credit is as before
     wide = _batch(RESPONSES + [RESPONSES[0]] * 2, REWARDS + [1.0, 1.0], model=model)
     wide.group_ids = torch.tensor([0, 0, 1, 1])
-    wide.extras["continuations"] = _context(PrefixEngine(), 4)
+    wide.continuations = _context(PrefixEngine(), 4)
     both = get_estimator("mc_value")(wide, greedy=True, refine={"mode": "answer_joint"}, refine_floor=0.1)
     assert both.stats["refine_fraction"] == 0.5 and (both.token_advantages[2:] == 0).all()
     torch.testing.assert_close(both.token_advantages[:2, :refined.token_advantages.shape[1]], refined.token_advantages,

@@ -124,7 +124,7 @@ def test_alignment_on_the_bpe_tokenizer_over_real_responses(sampled):
                                        rewards=torch.zeros(len(ro.response_ids)),
                                        group_ids=torch.zeros(len(ro.response_ids), dtype=torch.long),
                                        prompt_ids=ro.prompt_ids, prompt_mask=ro.prompt_mask, tokenizer=tok,
-                                       extras={"task": config["task"]}), fillers=fillers)
+                                       task=config["task"]), fillers=fillers)
     bounds, _, _ = step_boundaries(tok, ro.response_ids, ro.response_mask)
     split = re.compile(STEP_SPLITS["synthetic"])
     rng = random.Random(0)

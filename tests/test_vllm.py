@@ -258,7 +258,7 @@ def test_mc_value_continuations_through_vllm(sft_dir):
 
     # the estimator, through the registry: the greedy deltas as token advantages (seq_weight 0, alpha 1)
     batch = CreditBatch(response_ids=ro.response_ids, response_mask=ro.response_mask, rewards=rewards,
-                        group_ids=ro.prompt_index, tokenizer=tok, extras={"continuations": context(engine)})
+                        group_ids=ro.prompt_index, tokenizer=tok, continuations=context(engine))
     res = get_estimator("mc_value")(batch, greedy=True)
     assert len(calls) == 3 and calls[-1][0] == states
     greedy_delta, _, _ = mc_step_credit(context(engine), tok, ro.response_ids, ro.response_mask, rewards,

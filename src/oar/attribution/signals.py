@@ -247,7 +247,7 @@ class _SignalRun:
         return CreditBatch(response_ids=self.response_ids[r], response_mask=self.response_mask[r],
                            rewards=self.rewards[r].float(), group_ids=self.group_ids[r], prompt_ids=self.prompt_ids[r],
                            prompt_mask=self.prompt_mask[r], model=None, tokenizer=self.tokenizer,
-                           extras={"task": self.task, "seed": self.seed, "step": 0})
+                           task=self.task, seed=self.seed, step=0)
 
     def conclude_of(self, options: OarPOptions | OarGOptions) -> str:
         """The probe conclude string of an OAR signal: its own, else the benchmark's."""

@@ -14,7 +14,7 @@ Shapes follow verl's ``core_algos.py``: ``B`` responses in the batch, ``T`` resp
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
 if TYPE_CHECKING:  # the registry imports without torch (Snakemake's own process reads user estimators)
     import torch
@@ -49,7 +49,13 @@ class CreditBatch:
         prompt_mask: ``(B, P)`` attention mask of the prompts, or None.
         model: the current policy (needed by OAR-P / OAR-G), or None.
         tokenizer: the policy's tokenizer (needed by the OAR probe), or None.
-        extras: free-form values an estimator may need (e.g. the rollout's log-probs).
+        old_logprobs: ``(B, T)`` the rollout's log-probs of the response tokens, or None.
+        step: the training step (seeds of per-step randomness are mixed with it), or None.
+        seed: the run seed (the default seed of an estimator's own randomness), or None.
+        task: the config's task section (the synthetic task's controls read its grammar), or None.
+        continuations: what an estimator registered with ``needs_continuations`` samples from
+            (``oar.credit.mc_value.ContinuationContext``; the trainer builds it only for those), or None.
+        extras: free-form values a user's estimator may need beyond these.
     """
 
     response_ids: torch.Tensor
@@ -60,6 +66,11 @@ class CreditBatch:
     prompt_mask: torch.Tensor | None = None
     model: Any = None
     tokenizer: Any = None
+    old_logprobs: torch.Tensor | None = None
+    step: int | None = None
+    seed: int | None = None
+    task: Mapping[str, Any] | None = None
+    continuations: Any = None
     extras: dict[str, Any] = field(default_factory=dict)
 
 
@@ -94,7 +105,7 @@ class EstimatorSpec:
         needs_model: it calls ``CreditBatch.model`` (OAR-P, OAR-G and the nulls built on them); the
             trainer gathers a sharded policy for it.
         needs_continuations: it samples continuations of the responses (``mc_value``) and reads
-            ``CreditBatch.extras["continuations"]``, which the trainer builds only for it.
+            ``CreditBatch.continuations``, which the trainer builds only for it.
     """
 
     fn: Callable[..., CreditResult]
@@ -182,5 +193,5 @@ def estimator_needs_model(name: str) -> bool:
 
 
 def estimator_needs_continuations(name: str) -> bool:
-    """Whether the estimator ``name`` reads ``CreditBatch.extras["continuations"]`` (:class:`EstimatorSpec`)."""
+    """Whether the estimator ``name`` reads ``CreditBatch.continuations`` (:class:`EstimatorSpec`)."""
     return estimator_spec(name).needs_continuations

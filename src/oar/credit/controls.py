@@ -91,7 +91,7 @@ def _questions(batch: CreditBatch, name: str) -> list[tuple[list[int], list[str]
     """The synthetic question (operands, operators) of every row, read from its prompt."""
     from oar.task.grammar import question_terms
 
-    task = batch.extras.get("task") or {}
+    task = batch.task or {}
     if task.get("kind", "synthetic") != "synthetic":
         raise SyntheticTaskRequired(
             f"estimator {name!r} reads the synthetic task's ground truth; task.kind is {task.get('kind')!r}"
@@ -149,11 +149,11 @@ def step_labels(batch: CreditBatch, *, name: str = "oracle", fillers: Sequence[s
     through :func:`text_steps`. Rows that do not parse get all-zero labels and ``parsed`` False.
 
     Raises:
-        SyntheticTaskRequired: ``extras["task"]`` is another task.
+        SyntheticTaskRequired: ``batch.task`` is another task.
     """
     from oar.task.parsing import parse_response
 
-    task = batch.extras.get("task") or {}
+    task = batch.task or {}
     if task.get("kind", "synthetic") != "synthetic":
         raise SyntheticTaskRequired(f"estimator {name!r} reads the synthetic task's steps; task.kind is {task.get('kind')!r}")
     fillers = _fillers(batch) if fillers is None else fillers
@@ -213,10 +213,10 @@ def oracle_labels(batch: CreditBatch, *, fillers: Sequence[str] | None = None, n
     """Read the ground-truth token labels of a batch of synthetic-task responses: the steps
     (:func:`step_labels`) replayed against the question's reduction order
     (:func:`oar.task.grammar.check_steps`). Rows that do not parse get all-zero labels and ``parsed``
-    False. ``fillers``: the task's filler words (default: ``extras["task"]``'s).
+    False. ``fillers``: the task's filler words (default: ``batch.task``'s).
 
     Raises:
-        SyntheticTaskRequired: a prompt holds no synthetic question, or ``extras["task"]`` is another task.
+        SyntheticTaskRequired: a prompt holds no synthetic question, or ``batch.task`` is another task.
     """
     from oar.task.grammar import check_steps
     from oar.data.synthetic import solve_steps
@@ -274,7 +274,7 @@ def relocate_mistakes(labels: OracleLabels, rows: torch.Tensor, accuracy: float,
 def _fillers(batch: CreditBatch) -> list[str]:
     from oar.data.synthetic import task_fillers
 
-    return task_fillers((batch.extras.get("task") or {}).get("synthetic"))
+    return task_fillers((batch.task or {}).get("synthetic"))
 
 
 def _decisive_scores(batch: CreditBatch):
@@ -442,5 +442,5 @@ def seeded_generator(batch: CreditBatch, options: dict[str, Any], salt: int) -> 
     """A control's random stream: the run's seed (or the ``seed`` option), the step and ``salt``."""
     from oar.credit.importance import mix_seed
 
-    seed = int(options.get("seed", batch.extras.get("seed") or 0))
-    return torch.Generator().manual_seed(mix_seed(mix_seed(seed, int(batch.extras.get("step") or 0)), salt))
+    seed = int(options.get("seed", batch.seed or 0))
+    return torch.Generator().manual_seed(mix_seed(mix_seed(seed, int(batch.step or 0)), salt))

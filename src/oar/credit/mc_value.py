@@ -385,15 +385,15 @@ def mc_value_estimator(batch: CreditBatch, **options: Any) -> CreditResult:
     options, e.g. ``{mode: answer_joint}``: each step's credit spread over its tokens by OAR-G's
     scores, one OAR-G pass over the answered responses whose step values move), ``refine_floor``, ``seq_weight``,
     ``alpha``) and the sequence advantage's ``norm_by_std`` (True), ``eps``.
-    Needs ``batch.tokenizer`` and ``batch.extras["continuations"]`` (a :class:`ContinuationContext`,
+    Needs ``batch.tokenizer`` and ``batch.continuations`` (a :class:`ContinuationContext`,
     set by the trainer). Stats: the continuation cost (``mc_prefixes``, ``mc_states``,
     ``mc_continuations``, ``mc_tokens``, ``mc_seconds``), ``mc_steps_per_response`` and, with ``refine``,
     ``refine_s`` and ``refine_fraction`` (the share of responses OAR-G scored).
     """
     check_options("mc_value", options, MC_VALUE_OPTIONS)
-    ctx = batch.extras.get("continuations")
+    ctx = batch.continuations
     if ctx is None or batch.tokenizer is None:
-        raise ValueError("estimator 'mc_value': CreditBatch.extras['continuations'] (a ContinuationContext: the "
+        raise ValueError("estimator 'mc_value': CreditBatch.continuations (a ContinuationContext: the "
                          "rollout engine, prompts, gold answers and reward) and CreditBatch.tokenizer are needed")
     A = sequence_advantages(batch, options)
     o = options_from(McValueOptions, {k: v for k, v in options.items() if k not in SEQ_OPTIONS}, "estimator 'mc_value'")

@@ -16,9 +16,8 @@ The estimator's batch is what TRL has: ``response_ids`` = ``completion_ids`` (ri
 ``response_mask`` = the loss mask (``completion_mask``, times ``tool_mask`` when present),
 ``rewards`` = the reward functions' outputs weighted and summed as TRL's ``sum_then_normalize``
 does, ``group_ids`` = TRL's layout (each prompt's ``num_generations`` completions are contiguous in
-the gathered batch), ``prompt_ids`` / ``prompt_mask`` (left-padded), the tokenizer, and in
-``extras`` the ``step``, the ``seed`` and the rollout's ``old_logprobs`` (None unless TRL computed
-them). ``norm_by_std`` follows ``scale_rewards`` (``"group"``: True, ``"none"``: False) unless the
+the gathered batch), ``prompt_ids`` / ``prompt_mask`` (left-padded), the tokenizer, the ``step``,
+the ``seed`` and the rollout's ``old_logprobs`` (None unless TRL computed them). ``norm_by_std`` follows ``scale_rewards`` (``"group"``: True, ``"none"``: False) unless the
 options set it. A completion that every reward function left unscored (all None, NaN in TRL) is put
 in a group of its own, out of its prompt's baseline as in TRL, and gets advantage 0.
 
@@ -91,8 +90,8 @@ def trl_group_ids(n_global: int, local: slice, num_generations: int, unscorable:
 
 def token_advantages(out: Mapping[str, Any], rewards_per_func: torch.Tensor, reward_weights: torch.Tensor, *,
                      fn: Callable[..., CreditResult], options: Mapping[str, Any], num_generations: int,
-                     process_index: int, tokenizer: Any,
-                     extras: Mapping[str, Any]) -> tuple[torch.Tensor, CreditResult]:
+                     process_index: int, tokenizer: Any, step: int | None = None, seed: int | None = None,
+                     ) -> tuple[torch.Tensor, CreditResult]:
     """The oar estimator's ``(batch, time)`` token advantages of one TRL generation batch.
 
     Args:
@@ -105,7 +104,7 @@ def token_advantages(out: Mapping[str, Any], rewards_per_func: torch.Tensor, rew
         num_generations: completions per prompt (train or eval).
         process_index: this process's rank (its rows are ``[rank * batch, (rank + 1) * batch)``).
         tokenizer: the policy's tokenizer.
-        extras: ``CreditBatch.extras``.
+        step, seed: TRL's global step and ``args.seed`` (``CreditBatch.step`` / ``seed``).
 
     Returns:
         ``(advantages, result)``: ``(batch, time)`` float32, 0 outside the loss mask and on unscored
@@ -121,7 +120,7 @@ def token_advantages(out: Mapping[str, Any], rewards_per_func: torch.Tensor, rew
     batch = CreditBatch(response_ids=ids, response_mask=mask, rewards=rewards,
                         group_ids=trl_group_ids(rpf.shape[0], local, num_generations, unscorable),
                         prompt_ids=out.get("prompt_ids"), prompt_mask=out.get("prompt_mask"), tokenizer=tokenizer,
-                        extras=dict(extras))
+                        old_logprobs=out.get("old_per_token_logps"), step=step, seed=seed)
     with torch.no_grad():
         result = fn(batch, **options)
     adv = result.token_advantages.to(device=ids.device, dtype=torch.float32) * mask.to(torch.float32)
@@ -186,13 +185,12 @@ def oar_grpo_trainer_class() -> type:
                                    f"pip install '{TRL_REQUIREMENT}'")
             mode = "train" if self.model.training else "eval"
             options = with_norm_by_std(self.oar_fn, self.oar_options, SCALE_REWARDS_NORM[self.scale_rewards])
-            extras = {"step": self.state.global_step, "seed": self.args.seed,
-                      "old_logprobs": out.get("old_per_token_logps")}
             out["advantages"], result = token_advantages(
                 out, self.oar_rewards_per_func, self.reward_weights, fn=self.oar_fn, options=options,
                 num_generations=self.num_generations if mode == "train" else self.num_generations_eval,
                 process_index=self.accelerator.process_index,
-                tokenizer=getattr(self.processing_class, "tokenizer", self.processing_class), extras=extras)
+                tokenizer=getattr(self.processing_class, "tokenizer", self.processing_class),
+                step=self.state.global_step, seed=self.args.seed)
             self.oar_rewards_per_func = None
             for key, value in result.stats.items():
                 self._metrics[mode][METRIC_PREFIX + key].append(float(value))

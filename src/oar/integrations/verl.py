@@ -133,7 +133,7 @@ def _credit_batch(estimator: str, token_level_rewards: torch.Tensor, response_ma
     return CreditBatch(
         response_ids=responses, response_mask=response_mask, rewards=token_level_rewards.sum(dim=-1),
         group_ids=verl_group_ids(index, B, token_level_rewards.device), prompt_ids=prompt_ids,
-        prompt_mask=prompt_mask, tokenizer=tokenizer, extras={},
+        prompt_mask=prompt_mask, tokenizer=tokenizer,
     )
 
 

@@ -190,9 +190,9 @@ def _credit(run: StepParts, batch: StepBatch, step: int, timings: dict[str, floa
     sleeps from here on (rollout.sleep_mode: its memory is free for the estimator's passes, as
     ``oar plan``'s credit phase counts it), unless the estimator samples continuations through it."""
     ro, spec = batch.rollout, estimator_spec(run.method.estimator)
-    extras = {"old_logprobs": ro.logprobs, "step": step, "seed": run.seed, "task": run.task}
+    continuations = None
     if spec.needs_continuations:  # mc_value
-        extras["continuations"] = continuation_context(run.engine, batch, run.prompts_all, run.records,
+        continuations = continuation_context(run.engine, batch, run.prompts_all, run.records,
                                                        rollout=run.rollout, recipe=run.recipe,
                                                        seed=step_seed(run.seed, step, CONTINUATIONS_SALT),
                                                        pool=run.reward_pool)
@@ -203,7 +203,8 @@ def _credit(run: StepParts, batch: StepBatch, step: int, timings: dict[str, floa
             return spec.fn(
                 CreditBatch(response_ids=ro.response_ids, response_mask=ro.response_mask, rewards=batch.rewards,
                             group_ids=batch.group_ids, prompt_ids=ro.prompt_ids, prompt_mask=ro.prompt_mask,
-                            model=run.policy, tokenizer=run.tokenizer, extras=extras),
+                            model=run.policy, tokenizer=run.tokenizer, old_logprobs=ro.logprobs, step=step,
+                            seed=run.seed, task=run.task, continuations=continuations),
                 **run.credit_options,
             )
 

@@ -162,9 +162,9 @@ def _active_scores(batch: CreditBatch, probe: Probe, active: torch.Tensor, opts:
         ties = oar_p_tie_ids(batch.tokenizer, probe, batch.response_ids, batch.response_mask, opts)
         ties = None if ties is None else ties.to(probe.input_ids.device)[active]
         return oar_p_scores(batch.model, sub, opts, tie_ids=ties)
-    seed = opts.seed if opts.seed is not None else batch.extras.get("seed")
-    if seed is not None and batch.extras.get("step") is not None:
-        seed = mix_seed(int(seed), int(batch.extras["step"]))
+    seed = opts.seed if opts.seed is not None else batch.seed
+    if seed is not None and batch.step is not None:
+        seed = mix_seed(int(seed), int(batch.step))
     keys = noise_keys(batch.group_ids)[active.cpu()]
     return oar_g_scores(batch.model, sub, replace(opts, seed=None if seed is None else int(seed)), row_keys=keys)
 
@@ -207,8 +207,8 @@ def oar_g_estimator(batch: CreditBatch, **options: Any) -> CreditResult:
     """OAR-G: GRPO advantage reshaped by gradient x input saliency (METHODS 4.3, 4.4).
 
     Options: the sequence advantage's and the reshaping's (as ``oar_p``) and :class:`OarGOptions`
-    (``mode``, ``noise_std``, ``seed``: None for ``CreditBatch.extras["seed"]``, and the global RNG
-    without it; combined with ``extras["step"]`` when present, ``chunk_size``, ``chunk_tokens``,
+    (``mode``, ``noise_std``, ``seed``: None for ``CreditBatch.seed``, and the global RNG
+    without it; combined with ``CreditBatch.step`` when present, ``chunk_size``, ``chunk_tokens``,
     ``draws``, ``baseline``, ``conclude``), defaults there. Each response's noise is drawn from its
     own generator (:func:`oar.credit.importance.noise_keys`), so its scores do not depend on the
     batch's chunking.
