@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from oar.config.load import load_config
-from oar.config.settings import (EvalSamplingSettings, FSDPSettings, HeldoutSettings, PreemptionSettings,
-                                 RewardSettings, RolloutSettings, SFTSettings, TrainSettings)
+from oar.config.settings import (EvalSettings, FSDPSettings, HeldoutSettings, PreemptionSettings,
+                                 RewardSettings, RolloutSettings, SFTSettings, TrainSettings, TransferSettings)
 from oar.config.validate import schema
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,14 +27,11 @@ def _keys(*path: str) -> set[str]:
 @pytest.mark.parametrize("cls, path", [
     (TrainSettings, ("train",)), (RolloutSettings, ("rollout",)), (RewardSettings, ("reward",)),
     (HeldoutSettings, ("train", "heldout")), (FSDPSettings, ("train", "fsdp")),
-    (PreemptionSettings, ("train", "preemption")), (SFTSettings, ("sft",)),
+    (PreemptionSettings, ("train", "preemption")), (SFTSettings, ("sft",)), (EvalSettings, ("eval",)),
+    (TransferSettings, ("eval", "transfer")),
 ])
 def test_each_settings_class_names_exactly_its_sections_schema_keys(cls, path):
     assert {f.name for f in dataclasses.fields(cls)} == _keys(*path)
-
-
-def test_eval_sampling_settings_are_keys_of_the_eval_section():
-    assert {f.name for f in dataclasses.fields(EvalSamplingSettings)} <= _keys("eval")
 
 
 def test_settings_carry_the_configs_values_and_the_schemas_defaults():

@@ -4,13 +4,12 @@
 reads ``attribution:`` through ``AttributionSettings``: :class:`TrainSettings` (``train:``, with
 :class:`HeldoutSettings`, :class:`FSDPSettings` and :class:`PreemptionSettings` for its nested
 sections), :class:`RolloutSettings` (``rollout:``), :class:`RewardSettings` (``reward:``) and
-:class:`EvalSamplingSettings` (how ``eval:`` samples, for the held-out evaluation); the warm-start SFT
+:class:`EvalSettings` (``eval:``, which the held-out evaluation samples by too); the warm-start SFT
 reads :class:`SFTSettings` (``sft:``).
 
 The schema stays the one home of every default: a section the config leaves partly out (tests,
 benchmarks, ``gpu_check``) is completed from ``section_defaults``, and each dataclass names exactly
-the schema's keys of its section (``tests/test_settings.py`` holds them equal; :class:`EvalSamplingSettings`
-takes four of ``eval:``), so a new key is one
+the schema's keys of its section (``tests/test_settings.py`` holds them equal), so a new key is one
 schema entry plus one field.
 """
 
@@ -25,7 +24,7 @@ from oar.config.source import deep_merge
 from oar.config.validate import section_defaults
 
 __all__ = [
-    "EvalSamplingSettings",
+    "EvalSettings",
     "FSDPSettings",
     "HeldoutSettings",
     "PreemptionSettings",
@@ -33,6 +32,7 @@ __all__ = [
     "RolloutSettings",
     "SFTSettings",
     "TrainSettings",
+    "TransferSettings",
     "settings_from_section",
 ]
 
@@ -131,18 +131,33 @@ class RolloutSettings:
 
 
 @dataclass(frozen=True)
-class EvalSamplingSettings:
-    """How the evaluation samples (a part of ``eval:``), as the in-training held-out evaluation reads it."""
+class TransferSettings:
+    """``eval.transfer``: benchmarks evaluated only on the start model and the methods listed."""
 
+    benchmarks: tuple[Mapping[str, Any], ...]
+    methods: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """``eval:``: the benchmarks, the engine and how it samples, the reward's bootstrap, transfer."""
+
+    engine: str
+    sampler: str
+    benchmarks: tuple[Mapping[str, Any], ...]  # entries as the schema's ``benchmark`` definition
+    greedy: bool
+    samples: int
     temperature: float
     top_p: float
     max_new_tokens: int
+    batch_size: int
     chunk_size: int
+    bootstrap: int
+    transfer: TransferSettings
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> "EvalSamplingSettings":
-        merged = deep_merge(section_defaults("eval"), dict(config.get("eval") or {}))
-        return _build(cls, merged, "eval")
+    def from_config(cls, config: Mapping[str, Any]) -> "EvalSettings":
+        return settings_from_section(cls, "eval", config)
 
 
 @dataclass(frozen=True)
@@ -219,4 +234,5 @@ def _build(cls: type[S], values: Mapping[str, Any], where: str) -> S:
 
 
 #: The nested sections' dataclasses, by key.
-_NESTED: dict[str, type] = {"heldout": HeldoutSettings, "fsdp": FSDPSettings, "preemption": PreemptionSettings}
+_NESTED: dict[str, type] = {"heldout": HeldoutSettings, "fsdp": FSDPSettings, "preemption": PreemptionSettings,
+                            "transfer": TransferSettings}

@@ -21,9 +21,12 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
+from oar.config.settings import EvalSettings, RewardSettings
+from oar.core.device import job_device
 from oar.core.io import atomic_write_json, atomic_write_jsonl, read_recorded_json
 from oar.core.seeds import stream_seed
 
@@ -243,8 +246,8 @@ def records_digest(records: Sequence[dict]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def _check_eval_prompts(config: dict, model: Any, tokenizer: Any, located: dict[str, list[tuple[str, dict]]], *,
-                        model_path: str, transfer: bool) -> None:
+def _check_eval_prompts(model: Any, tokenizer: Any, located: dict[str, list[tuple[str, dict]]], *, template: str,
+                        max_new_tokens: int, model_path: str, transfer: bool) -> None:
     """Every prompt of ``located`` (``{benchmark: [(where, record), ...]}``) fits the loaded ``model``'s
     context (:func:`oar.evaluate.prompt_checks.check_prompts`): a benchmark changed since ``oar data`` checked it
     is one line before anything is generated, not a failed generation after hours; prompts that leave
@@ -259,8 +262,7 @@ def _check_eval_prompts(config: dict, model: Any, tokenizer: Any, located: dict[
         return
     key = "eval.transfer.benchmarks" if transfer else "eval.benchmarks"
     for i, (name, pairs) in enumerate(located.items()):
-        _, tight = check_prompts(pairs, template=config["task"]["template"], model=fit,
-                                 budget=int(config["eval"]["max_new_tokens"]), budget_key=EVAL_BUDGET_KEY,
+        _, tight = check_prompts(pairs, template=template, model=fit, budget=max_new_tokens, budget_key=EVAL_BUDGET_KEY,
                                  what=f"{key}.{i} ({name})")
         if tight:
             print(f"oar evaluate: warning: {tight}", file=sys.stderr)
@@ -295,6 +297,10 @@ def evaluate_from_config(config: dict, model_dir: str | Path | None, output_dir:
 
     started = datetime.now(timezone.utc)
     output_dir = Path(output_dir)
+    run = _EvalRun(eval=EvalSettings.from_config(config), reward=RewardSettings.from_config(config),
+                   template=config["task"]["template"], device=job_device(config),
+                   configured_device=str(config["device"]),
+                   vllm_kwargs=dict(config["rollout"]["vllm"]), reward_section=dict(config["reward"]))
     spec = dict(config["model"], source=str(model_dir), gguf_file=None) if model_dir else config["model"]
     # the user's files first, before anything is written: a named error, and an existing folder as it was
     check_output_folder(output_dir, what="the evaluation folder (--output)")
@@ -303,37 +309,51 @@ def evaluate_from_config(config: dict, model_dir: str | Path | None, output_dir:
     benches = {name: [rec for _, rec in pairs] for name, pairs in located.items()}
     model_path = str(model_dir) if model_dir else config["model"]["source"]
     model, tokenizer = load_policy(spec)
-    _check_eval_prompts(config, model, tokenizer, located, model_path=model_path, transfer=transfer)
+    _check_eval_prompts(model, tokenizer, located, template=run.template, max_new_tokens=run.eval.max_new_tokens,
+                        model_path=model_path, transfer=transfer)
     # the same lock as the trainer's: a second evaluation into this folder stops at once, naming this one
     with exclusive_lock(output_dir, purpose=f"oar evaluate {model_path}"):
-        return _evaluate_locked(config, benches, spec, output_dir, model, tokenizer, model_path=model_path,
+        return _evaluate_locked(run, benches, spec, output_dir, model, tokenizer, model_path=model_path,
                                 seed=seed, progress=progress, started=started)
 
 
-def _evaluate_locked(config: dict, benches: dict[str, list[dict]], spec: dict, output_dir: Path, model: Any,
+@dataclass(frozen=True)
+class _EvalRun:
+    """What :func:`evaluate_from_config` reads from the config, once: the typed ``eval`` and ``reward``
+    settings, the task's template, the torch device and the configured one (the provenance's), the
+    vLLM keywords, and the reward section as given (recorded in each benchmark's cache key, as it
+    always was)."""
+
+    eval: EvalSettings
+    reward: RewardSettings
+    template: str
+    device: str
+    configured_device: str
+    vllm_kwargs: dict[str, Any]
+    reward_section: dict[str, Any]
+
+
+def _evaluate_locked(run: _EvalRun, benches: dict[str, list[dict]], spec: dict, output_dir: Path, model: Any,
                      tokenizer: Any, *, model_path: str, seed: int, progress: bool, started: Any) -> dict:
     """The body of :func:`evaluate_from_config`, while it holds the folder's lock."""
     from oar.config.identity import NEW_KEYS_AT_DEFAULT
     from oar.models.loading import model_identity
-    from oar.core.device import job_device
     from oar.core.provenance import provenance, with_end_time
     from oar.reward.pool import RewardPool
     from oar.rollout import make_engine
 
-    ev = config["eval"]
+    ev = run.eval
     # cached results are reused only for the same model content, generation and scoring settings
-    settings = {k: ev[k] for k in ("greedy", "samples", "temperature", "top_p", "max_new_tokens", "chunk_size")}
-    if ev["sampler"] != NEW_KEYS_AT_DEFAULT["eval"]["sampler"]:  # at its default, caches written before the key stay valid
-        settings["sampler"] = ev["sampler"]
-    settings.update(model_identity=model_identity(spec), seed=seed, template=config["task"]["template"],
-                    reward=config["reward"])
-    model.to(job_device(config))
-    engine = make_engine(ev["engine"], model, tokenizer, batch_size=ev["batch_size"], seed=seed,
-                         model_path=model_path, vllm_kwargs=config["rollout"]["vllm"],
-                         sampler=ev["sampler"])
+    settings = {k: getattr(ev, k) for k in ("greedy", "samples", "temperature", "top_p", "max_new_tokens", "chunk_size")}
+    if ev.sampler != NEW_KEYS_AT_DEFAULT["eval"]["sampler"]:  # at its default, caches written before the key stay valid
+        settings["sampler"] = ev.sampler
+    settings.update(model_identity=model_identity(spec), seed=seed, template=run.template, reward=run.reward_section)
+    model.to(run.device)
+    engine = make_engine(ev.engine, model, tokenizer, batch_size=ev.batch_size, seed=seed,
+                         model_path=model_path, vllm_kwargs=run.vllm_kwargs, sampler=ev.sampler)
     results: dict[str, dict] = {}
     # one reward pool for every benchmark of this evaluation; its workers start with the first answers it scores
-    pool = RewardPool(workers=config["reward"]["workers"], timeout_s=config["reward"]["timeout_s"])
+    pool = RewardPool(workers=run.reward.workers, timeout_s=run.reward.timeout_s)
     try:
         for name, records in benches.items():
             done = output_dir / f"{name}.json"
@@ -343,9 +363,9 @@ def _evaluate_locked(config: dict, benches: dict[str, list[dict]], spec: dict, o
                 results[name] = prev
                 continue
             summary, rows = evaluate_records(
-                engine, tokenizer, records, template=config["task"]["template"], greedy=ev["greedy"],
-                samples=ev["samples"], temperature=ev["temperature"], top_p=ev["top_p"],
-                max_new_tokens=ev["max_new_tokens"], seed=seed, chunk_size=ev["chunk_size"], progress=progress,
+                engine, tokenizer, records, template=run.template, greedy=ev.greedy,
+                samples=ev.samples, temperature=ev.temperature, top_p=ev.top_p,
+                max_new_tokens=ev.max_new_tokens, seed=seed, chunk_size=ev.chunk_size, progress=progress,
                 desc=name, pool=pool,
             )
             summary.update(benchmark=name, model=model_path, settings=bench_settings)
@@ -358,9 +378,9 @@ def _evaluate_locked(config: dict, benches: dict[str, list[dict]], spec: dict, o
     average = {k: sum(r[k] for r in results.values()) / len(results) for k in keys if results}
     reward = {k: sum(int(r.get("reward", {}).get(k, 0)) for r in results.values()) for k in REWARD_COUNTS}
     out = {"model": model_path, "model_identity": settings["model_identity"], "benchmarks": results, "average": average,
-           "reward": reward, "provenance": with_end_time(provenance(device=str(config["device"]), started=started))}
+           "reward": reward, "provenance": with_end_time(provenance(device=run.configured_device, started=started))}
     atomic_write_json(output_dir / "summary.json", out)
-    _warn_marked(reward, config["reward"]["timeout_s"], output_dir / "summary.json")
+    _warn_marked(reward, run.reward.timeout_s, output_dir / "summary.json")
     return out
 
 

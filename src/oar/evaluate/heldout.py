@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from oar.config.settings import EvalSamplingSettings, HeldoutSettings, RewardSettings
+from oar.config.settings import EvalSettings, HeldoutSettings, RewardSettings
 
 __all__ = ["HELDOUT_KEYS", "heldout_records", "HeldoutEval"]
 
@@ -93,7 +93,7 @@ class HeldoutEval:
     """
 
     def __init__(self, settings: HeldoutSettings, records: list[dict], *, template: str,
-                 sampling: EvalSamplingSettings, reward: RewardSettings, engine: Any, tokenizer: Any, strategy: Any,
+                 sampling: EvalSettings, reward: RewardSettings, engine: Any, tokenizer: Any, strategy: Any,
                  model: Any, tracker: Any, seed: int, metrics_path: str | Path, total_steps: int,
                  pool: Any = None) -> None:
         self.every, self.samples = settings.every, settings.samples

@@ -18,7 +18,7 @@ import torch
 import yaml
 
 from oar.config.methods import ResolvedMethod
-from oar.config.settings import EvalSamplingSettings, RewardSettings, RolloutSettings, TrainSettings
+from oar.config.settings import EvalSettings, RewardSettings, RolloutSettings, TrainSettings
 from oar.config.validate import changed_settings
 from oar.data.records import training_records
 from oar.evaluate.heldout import HeldoutEval
@@ -200,7 +200,7 @@ def _build_run(config: dict, method: ResolvedMethod, seed: int, folder: RunFolde
     tracker = _tracker(config, method, seed, folder, strategy, state, prov)
     # held-out accuracy of the start model (or of the resume point), then every train.heldout.every steps
     heldout = HeldoutEval(train.heldout, heldout_records(config) if train.heldout.every > 0 else [],
-                          template=config["task"]["template"], sampling=EvalSamplingSettings.from_config(config),
+                          template=config["task"]["template"], sampling=EvalSettings.from_config(config),
                           reward=reward, engine=engine, tokenizer=tokenizer, strategy=strategy, model=model,
                           tracker=tracker, seed=seed, metrics_path=folder.metrics, total_steps=train.steps,
                           pool=reward_pool)
