@@ -1,8 +1,9 @@
 """One training step (:func:`train_step`): rollout and reward, credit, policy update, metrics.
 
-The library's one step: :func:`oar.trainer.loop.train` runs it once per step between its logging and
-checkpoint phases, and the benchmarks call it through ``train`` with a :class:`StepObserver` that
-times or probes its phases. A :class:`StepObserver` sees every phase start and end
+The library's one step: :func:`oar.trainer.loop.train` runs it once per step before its logging,
+held-out and checkpoint phases; the benchmarks call it through ``train`` with a :class:`StepObserver`
+that times or probes its phases, and ``benchmarks/gpu_check.py`` calls :func:`train_step_on_batch` on
+a batch it builds. A :class:`StepObserver` sees every phase start and end
 (:data:`STEP_EVENTS`) and the update's micro-batch events (:data:`oar.trainer.update.UPDATE_EVENTS`),
 and after each step may end the invocation (``after_step`` returns True: as a kill would, without
 a checkpoint; :class:`EndAfter`).
@@ -19,7 +20,7 @@ import torch
 
 from oar.config.settings import RolloutSettings, TrainSettings
 from oar.core.seeds import CONTINUATIONS_SALT, UPDATE_SALT, step_seed
-from oar.credit import CreditBatch, estimator_spec
+from oar.credit import CreditBatch, CreditResult, estimator_spec
 from oar.credit.metrics import credited_concentration, ess_ratio, top_mass
 from oar.trainer.batch import PromptStream, StepBatch, collect_batch, continuation_context
 from oar.trainer.runs import TIMED_PHASES
@@ -33,8 +34,8 @@ if TYPE_CHECKING:
     from oar.rollout.base import RolloutEngine
     from oar.trainer.strategy import Strategy
 
-__all__ = ["STEP_EVENTS", "StepParts", "StepObserver", "EndAfter", "StepOutput", "train_step", "train_step_on_batch", "step_metrics", "marked_timer",
-           "mean_of"]
+__all__ = ["STEP_EVENTS", "StepParts", "StepObserver", "EndAfter", "StepOutput", "train_step", "train_step_on_batch",
+           "step_metrics", "marked_timer", "mean_of"]
 
 #: What :func:`train_step` tells :meth:`StepObserver.event`, in order (the update's own events,
 #: :data:`oar.trainer.update.UPDATE_EVENTS`, come between ``update start`` and ``update end``).
@@ -114,7 +115,7 @@ class StepOutput:
     """What one :func:`train_step` produced (this process's share)."""
 
     batch: StepBatch
-    credit: Any  # the estimator's oar.credit.CreditOutput
+    credit: CreditResult  # the estimator's
     update: dict[str, list[float]]  # update_policy's statistics, one value per mini-batch
     nonfinite: int  # updates skipped as non-finite
     metrics: dict[str, float]  # step_metrics, before they are averaged over processes
@@ -185,7 +186,7 @@ def _rollout(run: StepParts, step: int, timings: dict[str, float]) -> StepBatch:
                              pool=run.reward_pool)
 
 
-def _credit(run: StepParts, batch: StepBatch, step: int, timings: dict[str, float]) -> Any:
+def _credit(run: StepParts, batch: StepBatch, step: int, timings: dict[str, float]) -> CreditResult:
     """Step 3: the method's estimator (OAR-P / OAR-G / mc_value call the gathered policy). The engine
     sleeps from here on (rollout.sleep_mode: its memory is free for the estimator's passes, as
     ``oar plan``'s credit phase counts it), unless the estimator samples continuations through it."""
@@ -209,7 +210,7 @@ def _credit(run: StepParts, batch: StepBatch, step: int, timings: dict[str, floa
             )
 
 
-def _update(run: StepParts, batch: StepBatch, credit: Any, step: int, timings: dict[str, float],
+def _update(run: StepParts, batch: StepBatch, credit: CreditResult, step: int, timings: dict[str, float],
             observer: StepObserver) -> tuple[dict[str, list[float]], int]:
     """Step 4: the policy update (:func:`update_policy`), the scheduler, and the engine refreshed
     with the new weights (:func:`oar.rollout.refresh_engine`; the engine sleeps meanwhile)."""
@@ -227,7 +228,7 @@ def _update(run: StepParts, batch: StepBatch, credit: Any, step: int, timings: d
     return out
 
 
-def step_metrics(batch: StepBatch, credit: Any, upd: dict[str, list[float]], nonfinite: int, *, lr: float,
+def step_metrics(batch: StepBatch, credit: CreditResult, upd: dict[str, list[float]], nonfinite: int, *, lr: float,
                  timings: dict[str, float], step_seconds: float) -> dict[str, float]:
     """Step 5: the metrics of a step (this process's): rewards and lengths of the batch, the update's
     losses and statistics, the credit's concentration, the share of responses with credit and its
