@@ -12,11 +12,12 @@ run's parts (:class:`oar.trainer.setup.TrainingRun`), then per step the library'
 4. update the policy: ``ppo_epochs`` passes over shuffled mini-batches, PPO clip with the recipe's
    ``eps_low``/``eps_high``, optional k3 KL to a frozen reference, gradient clipping, AdamW and a
    warmup + schedule;
-and this loop goes on with
+5. the step's metrics; and this loop goes on with
 
-5. log metrics (MLflow and ``metrics.jsonl``), the held-out evaluation when due, and checkpoint every ``save_every`` steps (and every
-   ``save_every_minutes``); a SIGTERM, SIGINT or SIGUSR1 stops the run after the step it is in,
-   with a checkpoint (:mod:`oar.trainer.preemption`).
+6. log them (MLflow and ``metrics.jsonl``), averaged over processes;
+7. the held-out evaluation when due;
+8. checkpoint every ``save_every`` steps (and every ``save_every_minutes``); a SIGTERM, SIGINT or
+   SIGUSR1 stops the run after the step it is in, with a checkpoint (:mod:`oar.trainer.preemption`).
 
 Methods differ only by their resolved recipe and estimator (``oar.config.methods.resolve_method``).
 
@@ -145,7 +146,7 @@ def _steps(run: TrainingRun, *, progress: bool, stop: StopSignal, observer: Step
         step = run.state.step
         out = train_step(run, step, observer)                     # 1-5. rollout, reward, credit, update, metrics
         last_metrics = _log(run, step, out.metrics, nonfinite=out.nonfinite, losses=out.update["loss"])  # 6. log
-        _heldout(run, out.metrics)                                 # 7. held-out evaluation when due
+        _heldout(run, last_metrics)                                # 7. held-out evaluation when due
         bar.update(1)
         bar.set_postfix(reward=f"{out.metrics['reward']:.3f}", acc=f"{out.metrics['accuracy']:.3f}")
         if not progress and run.strategy.is_main:
@@ -202,7 +203,9 @@ def _log(run: TrainingRun, step: int, metrics: dict[str, float], *, nonfinite: i
 
 def _heldout(run: TrainingRun, logged: dict[str, float]) -> None:
     """Step 7: the held-out evaluation of the model after ``run.state.step`` updates, when due
-    (``train.heldout.every``; :class:`oar.evaluate.heldout.HeldoutEval`); its time is counted in no step's."""
+    (``train.heldout.every``; :class:`oar.evaluate.heldout.HeldoutEval`); its time is counted in no step's.
+    ``logged``: the step's logged metrics (averaged over processes), whose ``time_step`` the training
+    clock adds, the same on every process."""
     folder = run.folder
     with disk_full_named(folder.metrics, f"the held-out row of step {run.state.step}", len(json.dumps(logged)),
                          intact_sentence(folder, run.intact)):
