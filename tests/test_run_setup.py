@@ -14,27 +14,22 @@ from oar.trainer.update import UPDATE_EVENTS
 
 def _spy_on_parts(monkeypatch) -> dict[str, list]:
     """Record the run's reward pools and engines as set-up makes them, and their closing."""
+    import oar.reward.pool
     import oar.trainer.setup as setup
 
     seen: dict[str, list] = {"pools": [], "pools_closed": [], "engines": [], "engines_closed": []}
-    real_pool, real_engine = setup.RewardPool, setup.make_engine
 
-    def pool(*a, **k):
-        p = real_pool(*a, **k)
-        close = p.close
-        seen["pools"].append(p)
-        p.close = lambda: (seen["pools_closed"].append(p), close())[1]
-        return p
+    def recorded(make, kind):
+        def wrapper(*a, **k):
+            part = make(*a, **k)
+            close = part.close
+            seen[kind].append(part)
+            part.close = lambda: (seen[f"{kind}_closed"].append(part), close())[1]
+            return part
+        return wrapper
 
-    def engine(*a, **k):
-        e = real_engine(*a, **k)
-        close = e.close
-        seen["engines"].append(e)
-        e.close = lambda: (seen["engines_closed"].append(e), close())[1]
-        return e
-
-    monkeypatch.setattr(setup, "RewardPool", pool)
-    monkeypatch.setattr(setup, "make_engine", engine)
+    monkeypatch.setattr(oar.reward.pool, "RewardPool", recorded(oar.reward.pool.RewardPool, "pools"))
+    monkeypatch.setattr(setup, "make_engine", recorded(setup.make_engine, "engines"))
     return seen
 
 

@@ -18,10 +18,13 @@ from __future__ import annotations
 import dataclasses
 import types
 from dataclasses import dataclass
-from typing import Any, Mapping, TypeVar
+from typing import TYPE_CHECKING, Any, Mapping, TypeVar
 
 from oar.config.source import deep_merge
 from oar.config.validate import section_defaults
+
+if TYPE_CHECKING:
+    from oar.reward.pool import RewardPool
 
 __all__ = [
     "EvalSettings",
@@ -198,6 +201,13 @@ class RewardSettings:
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> "RewardSettings":
         return settings_from_section(cls, "reward", config)
+
+    def pool(self) -> "RewardPool":
+        """A reward pool of these settings (its workers start with the first answers it scores); the
+        caller owns it and closes it (a training run, an evaluation)."""
+        from oar.reward.pool import RewardPool
+
+        return RewardPool(workers=self.workers, timeout_s=self.timeout_s)
 
 
 def settings_from_section(cls: type[S], section: str, config: Mapping[str, Any]) -> S:

@@ -164,7 +164,8 @@ def evaluate_records(
     finally:
         bar.close()
     summary.update(answered=n_answered / len(rows) if rows else None,
-                   mean_response_tokens=float(sum(lengths) / max(1, len(lengths))), seconds=time.perf_counter() - t0, reward={k: getattr(reward_stats, k) for k in REWARD_COUNTS})
+                   mean_response_tokens=float(sum(lengths) / max(1, len(lengths))), seconds=time.perf_counter() - t0,
+                   reward={k: getattr(reward_stats, k) for k in REWARD_COUNTS})
     return summary, rows
 
 
@@ -339,7 +340,6 @@ def _evaluate_locked(run: _EvalRun, benches: dict[str, list[dict]], spec: dict, 
     from oar.config.identity import NEW_KEYS_AT_DEFAULT
     from oar.models.loading import model_identity
     from oar.core.provenance import provenance, with_end_time
-    from oar.reward.pool import RewardPool
     from oar.rollout import make_engine
 
     ev = run.eval
@@ -353,7 +353,7 @@ def _evaluate_locked(run: _EvalRun, benches: dict[str, list[dict]], spec: dict, 
                          model_path=model_path, vllm_kwargs=run.vllm_kwargs, sampler=ev.sampler)
     results: dict[str, dict] = {}
     # one reward pool for every benchmark of this evaluation; its workers start with the first answers it scores
-    pool = RewardPool(workers=run.reward.workers, timeout_s=run.reward.timeout_s)
+    pool = run.reward.pool()
     try:
         for name, records in benches.items():
             done = output_dir / f"{name}.json"

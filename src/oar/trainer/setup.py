@@ -122,9 +122,10 @@ def setup_run(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder
     evaluation and the checkpoint schedule. A context manager: on leaving it (or when the set-up
     itself fails) the engine and the run's reward pool are closed."""
     with contextlib.ExitStack() as stack:
-        pool = RewardPool(workers=config["reward"]["workers"], timeout_s=config["reward"]["timeout_s"])
+        reward = RewardSettings.from_config(config)
+        pool = reward.pool()
         stack.callback(pool.close)
-        run = _build_run(config, method, seed, folder, start_spec, identity, strategy, stop, pool, stack)
+        run = _build_run(config, method, seed, folder, start_spec, identity, strategy, stop, reward, pool, stack)
         yield run
 
 
@@ -167,8 +168,8 @@ def _restore(folder: RunFolder, identity: dict[str, str], strategy: Strategy, st
 
 
 def _build_run(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder, start_spec: dict,
-               identity: dict[str, str], strategy: Strategy, stop: StopSignal, reward_pool: RewardPool,
-               stack: contextlib.ExitStack) -> TrainingRun:
+               identity: dict[str, str], strategy: Strategy, stop: StopSignal, reward: RewardSettings,
+               reward_pool: RewardPool, stack: contextlib.ExitStack) -> TrainingRun:
     """:func:`setup_run`'s parts, in order; the engine's close joins ``stack`` once it exists."""
     from datetime import datetime, timezone
 
@@ -179,7 +180,6 @@ def _build_run(config: dict, method: ResolvedMethod, seed: int, folder: RunFolde
 
     started = datetime.now(timezone.utc)
     train, rollout = TrainSettings.from_config(config), RolloutSettings.from_config(config)
-    reward = RewardSettings.from_config(config)
     _seed_everything(seed)
     model, tokenizer, optimizer, scheduler, ref_model, state, resumed = _restore(
         folder, identity, strategy, start_spec, train, method.recipe["kl_coef"])
