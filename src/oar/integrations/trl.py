@@ -17,9 +17,10 @@ The estimator's batch is what TRL has: ``response_ids`` = ``completion_ids`` (ri
 ``rewards`` = the reward functions' outputs weighted and summed as TRL's ``sum_then_normalize``
 does, ``group_ids`` = TRL's layout (each prompt's ``num_generations`` completions are contiguous in
 the gathered batch), ``prompt_ids`` / ``prompt_mask`` (left-padded), the tokenizer, the ``step``,
-the ``seed`` and the rollout's ``old_logprobs`` (None unless TRL computed them). ``norm_by_std`` follows ``scale_rewards`` (``"group"``: True, ``"none"``: False) unless the
-options set it. A completion that every reward function left unscored (all None, NaN in TRL) is put
-in a group of its own, out of its prompt's baseline as in TRL, and gets advantage 0.
+the ``seed`` and the rollout's ``old_logprobs`` (None unless TRL computed them). ``norm_by_std``
+follows ``scale_rewards`` (``"group"``: True, ``"none"``: False) unless the options set it. A
+completion that every reward function left unscored (all None, NaN in TRL) is put in a group of its
+own, out of its prompt's baseline as in TRL, and gets advantage 0.
 
 Not bridged: estimators that call the policy (OAR-P, OAR-G, ``shuffled``, ``inverted``) or sample
 continuations from it (``mc_value``). TRL's advantage step could call the model, but these estimators

@@ -78,10 +78,11 @@ def collect_batch(engine: Any, stream: PromptStream, prompts_all: list[str], rec
                    prompts_per_step: int, rollout: RolloutSettings, recipe: dict, seed: int, step: int, rank: int,
                    world: int, local_prompts: int, pad_id: int, timings: dict[str, float], pool: Any) -> StepBatch:
     """Steps 1-2 of the loop: sample ``rollout.n`` responses for this process's share of the next
-    ``prompts_per_step`` prompts and
-    score them in the run's reward ``pool`` (:class:`oar.reward.pool.RewardPool`); with DAPO's dynamic sampling, regenerate until ``local_prompts`` groups have mixed
-    rewards (at most ``max_num_gen_batches`` rounds). Adds to ``timings["rollout"]``/``["reward"]``; the
-    batch's ``reward_stats`` count the reward pool's timeouts, crashes and retries over the rounds."""
+    ``prompts_per_step`` prompts and score them in the run's reward ``pool``
+    (:class:`oar.reward.pool.RewardPool`); with DAPO's dynamic sampling, regenerate until
+    ``local_prompts`` groups have mixed rewards (at most ``max_num_gen_batches`` rounds). Adds to
+    ``timings["rollout"]``/``["reward"]``; the batch's ``reward_stats`` count the reward pool's timeouts,
+    crashes and retries over the rounds."""
     from oar.reward.score import overlong_penalty, score_batch
 
     kept: list[StepBatch] = []

@@ -194,9 +194,8 @@ def _credit(run: StepParts, batch: StepBatch, step: int, timings: dict[str, floa
     continuations = None
     if spec.needs_continuations:  # mc_value
         continuations = continuation_context(run.engine, batch, run.prompts_all, run.records,
-                                                       rollout=run.rollout, recipe=run.recipe,
-                                                       seed=step_seed(run.seed, step, CONTINUATIONS_SALT),
-                                                       pool=run.reward_pool)
+                                             rollout=run.rollout, recipe=run.recipe,
+                                             seed=step_seed(run.seed, step, CONTINUATIONS_SALT), pool=run.reward_pool)
     else:
         run.engine.sleep()
     with run.strategy.local_phase(run.model) if spec.needs_model else contextlib.nullcontext():
