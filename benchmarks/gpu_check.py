@@ -547,7 +547,8 @@ class Check:
 
         torch = self.torch
         t0 = time.monotonic()
-        self.strategy = make_strategy(self.cfg)
+        train = TrainSettings.from_config(self.cfg)
+        self.strategy = make_strategy(train, self.cfg["device"], source="gpu_check")
         self.tok = make_tokenizer(SHAPES[self.size]["vocab_size"])
         model = make_model(self.size, self.tok, self.strategy.device, self.args.seed)
         self.params = sum(p.numel() for p in model.parameters())
@@ -555,7 +556,6 @@ class Check:
         self.sampler = self.args.sampler or "lean"
         self.packing = self.args.packing or paper().train["packing"]
         self.report.data["compat"] = compat
-        train = TrainSettings.from_config(self.cfg)
         self.model, self.optimizer = self.strategy.prepare(model, lr=train.lr, betas=train.betas,
                                                            weight_decay=train.weight_decay)
         self.policy = self.strategy.policy(self.model)

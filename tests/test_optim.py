@@ -60,11 +60,12 @@ def test_decay_groups_exempt_norms_and_biases_and_count_tied_weights_once():
 def test_the_rl_optimizer_decays_matrices_only_and_keeps_one_group_without_decay(weight_decay):
     """``train.weight_decay`` > 0: the RL optimizer (``Strategy.prepare``) spares norms and biases, as
     SFT does; 0 (the default): one group of every parameter, as its checkpoints have always held."""
+    from oar.config.settings import TrainSettings
     from oar.trainer.strategy import make_strategy
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
-    strategy = make_strategy({"device": "cpu", "train": {"strategy": "ddp"}})
+    strategy = make_strategy(TrainSettings.from_config({"train": {"strategy": "ddp"}}), "cpu")
     _, optimizer = strategy.prepare(model, lr=1e-3, betas=(0.9, 0.999), weight_decay=weight_decay)
     groups = [(g["weight_decay"], sorted(tuple(p.shape) for p in g["params"])) for g in optimizer.param_groups]
     if weight_decay:

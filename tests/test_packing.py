@@ -33,6 +33,7 @@ def _rollout(seed: int = 0, *, prompts: int = 4, n: int = 3, vocab: int = 99) ->
 
 def _update(model0, ro, adv, agg: str, *, ref=None, **layout) -> tuple[dict, dict[str, torch.Tensor]]:
     """One mini-batch of ``oar.trainer.update.update_policy`` with lr 0: its statistics and the gradient it left."""
+    from oar.config.settings import TrainSettings
     from oar.trainer.strategy import make_strategy
     from oar.trainer.update import update_policy
 
@@ -43,7 +44,7 @@ def _update(model0, ro, adv, agg: str, *, ref=None, **layout) -> tuple[dict, dic
     train = TrainSettings.from_config({"train": {"mini_batch_size": 64, "micro_batch_size": 64, "ppo_epochs": 1,
                                                  "grad_clip": 1e9, **layout}})
     recipe = {"loss_agg": agg, "eps_low": 0.2, "eps_high": 0.28, "clip_ratio_c": 3.0, "kl_coef": 0.1 if ref else 0.0}
-    upd, bad = update_policy(model, opt, make_strategy({"device": "cpu", "train": {"strategy": "ddp"}}), ro, adv, ref,
+    upd, bad = update_policy(model, opt, make_strategy(TrainSettings.from_config({"train": {"strategy": "ddp"}}), "cpu"), ro, adv, ref,
                               recipe=recipe, train=train, temperature=0.9,
                               agg_max_len=16 if agg == "seq-mean-token-sum-norm" else None,
                               generator=torch.Generator().manual_seed(0))
@@ -116,6 +117,7 @@ def test_skip_zero_advantage_with_nothing_credited_still_steps():
     """A mini-batch with no credited row runs one zero-weight micro-batch: every parameter gets a zero
     gradient, so an optimizer with momentum moves the weights exactly as with every row computed."""
     from oar.models.tiny import build_tiny
+    from oar.config.settings import TrainSettings
     from oar.trainer.strategy import make_strategy
     from oar.trainer.update import update_policy
     from oar.config.settings import TrainSettings
@@ -130,7 +132,7 @@ def test_skip_zero_advantage_with_nothing_credited_still_steps():
         recipe = {"loss_agg": "token-mean", "eps_low": 0.2, "eps_high": 0.2, "clip_ratio_c": None, "kl_coef": 0.0}
         stats = []
         for a in (adv, torch.zeros_like(adv)):      # a credited step, then one with nothing credited
-            upd, bad = update_policy(model, opt, make_strategy({"device": "cpu", "train": {"strategy": "ddp"}}), ro, a,
+            upd, bad = update_policy(model, opt, make_strategy(TrainSettings.from_config({"train": {"strategy": "ddp"}}), "cpu"), ro, a,
                                      None, recipe=recipe, train=train, temperature=1.0, agg_max_len=None,
                                      generator=torch.Generator().manual_seed(0))
             assert bad == 0

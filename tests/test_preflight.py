@@ -348,6 +348,7 @@ def test_cuda_here_is_refused_by_every_job_and_by_the_strategy(repo, capsys):
     """On this GPU-less machine: ``oar train`` / ``evaluate`` / ``sft`` / ``attribution`` with ``device: cuda``
     exit 2 with one line and write nothing; the library's strategy refuses it too (no CPU fallback)."""
     from helpers import one_error_line, run_cli
+    from oar.config.settings import TrainSettings
     from oar.trainer.strategy import make_strategy
 
     path = _write(repo / "gpu.yaml", _config(repo, device="cuda"))
@@ -362,4 +363,4 @@ def test_cuda_here_is_refused_by_every_job_and_by_the_strategy(repo, capsys):
     with pytest.raises(PreflightError, match="key device: asks for a GPU"):
         check_device({"device": "cuda"}, source="c.yaml")
     with pytest.raises(PreflightError, match="key device: asks for a GPU"):
-        make_strategy({"device": "cuda"})
+        make_strategy(TrainSettings.from_config({}), "cuda")

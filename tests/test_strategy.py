@@ -29,11 +29,12 @@ TINY = {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size":
 def _one_step_changed_fraction(strategy_name: str, master_dtype: str) -> float:
     """Load the tiny model in bfloat16, train one AdamW step at lr 1e-6 with bfloat16 compute."""
     from oar.models.loading import load_policy
+    from oar.config.settings import TrainSettings
     from oar.trainer.strategy import make_strategy
 
     config = {"device": "cpu", "train": {"strategy": strategy_name, "compute_dtype": "bfloat16",
                                          "master_dtype": master_dtype, "fsdp": {}}}
-    strategy = make_strategy(config)
+    strategy = make_strategy(TrainSettings.from_config(config), "cpu")
     model, _ = load_policy({"source": "tiny", "dtype": "bfloat16", "tiny": TINY})
     model, opt = strategy.prepare(model, lr=1e-6, betas=(0.9, 0.999), weight_decay=0.0)
     full = lambda: {k: v.float().clone() for k, v in strategy.full_state(model)}  # noqa: E731
@@ -61,10 +62,11 @@ def test_stepping_bf16_weights_is_what_rounds_the_update_away():
 
 
 def test_cpu_offload_without_a_gpu_is_a_named_config_error():
+    from oar.config.settings import TrainSettings
     from oar.trainer.strategy import make_strategy
 
     with pytest.raises(ValueError, match="train.fsdp.cpu_offload: needs a GPU"):
-        make_strategy({"device": "cpu", "train": {"strategy": "fsdp", "fsdp": {"cpu_offload": True}}})
+        make_strategy(TrainSettings.from_config({"train": {"strategy": "fsdp", "fsdp": {"cpu_offload": True}}}), "cpu")
 
 
 # --------------------------------------------------------------------- several processes (gloo)

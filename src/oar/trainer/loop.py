@@ -34,6 +34,7 @@ from pathlib import Path
 
 from oar.config.identity import run_identity
 from oar.config.methods import ResolvedMethod, resolve_method
+from oar.config.settings import TrainSettings
 from oar.trainer.checkpoint import disk_full_named, intact_sentence, save_checkpoint
 from oar.trainer.end import finish_run, interrupted_run
 from oar.trainer.preemption import StopSignal
@@ -102,15 +103,16 @@ def train(
 
     method: ResolvedMethod = resolve_method(config, method_name)
     folder = RunFolder(Path(output))
-    start = init if init is not None else config["train"]["init"]
+    train_settings = TrainSettings.from_config(config)
+    start = init if init is not None else train_settings.init
     start_spec = dict(config["model"], source=start, gguf_file=None) if start else dict(config["model"])
     start_key = "--init" if init is not None else "train.init" if start else "model.source"
     # before the folder is locked, repaired or reset
     check_train_inputs(config, start_spec, folder.path, start_key=start_key, method=method)
     signals = (contextlib.nullcontext(stop) if stop is not None
-               else StopSignal(repeat_seconds=config["train"]["preemption"]["repeat_seconds"]))
+               else StopSignal(repeat_seconds=train_settings.preemption.repeat_seconds))
     with signals as stop:
-        strategy = make_strategy(config)
+        strategy = make_strategy(train_settings, config["device"], source=f"config {config['name']!r}")
         lock = (exclusive_lock(folder.path, purpose=f"oar train {method.name} seed {seed}")
                 if strategy.is_main else contextlib.nullcontext())
         with lock:

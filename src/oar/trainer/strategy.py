@@ -417,18 +417,21 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-def make_strategy(config: dict) -> Strategy:
-    """The strategy named by ``train.strategy`` with its accelerator (process group, device).
-    ``config`` may be partial (tests, benchmarks): what it leaves out comes from the schema's defaults."""
+def make_strategy(train: TrainSettings, device: str = "cpu", *, source: str = "the config") -> Strategy:
+    """The strategy ``train.strategy`` names with its accelerator (process group, device), on ``device``
+    (the config's ``device`` key: ``cpu``, ``cuda`` or ``auto``). ``source`` names the config in the
+    error a GPU-less node gives for ``cuda``.
+
+    Raises:
+        oar.core.problems.PreflightError: ``device`` asks for a GPU where torch sees none (never a CPU fallback).
+        ValueError: ``train.compute_dtype`` float16 or ``train.fsdp.cpu_offload`` without a GPU.
+    """
     from accelerate import Accelerator
 
-    from oar.config.validate import schema
     from oar.core.device import check_device
 
-    train = TrainSettings.from_config(config)
-    device = config["device"] if "device" in config else schema()["properties"]["device"]["default"]
     # device: cuda where torch sees no GPU is refused, never trained on the CPU (accelerate's fallback)
-    check_device({**config, "device": device}, source=f"config {config.get('name', '')!r}".strip())
+    check_device({"device": device}, source=source)
     accelerator = Accelerator(cpu=device == "cpu")
     if train.compute_dtype == "float16" and accelerator.device.type == "cpu":
         raise ValueError("train.compute_dtype: float16 needs a GPU; use bfloat16 or float32 on CPU")
