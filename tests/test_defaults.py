@@ -113,8 +113,8 @@ def test_package_map_matches_the_folders():
 
 @pytest.mark.parametrize("section", ["train", "rollout", "eval", "sft", "plan", "report", "attribution", "reward"])
 def test_section_defaults_are_what_validation_fills(section):
-    """oar.config.section_defaults (used where a partial config is accepted, e.g. the typed settings of a test or benchmark) gives
-    exactly what validating a config without the section fills in."""
+    """oar.config.section_defaults (used where a partial config is accepted, e.g. the typed settings of
+    a test or benchmark) gives exactly what validating a config without the section fills in."""
     assert section_defaults(section) == minimal_config()[section]
 
 
