@@ -414,7 +414,9 @@ def _smollm2_warm_start(cache: Path, *, long: bool, steps: int, train_size: int,
     from oar.reward.answer import extract_boxed
     from oar.data.synthetic import generate
     from oar.models.loading import load_policy
+    from oar.config.settings import TrainSettings
     from oar.trainer.sft import greedy_accuracy, run_sft, save_sft_model
+    from oar.trainer.strategy import make_strategy
 
     base = smollm2_model(cache)
     print(f"[bench] warm-start SFT of SmolLM2-135M ({'long responses, ' if long else ''}{steps} steps, "
@@ -425,7 +427,9 @@ def _smollm2_warm_start(cache: Path, *, long: bool, steps: int, train_size: int,
                   solution=smollm2_long_solution(r) if long else r["solution"])
              for r in generate("train", train_size, seed=data_seed, **SMOLLM2_SYNTHETIC)]
     n_target = [len(tok(r["solution"], add_special_tokens=False)["input_ids"]) + 1 for r in train]  # + eos
-    result = run_sft(model, tok, train, steps=steps, template=SMOLLM2_TEMPLATE, progress=progress, **sft_kw)
+    strategy = make_strategy(TrainSettings.from_config({}), "cpu")  # the default training strategy, float32
+    result = run_sft(model, tok, train, strategy=strategy, steps=steps, template=SMOLLM2_TEMPLATE, progress=progress,
+                     **sft_kw)
     summary: dict[str, Any] = {"settings": key, "start": str(base), "sft": result,
                                "target_tokens": {"mean": statistics.fmean(n_target), "min": min(n_target),
                                                  "max": max(n_target)},
@@ -442,7 +446,7 @@ def _smollm2_warm_start(cache: Path, *, long: bool, steps: int, train_size: int,
             len(tok(x, add_special_tokens=False)["input_ids"]) for x in responses), 1)
         summary["examples"] = [{"question": r["question"][len(SMOLLM2_SHOTS):], "response": x, "answer": r["answer"]}
                                for r, x in zip(evals, responses)]
-    save_sft_model(out, model, tok, summary, started=t0)
+    save_sft_model(out, model, tok, summary, started=t0, strategy=strategy)
     print(f"[bench] SmolLM2 SFT done in {summary['seconds']:.0f} s (loss {result['final_loss']:.3f}, targets "
           f"{summary['target_tokens']['mean']:.0f} tokens on average), greedy on {eval_size} test problems: "
           f"accuracy {summary['accuracy']}, boxed {summary['boxed']}, {summary['eval_response_tokens']} tokens",

@@ -318,3 +318,12 @@ def copy_repository(base: Path) -> Path:
     if shared.is_dir():
         (base / "shared").symlink_to(shared)
     return dest
+
+
+def cpu_strategy():
+    """The default training strategy (one-process DDP, float32 weights and compute) on the CPU: what
+    ``oar sft`` and the RL update run on here."""
+    from oar.config.settings import TrainSettings
+    from oar.trainer.strategy import make_strategy
+
+    return make_strategy(TrainSettings.from_config({}), "cpu")

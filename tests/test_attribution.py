@@ -707,12 +707,13 @@ def test_attribution_from_config_end_to_end(tmp_path, capfd):
     from oar.attribution import attribution_from_config, format_tables
     from oar.config.load import load_config
     from oar.models.tiny import build_tiny
+    from helpers import cpu_strategy
     from oar.trainer.sft import run_sft
 
     model, tok = build_tiny(**E2E_MODEL, seed=0)
     recs = generate("train", 400, seed=0, **E2E_TASK)
-    run_sft(model, tok, recs, steps=E2E_SFT_STEPS, batch_size=16, lr=1e-2, weight_decay=0.0, betas=(0.9, 0.98),
-            warmup_steps=5, grad_clip=1.0, seed=0, progress=False)
+    run_sft(model, tok, recs, strategy=cpu_strategy(), steps=E2E_SFT_STEPS, batch_size=16, lr=1e-2, weight_decay=0.0,
+            betas=(0.9, 0.98), warmup_steps=5, grad_clip=1.0, seed=0, progress=False)
     model_dir = tmp_path / "model"
     model.save_pretrained(model_dir)
     tok.save_pretrained(model_dir)

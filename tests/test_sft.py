@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from oar.models.loading import load_policy
 from oar.models.tiny import build_tiny, build_tiny_tokenizer
-from helpers import SHARED_DATA
+from helpers import ROOT, SHARED_DATA, cpu_strategy
 from oar.reward.answer import extract_boxed
 from oar.trainer.optim import lr_factor
 from oar.trainer.sft import IGNORE_INDEX, build_sft_batch, greedy_accuracy, run_sft, sft_step
@@ -20,6 +20,11 @@ from oar.trainer.sft_stage import sft_data, sft_from_config
 
 SMALL = dict(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_position_embeddings=128)
 OPT = dict(weight_decay=0.0, betas=(0.9, 0.98), grad_clip=1.0)
+
+
+def _opt() -> dict:
+    """:data:`OPT` and the CPU training strategy SFT runs on."""
+    return dict(OPT, strategy=cpu_strategy())
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +100,7 @@ def test_sft_step_micro_batches_give_the_whole_batch_gradient(tok):
     want = {n: p.grad.clone() for n, p in model.named_parameters()}
     for micro in (1, 2, 3):
         model.zero_grad()
-        loss, n_tokens = sft_step(model, tok, prompts, responses, micro_batch_size=micro, device="cpu")
+        loss, n_tokens = sft_step(model, tok, prompts, responses, micro_batch_size=micro, strategy=cpu_strategy())
         assert n_tokens == int((b["labels"] != IGNORE_INDEX).sum())
         torch.testing.assert_close(loss, whole.detach())
         for n, p in model.named_parameters():
@@ -104,11 +109,11 @@ def test_sft_step_micro_batches_give_the_whole_batch_gradient(tok):
     # None (the default) is the one pass itself, bit for bit: SFT runs recorded before micro-batches
     # existed keep their weights (a reordered sum differs in the last bits, which 400 steps amplify)
     model.zero_grad()
-    loss, n_tokens = sft_step(model, tok, prompts, responses, micro_batch_size=None, device="cpu")
+    loss, n_tokens = sft_step(model, tok, prompts, responses, micro_batch_size=None, strategy=cpu_strategy())
     assert torch.equal(loss, whole.detach()) and n_tokens == int((b["labels"] != IGNORE_INDEX).sum())
     assert all(torch.equal(p.grad, want[n]) for n, p in model.named_parameters())
     with pytest.raises(ValueError, match="micro_batch_size"):
-        sft_step(model, tok, prompts, responses, micro_batch_size=0, device="cpu")
+        sft_step(model, tok, prompts, responses, micro_batch_size=0, strategy=cpu_strategy())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,11 +208,34 @@ def _records(n, seed=0):
 def test_run_sft_bad_args(tok):
     model, tok = build_tiny(**SMALL)
     with pytest.raises(ValueError, match="steps"):
-        run_sft(model, tok, _records(4), steps=0, batch_size=2, lr=1e-3, warmup_steps=0, seed=0, **OPT)
+        run_sft(model, tok, _records(4), steps=0, batch_size=2, lr=1e-3, warmup_steps=0, seed=0, **_opt())
     with pytest.raises(ValueError, match="no training records"):
-        run_sft(model, tok, [], steps=1, batch_size=2, lr=1e-3, warmup_steps=0, seed=0, **OPT)
+        run_sft(model, tok, [], steps=1, batch_size=2, lr=1e-3, warmup_steps=0, seed=0, **_opt())
     with pytest.raises(ValueError, match="'solution'"):
-        run_sft(model, tok, [{"question": "x"}], steps=1, batch_size=2, lr=1e-3, warmup_steps=0, seed=0, **OPT)
+        run_sft(model, tok, [{"question": "x"}], steps=1, batch_size=2, lr=1e-3, warmup_steps=0, seed=0, **_opt())
+
+
+def test_run_sft_trains_on_the_training_strategy():
+    """SFT runs on the training's strategy, as RL's update does: a bfloat16 model is trained on
+    float32 master weights with bfloat16 compute (``train.master_dtype``, ``train.compute_dtype``),
+    so a step at lr 1e-6 moves every weight (stepped in bfloat16 it would round away); a strategy
+    over several processes is refused."""
+    from oar.config.settings import TrainSettings
+    from oar.trainer.strategy import make_strategy
+
+    model, tok = build_tiny(**SMALL, seed=0)
+    model.to(torch.bfloat16)
+    before = {k: v.float().clone() for k, v in model.state_dict().items()}
+    strategy = make_strategy(TrainSettings.from_config({"train": {"compute_dtype": "bfloat16"}}), "cpu")
+    run_sft(model, tok, _records(8), steps=2, batch_size=4, lr=1e-6, warmup_steps=0, seed=0, progress=False,
+            strategy=strategy, **OPT)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    after = model.state_dict()
+    changed = sum(int((before[k] != after[k].float()).sum()) for k in before)
+    assert changed / sum(v.numel() for v in before.values()) >= 0.99
+    with pytest.raises(ValueError, match="sft: runs in one process; this one is rank 1 of 2"):
+        run_sft(model, tok, _records(4), steps=1, batch_size=2, lr=1e-3, warmup_steps=0, seed=0,
+                strategy=SimpleNamespace(world=2, rank=1), **OPT)
 
 
 def test_run_sft_logging_schedule_and_determinism():
@@ -215,7 +243,7 @@ def test_run_sft_logging_schedule_and_determinism():
     logs = []
     m1, tok = build_tiny(**SMALL, seed=0)
     r1 = run_sft(m1, tok, recs, steps=6, batch_size=8, lr=1e-3, warmup_steps=2, seed=3, progress=False,
-                 log_fn=lambda s, met: logs.append((s, met)), **OPT)
+                 log_fn=lambda s, met: logs.append((s, met)), **_opt())
     assert [s for s, _ in r1["loss_curve"]] == [1, 2, 3, 4, 5, 6]
     assert [s for s, _ in logs] == [1, 2, 3, 4, 5, 6]
     lrs = [met["sft/lr"] for _, met in logs]
@@ -227,10 +255,10 @@ def test_run_sft_logging_schedule_and_determinism():
     assert not m1.training
     # same seeds -> identical run; another batch seed -> a different one
     m2, _ = build_tiny(**SMALL, seed=0)
-    r2 = run_sft(m2, tok, recs, steps=6, batch_size=8, lr=1e-3, warmup_steps=2, seed=3, progress=False, **OPT)
+    r2 = run_sft(m2, tok, recs, steps=6, batch_size=8, lr=1e-3, warmup_steps=2, seed=3, progress=False, **_opt())
     assert r2["loss_curve"] == r1["loss_curve"]
     m3, _ = build_tiny(**SMALL, seed=0)
-    r3 = run_sft(m3, tok, recs, steps=6, batch_size=8, lr=1e-3, warmup_steps=2, seed=4, progress=False, **OPT)
+    r3 = run_sft(m3, tok, recs, steps=6, batch_size=8, lr=1e-3, warmup_steps=2, seed=4, progress=False, **_opt())
     assert r3["loss_curve"] != r1["loss_curve"]
 
 
@@ -242,7 +270,7 @@ def test_run_sft_memorises_few_records():
     evals = []
     r = run_sft(model, tok, recs, steps=150, batch_size=4, lr=1e-2, warmup_steps=5, seed=0, progress=False,
                 eval_records=recs, eval_every=75, eval_max_new_tokens=40,
-                log_fn=lambda s, met: evals.append(s) if "sft/eval_accuracy" in met else None, **OPT)
+                log_fn=lambda s, met: evals.append(s) if "sft/eval_accuracy" in met else None, **_opt())
     assert r["final_loss"] < 0.05 < r["loss_curve"][0][1]
     assert [s for s, _ in r["eval_curve"]] == [75, 150] and evals == [75, 150]
     acc, responses = greedy_accuracy(model, tok, recs, template="tiny", max_new_tokens=40)
@@ -399,3 +427,35 @@ def test_sft_cache_copies_a_finished_sft_with_the_same_settings(tmp_path, monkey
         config_sections(cfg, "model", "task", "sft"))
     sft_mod.sft_or_cached(moved, tmp_path / "d" / "sft", progress=False)
     assert len(trained) == 3 and len(list((tmp_path / "cache").iterdir())) == 2
+
+
+def test_the_strategy_settings_that_change_sft_join_its_keys_and_no_others():
+    """SFT runs on the training's strategy: the ``train`` keys that make it train otherwise (bfloat16
+    compute, fsdp, float32 master weights of a model loaded in bfloat16) join its key and its cache
+    key. Where it trains as it did before (ddp, float32 compute, the weights in ``model.dtype``) the
+    keys are what they were: the model, task and sft sections alone."""
+    import copy
+
+    from oar.config.identity import config_sections, fingerprint, sft_cache_key, sft_key, sft_strategy_settings
+    from oar.config.load import load_config
+
+    cfg = load_config(ROOT / "config" / "config.yaml")
+    sections = config_sections(cfg, "model", "task", "sft")
+    assert sft_strategy_settings(cfg) == {}
+    assert (sft_key(cfg), sft_cache_key(cfg)) == (fingerprint(sections), fingerprint(sections, cfg["device"]))
+
+    def changed(**keys) -> tuple[dict, str, str]:
+        c = copy.deepcopy(cfg)
+        for key, value in keys.items():
+            section, name = key.split("__")
+            c[section][name] = value
+        return sft_strategy_settings(c), sft_key(c), sft_cache_key(c)
+
+    for keys, want in [({"train__compute_dtype": "bfloat16"}, {"compute_dtype": "bfloat16"}),
+                       ({"train__strategy": "fsdp"}, {"strategy": "fsdp"}),
+                       ({"model__dtype": "bfloat16"}, {"master_dtype": "float32"})]:
+        settings, key, cache_key = changed(**keys)
+        assert settings == want and key != sft_key(cfg) and cache_key != sft_cache_key(cfg), keys
+    # bfloat16 weights stepped as they are (master_dtype: model) and a memory-only key: SFT as before
+    assert changed(model__dtype="bfloat16", train__master_dtype="model")[0] == {}
+    assert changed(train__gradient_checkpointing=True)[1] == sft_key(cfg)

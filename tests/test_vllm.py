@@ -170,11 +170,13 @@ MC_SFT_STEPS, MC_NEW_TOKENS = 1000, 40
 def sft_dir(tmp_path_factory):
     from oar.data.synthetic import generate
     from oar.models.tiny import build_tiny
+    from helpers import cpu_strategy
     from oar.trainer.sft import run_sft
 
     model, tok = build_tiny(**MC_MODEL, seed=0)
-    run_sft(model, tok, generate("train", 400, seed=0, **MC_TASK), steps=MC_SFT_STEPS, batch_size=16, lr=1e-2,
-            weight_decay=0.0, betas=(0.9, 0.98), warmup_steps=5, grad_clip=1.0, seed=0, progress=False)
+    run_sft(model, tok, generate("train", 400, seed=0, **MC_TASK), strategy=cpu_strategy(), steps=MC_SFT_STEPS,
+            batch_size=16, lr=1e-2, weight_decay=0.0, betas=(0.9, 0.98), warmup_steps=5, grad_clip=1.0, seed=0,
+            progress=False)
     d = tmp_path_factory.mktemp("sft")
     model.save_pretrained(d)
     tok.save_pretrained(d)

@@ -20,7 +20,7 @@ What identifies what:
 result                    identified by                                                 definition
 ========================  ============================================================  ===============================
 prepared data             the ``task`` section and the benchmark list                   :func:`data_key`
-warm-start SFT            the ``model``, ``task`` and ``sft`` sections                  :func:`sft_key`
+warm-start SFT            the ``model``, ``task`` and ``sft`` sections (+ strategy)     :func:`sft_key`
 an SFT in ``cache_dir``   :func:`sft_key`'s sections and the ``device``                 :func:`sft_cache_key`
 the model RL starts from  the SFT's key, else ``train.init`` or ``model.source``        :func:`start_key`
 a training run            its settings but the resumable keys, and its start model      :func:`run_key`
@@ -89,6 +89,7 @@ __all__ = [
     "data_key",
     "sft_key",
     "sft_cache_key",
+    "sft_strategy_settings",
     "start_key",
     "method_fingerprint",
     "run_key",
@@ -185,10 +186,33 @@ def data_key(config: Mapping[str, Any]) -> str:
     return fingerprint(config_sections(config, "task"), config["eval"]["benchmarks"])
 
 
+def sft_strategy_settings(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``train`` keys of the strategy the warm-start SFT runs on (:func:`oar.trainer.sft.run_sft`)
+    that make it train otherwise than SFT did before it ran on that strategy (one process, float32
+    compute, the weights stepped in ``model.dtype``): ``strategy`` other than ddp, ``compute_dtype``
+    other than float32, and ``master_dtype`` float32 where ``model.dtype`` is not. Empty for every
+    config whose SFT is unchanged, so its keys stay as they were."""
+    train = config.get("train") or {}
+    out = {k: train[k] for k, old in (("strategy", "ddp"), ("compute_dtype", "float32"))
+           if train.get(k, old) != old}
+    model_dtype = (config.get("model") or {}).get("dtype", "float32")
+    if train.get("master_dtype", "float32") == "float32" and model_dtype != "float32":
+        out["master_dtype"] = "float32"
+    return out
+
+
+def _sft_parts(config: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What :func:`sft_key` hashes: the model, task and sft sections, and the strategy's settings
+    (:func:`sft_strategy_settings`) only where there are any."""
+    strategy = sft_strategy_settings(config)
+    return (config_sections(config, "model", "task", "sft"), *([{"train": strategy}] if strategy else []))
+
+
 def sft_key(config: Mapping[str, Any]) -> str:
-    """What identifies the warm-start SFT: the model, task and sft sections (the sft rule's fingerprint
-    and the SFT's store key)."""
-    return fingerprint(config_sections(config, "model", "task", "sft"))
+    """What identifies the warm-start SFT: the model, task and sft sections, and the training
+    strategy's settings that change how it trains (:func:`sft_strategy_settings`); the sft rule's
+    fingerprint and the SFT's store key."""
+    return fingerprint(*_sft_parts(config))
 
 
 def sft_cache_key(config: Mapping[str, Any]) -> str:
@@ -196,7 +220,8 @@ def sft_cache_key(config: Mapping[str, Any]) -> str:
     of :func:`sft_key` and the device. Unlike :func:`sft_key` (which a changed device does not
     change), it holds the device, so a cache that several configs or machines share never hands a
     config an SFT trained on another device."""
-    return fingerprint(config_sections(config, "model", "task", "sft"), config["device"])
+    sections, *strategy = _sft_parts(config)
+    return fingerprint(sections, config["device"], *strategy)
 
 
 def start_key(config: Mapping[str, Any], *, sft: bool) -> str:

@@ -8,7 +8,9 @@ end in ``\\boxed{}``, so that the start model writes answers the reward can read
 - :func:`build_sft_batch` -- tokenize prompt + response (+ eos), labels only on response tokens
   (:func:`sft_rows` then :func:`pad_sft_rows`).
 - :func:`sft_step` -- one batch's gradient, accumulated over length-sorted micro-batches.
-- :func:`run_sft` -- AdamW, linear warmup then cosine decay, gradient clipping, fixed step budget.
+- :func:`run_sft` -- AdamW, linear warmup then cosine decay, gradient clipping, fixed step budget, on
+  the training's :class:`oar.trainer.strategy.Strategy` (its placement, master weights, autocast,
+  backward and clipping; one process).
 - :func:`greedy_accuracy` -- greedy pass@1 through :func:`oar.evaluate.evaluation.evaluate_records` with an
   :class:`oar.rollout.HFEngine` on the model.
 - :func:`sft_data` -- training records and held-out sets from the config's task (synthetic, or a
@@ -34,7 +36,8 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 
 from oar.data.prompts import render_prompt
-from oar.trainer.optim import decay_groups, make_scheduler
+from oar.trainer.optim import make_scheduler
+from oar.trainer.strategy import Strategy
 
 __all__ = ["IGNORE_INDEX", "build_sft_batch", "run_sft", "greedy_accuracy", "save_sft_model"]
 
@@ -114,8 +117,9 @@ def pad_sft_rows(tokenizer, rows: Sequence[tuple[list[int], int]]) -> dict[str, 
 
 
 def sft_step(model, tokenizer, prompts: Sequence[str], responses: Sequence[str], *, micro_batch_size: int | None,
-             device: torch.device | str) -> tuple[torch.Tensor, int]:
-    """Accumulate the gradient of one SFT batch, ``micro_batch_size`` sequences at a time.
+             strategy: Strategy) -> tuple[torch.Tensor, int]:
+    """Accumulate the gradient of one SFT batch, ``micro_batch_size`` sequences at a time, on
+    ``strategy`` (its device, forward context and backward).
 
     With a ``micro_batch_size`` the pairs are tokenized once (:func:`sft_rows`), sorted by length and
     cut into micro-batches (:func:`pad_sft_rows` each), so a micro-batch pads to lengths close to its
@@ -131,10 +135,12 @@ def sft_step(model, tokenizer, prompts: Sequence[str], responses: Sequence[str],
     Returns:
         ``(loss, n_tokens)``: the batch's mean token loss (detached) and its response-token count.
     """
+    device = strategy.device
     if micro_batch_size is None:
         batch = {k: v.to(device) for k, v in build_sft_batch(tokenizer, prompts, responses).items()}
-        loss = model(**batch).loss
-        loss.backward()
+        with strategy.forward_context():
+            loss = model(**batch).loss
+        strategy.backward(loss)
         return loss.detach(), int((batch["labels"] != IGNORE_INDEX).sum())
     if micro_batch_size < 1:
         raise ValueError(f"sft.micro_batch_size: must be >= 1, got {micro_batch_size}")
@@ -142,13 +148,14 @@ def sft_step(model, tokenizer, prompts: Sequence[str], responses: Sequence[str],
     batches = [pad_sft_rows(tokenizer, rows[j : j + micro_batch_size]) for j in range(0, len(rows), micro_batch_size)]
     n_tokens = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in batches)
     total = torch.zeros((), device=device)
-    for b in batches:
+    for j, b in enumerate(batches):
         b = {k: v.to(device) for k, v in b.items()}
         labels = b.pop("labels")
-        logits = model(**b).logits[:, :-1].float()
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1),
-                                                 ignore_index=IGNORE_INDEX, reduction="sum") / n_tokens
-        loss.backward()
+        with strategy.sync_context(model, sync=j == len(batches) - 1), strategy.forward_context():
+            logits = model(**b).logits[:, :-1].float()
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1),
+                                                     ignore_index=IGNORE_INDEX, reduction="sum") / n_tokens
+        strategy.backward(loss)
         total += loss.detach()
     return total, n_tokens
 
@@ -158,6 +165,7 @@ def run_sft(
     tokenizer,
     train_records: Sequence[Mapping[str, Any]],
     *,
+    strategy: Strategy,
     steps: int,
     batch_size: int,
     lr: float,
@@ -185,7 +193,12 @@ def run_sft(
     ``betas``, ``weight_decay`` on matrices only: :func:`oar.trainer.optim.decay_groups`), learning rate
     :func:`oar.trainer.optim.lr_factor` (linear warmup over ``warmup_steps``, cosine decay to
     ``min_lr_ratio * lr`` at the last step), gradients clipped to norm ``grad_clip``.
-    The model is trained in place and left in eval mode.
+
+    The training runs on ``strategy`` as RL's update does (:meth:`oar.trainer.strategy.Strategy.prepare`:
+    ``train.master_dtype`` weights on its device, wrapped or sharded per ``train.strategy``; its
+    autocast, backward and clipping), in one process. The model is trained in place (with FSDP it
+    becomes its sharded self: save it with :func:`save_sft_model` and the same strategy) and left in
+    eval mode.
 
     Args:
         train_records: dicts with ``question`` and ``solution``.
@@ -194,6 +207,9 @@ def run_sft(
         log_fn: called as ``log_fn(step, metrics)`` after every step (``sft/loss``, ``sft/lr``,
             ``sft/grad_norm``; 1-based step) and after every evaluation (``sft/eval_accuracy``).
 
+    Raises:
+        ValueError: a bad argument, or ``strategy`` spans several processes (:func:`_check_sft_inputs`).
+
     Returns:
         ``{"steps", "batch_size", "loss_curve": [(step, loss), ...] (every step, 1-based),
         "final_loss" (last step), "final_loss_mean10" (mean of the last 10 steps), "seconds" (wall,
@@ -201,23 +217,20 @@ def run_sft(
         train_seconds), "cpu_seconds" (process CPU time, all threads; less sensitive to other load on
         the machine), "response_tokens" (trained on), "eval_curve": [(step, accuracy), ...]}``.
     """
-    _check_sft_inputs(train_records, steps=steps, batch_size=batch_size)
+    _check_sft_inputs(train_records, steps=steps, batch_size=batch_size, strategy=strategy)
     if eval_records is not None and eval_every is None:
         eval_every = steps
     prompts = [render_prompt(template, r["question"], tokenizer) for r in train_records]
     solutions = [r["solution"] for r in train_records]
-    optimizer = torch.optim.AdamW(decay_groups(model, weight_decay), lr=lr, betas=tuple(betas))
+    # AdamW with weight decay on matrices only (oar.trainer.optim.rl_param_groups)
+    model, optimizer = strategy.prepare(model, lr=lr, betas=(betas[0], betas[1]), weight_decay=weight_decay)
     scheduler = make_scheduler(optimizer, warmup_steps=warmup_steps, floor_step=steps - 1, schedule="cosine",
                                min_ratio=min_lr_ratio)
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=steps, desc="sft", unit="step", dynamic_ncols=True)
+    bar = _progress_bar(steps) if progress else None
     t0, c0 = time.perf_counter(), time.process_time()
     model.train()
     try:
-        curves = _sft_steps(model, tokenizer, prompts, solutions, optimizer, scheduler,
+        curves = _sft_steps(model, tokenizer, strategy, prompts, solutions, optimizer, scheduler,
                             _sft_batches(len(train_records), batch_size, seed), steps=steps,
                             micro_batch_size=micro_batch_size, grad_clip=grad_clip, eval_records=eval_records,
                             eval_every=eval_every, template=template, eval_max_new_tokens=eval_max_new_tokens,
@@ -229,9 +242,14 @@ def run_sft(
     return _sft_summary(curves, steps=steps, batch_size=batch_size, t0=t0, c0=c0)
 
 
-def _check_sft_inputs(train_records: Sequence[Mapping[str, Any]], *, steps: int, batch_size: int) -> None:
+def _check_sft_inputs(train_records: Sequence[Mapping[str, Any]], *, steps: int, batch_size: int,
+                      strategy: Strategy) -> None:
     """Raise ValueError for :func:`run_sft`'s bad arguments: ``steps`` or ``batch_size`` below 1, no
-    training records, or a first record without ``question`` or ``solution``."""
+    training records, a first record without ``question`` or ``solution``, or a strategy over
+    several processes (SFT runs in one)."""
+    if strategy.world > 1:
+        raise ValueError(f"sft: runs in one process; this one is rank {strategy.rank} of {strategy.world} "
+                         f"(start oar sft without torchrun)")
     if steps < 1 or batch_size < 1:
         raise ValueError(f"sft: steps and batch_size must be >= 1 (got steps={steps}, batch_size={batch_size})")
     if not train_records:
@@ -240,6 +258,13 @@ def _check_sft_inputs(train_records: Sequence[Mapping[str, Any]], *, steps: int,
         for k in ("question", "solution"):
             if k not in r:
                 raise ValueError(f"sft: training record {i} has no {k!r} key (keys: {sorted(r)})")
+
+
+def _progress_bar(steps: int) -> Any:
+    """The SFT's progress bar over ``steps`` steps."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=steps, desc="sft", unit="step", dynamic_ncols=True)
 
 
 def _sft_batches(n_records: int, batch_size: int, seed: int) -> Iterator[list[int]]:
@@ -275,6 +300,7 @@ class _SftCurves:
 def _sft_steps(
     model,
     tokenizer,
+    strategy: Strategy,
     prompts: Sequence[str],
     solutions: Sequence[str],
     optimizer: torch.optim.Optimizer,
@@ -297,17 +323,16 @@ def _sft_steps(
     Raises:
         FloatingPointError: a step's loss is not finite.
     """
-    device = next(model.parameters()).device
     curves = _SftCurves()
     for step in range(1, steps + 1):
         idx = next(batches)
         optimizer.zero_grad(set_to_none=True)
         loss, n_step_tokens = sft_step(model, tokenizer, [prompts[i] for i in idx], [solutions[i] for i in idx],
-                                       micro_batch_size=micro_batch_size, device=device)
+                                       micro_batch_size=micro_batch_size, strategy=strategy)
         curves.n_tokens += n_step_tokens
         if not torch.isfinite(loss):
             raise FloatingPointError(f"sft: loss is {loss.item()} at step {step}")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
+        grad_norm = strategy.clip_grad_norm_(model, grad_clip)
         cur_lr = optimizer.param_groups[0]["lr"]
         optimizer.step()
         scheduler.step()
@@ -320,8 +345,9 @@ def _sft_steps(
             bar.set_postfix(loss=f"{loss_v:.4f}", lr=f"{cur_lr:.2e}", refresh=False)
         if eval_records is not None and (step % eval_every == 0 or step == steps):
             te = time.perf_counter()
-            acc, _ = greedy_accuracy(model, tokenizer, eval_records, template=template,
-                                     max_new_tokens=eval_max_new_tokens)
+            with strategy.local_phase(model):
+                acc, _ = greedy_accuracy(strategy.policy(model), tokenizer, eval_records, template=template,
+                                         max_new_tokens=eval_max_new_tokens)
             curves.eval_seconds += time.perf_counter() - te
             curves.eval_curve.append((step, acc))
             if log_fn is not None:
@@ -399,8 +425,11 @@ def greedy_accuracy(
     return summary["pass@1"], [row["response"] for row in rows]
 
 
-def save_sft_model(output_dir: str | os.PathLike, model, tokenizer, summary: dict, *, started: float) -> None:
-    """Write ``model``, ``tokenizer`` and ``summary`` (as ``sft_summary.json``) to ``output_dir`` atomically.
+def save_sft_model(output_dir: str | os.PathLike, model, tokenizer, summary: dict, *, started: float,
+                   strategy: Strategy) -> None:
+    """Write ``model`` (trained on ``strategy``: its full weights,
+    :meth:`oar.trainer.strategy.Strategy.save_pretrained`), ``tokenizer`` and ``summary`` (as
+    ``sft_summary.json``) to ``output_dir`` atomically.
 
     Everything goes into a temporary folder beside ``output_dir`` that is renamed onto it
     (:func:`oar.core.io.atomic_path`), so ``output_dir`` is either complete or absent.
@@ -410,7 +439,6 @@ def save_sft_model(output_dir: str | os.PathLike, model, tokenizer, summary: dic
 
     with atomic_path(output_dir) as tmp:
         tmp.mkdir()
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        strategy.save_pretrained(model, tokenizer, tmp)
         summary["seconds"] = time.perf_counter() - started
         atomic_write_json(Path(tmp) / "sft_summary.json", summary)

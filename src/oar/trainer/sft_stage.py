@@ -12,7 +12,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from oar.config.identity import sft_cache_key
-from oar.config.settings import RewardSettings, SFTSettings
+from oar.config.settings import RewardSettings, SFTSettings, TrainSettings
 from oar.trainer.sft import LogFn, greedy_accuracy, run_sft, save_sft_model
 
 __all__ = ["sft_from_config", "sft_or_cached"]
@@ -92,8 +92,8 @@ def sft_from_config(
 
     from oar.core.io import check_output_folder
     from oar.models.loading import load_policy
-    from oar.core.device import job_device
     from oar.core.provenance import provenance, with_end_time
+    from oar.trainer.strategy import make_strategy
 
     t0 = time.perf_counter()
     check_output_folder(output_dir, what="the SFT output folder (--output)")  # before the training, not after
@@ -106,14 +106,16 @@ def sft_from_config(
     if model_spec.get("source") == "tiny":
         model_spec["tiny"] = {"seed": sft.seed, **dict(model_spec.get("tiny") or {})}
     model, tokenizer = load_policy(model_spec)
-    device = job_device(config)
-    model.to(device)
+    # the training's strategy (train.strategy, its dtypes and device), in this one process
+    strategy = make_strategy(TrainSettings.from_config(config), config["device"],
+                             source=f"config {config.get('name', '')!r}")
 
-    result = run_sft(model, tokenizer, train_records, **sft.optimisation(), seed=sft.seed,
+    result = run_sft(model, tokenizer, train_records, strategy=strategy, **sft.optimisation(), seed=sft.seed,
                      micro_batch_size=sft.micro_batch_size, template=template, progress=progress, log_fn=log_fn)
-    accuracy, extracted, examples = sft_heldout_accuracy(
-        model, tokenizer, eval_sets, reward, template=template, max_new_tokens=sft.max_new_tokens,
-        step=result["steps"], log_fn=log_fn, n_examples=n_examples)
+    with strategy.local_phase(model):
+        accuracy, extracted, examples = sft_heldout_accuracy(
+            strategy.policy(model), tokenizer, eval_sets, reward, template=template,
+            max_new_tokens=sft.max_new_tokens, step=result["steps"], log_fn=log_fn, n_examples=n_examples)
     summary = {
         "accuracy": accuracy,
         "extracted": extracted,
@@ -125,9 +127,9 @@ def sft_from_config(
         "model": _model_facts(model, model_spec.get("source")),
         "train_size": len(train_records),
         "template": template,
-        "provenance": with_end_time(provenance(device=str(device), started=started)),
+        "provenance": with_end_time(provenance(device=strategy.device.type, started=started)),
     }
-    save_sft_model(output_dir, model, tokenizer, summary, started=t0)
+    save_sft_model(output_dir, model, tokenizer, summary, started=t0, strategy=strategy)
     return summary
 
 
