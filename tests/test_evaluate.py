@@ -7,6 +7,7 @@ import json
 import pytest
 
 from oar.config.load import load_config
+from oar.config.settings import EvalSettings, TrainSettings
 from oar.evaluate.evaluation import evaluate_from_config, load_eval_benchmarks
 
 from helpers import ROOT, small_overrides
@@ -14,7 +15,8 @@ from helpers import ROOT, small_overrides
 
 def test_synthetic_benchmarks_are_fixed_by_task_seed(tmp_path):
     cfg = load_config(ROOT / "config" / "config.yaml", small_overrides(tmp_path))
-    a, b = load_eval_benchmarks(cfg), load_eval_benchmarks(cfg)
+    ev = EvalSettings.from_config(cfg)
+    a, b = load_eval_benchmarks(cfg["task"], ev), load_eval_benchmarks(cfg["task"], ev)
     assert list(a) == ["synthetic-test", "synthetic-ood"]
     assert [r["question"] for r in a["synthetic-test"]] == [r["question"] for r in b["synthetic-test"]]
     assert len(a["synthetic-ood"]) == cfg["eval"]["benchmarks"][1]["n"]
@@ -204,16 +206,16 @@ def test_heldout_records_are_the_test_split_not_training(tmp_path):
     from oar.data.records import training_records
 
     cfg = load_config(ROOT / "config" / "config.yaml", small_overrides(tmp_path, train={"heldout": {"every": 1, "size": 7}}))
-    recs = heldout_records(cfg)
+    recs = heldout_records(TrainSettings.from_config(cfg).heldout, cfg["task"], cfg["eval"]["benchmarks"])
     assert len(recs) == 7 and all(r["id"].startswith("synthetic-test-") for r in recs)
     # problems of the final evaluation's synthetic-test, spread evenly over it (its head is easier)
-    full = load_eval_benchmarks(cfg)["synthetic-test"]
+    full = load_eval_benchmarks(cfg["task"], EvalSettings.from_config(cfg))["synthetic-test"]
     assert [r["question"] for r in recs] == [full[(i * len(full)) // 7]["question"] for i in range(7)]
     assert len(full) > 7 and recs[-1]["question"] != full[6]["question"]
     assert not {r["question"] for r in recs} & {r["question"] for r in training_records(cfg["task"])}
     cfg["train"]["heldout"]["benchmark"] = "math500"
     with pytest.raises(ValueError, match="not in eval.benchmarks"):
-        heldout_records(cfg)
+        heldout_records(TrainSettings.from_config(cfg).heldout, cfg["task"], cfg["eval"]["benchmarks"])
 
 
 @pytest.mark.slow

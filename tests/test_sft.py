@@ -352,10 +352,14 @@ def _benchmark_config(tmp_path, name: str, lines: list[str], eval_size: int = 2)
     return cfg
 
 
+def _sft_data(cfg: dict) -> tuple[list[dict], dict[str, list[dict]]]:
+    return sft_data(cfg["task"], eval_size=cfg["sft"]["eval_size"])
+
+
 def test_sft_data_benchmark_holds_out_the_last_records(tmp_path):
     lines = [json.dumps({"question": f"q{i}?", "answer": f"{i} + 1 = <<{i}+1={i + 1}>>{i + 1}\n#### {i + 1}"})
              for i in range(7)]
-    train, evals = sft_data(_benchmark_config(tmp_path, "gsm8k", lines))
+    train, evals = _sft_data(_benchmark_config(tmp_path, "gsm8k", lines))
     assert [r["question"] for r in train] == ["q0?", "q1?", "q2?", "q3?", "q4?"]
     assert list(evals) == ["heldout"] and [r["answer"] for r in evals["heldout"]] == ["6", "7"]
     # the SFT target: the calculator annotation gone, the answer boxed as the reward reads it
@@ -363,17 +367,17 @@ def test_sft_data_benchmark_holds_out_the_last_records(tmp_path):
     assert extract_boxed(train[2]["solution"]) == train[2]["answer"] == "3"
     cfg = _benchmark_config(tmp_path, "gsm8k", lines)
     cfg["task"]["train_size"] = 3
-    assert len(sft_data(cfg)[0]) == 3
+    assert len(_sft_data(cfg)[0]) == 3
 
 
 def test_sft_data_benchmark_errors(tmp_path):
     # a benchmark without reference solutions cannot be fine-tuned on; the message names it
     cfg = _benchmark_config(tmp_path, "aime24", [json.dumps({"problem": "p", "answer": "1"})] * 4)
     with pytest.raises(ValueError, match=r"'aime24'.*aime24.jsonl.*solution.*sft.enabled"):
-        sft_data(cfg)
+        _sft_data(cfg)
     cfg = _benchmark_config(tmp_path, "gsm8k", [json.dumps({"question": "q", "answer": "#### 1"})] * 2)
     with pytest.raises(ValueError, match=r"sft.eval_size=2.*only 2 gsm8k records"):
-        sft_data(cfg)
+        _sft_data(cfg)
 
 
 @pytest.mark.skipif(not (SHARED_DATA / "gsm8k" / "train.jsonl").exists(),

@@ -23,7 +23,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from oar.config.settings import EvalSettings, RewardSettings
 from oar.core.device import job_device
@@ -41,18 +41,21 @@ __all__ = ["load_benchmark_entry", "load_benchmark_entry_located", "load_eval_be
 REWARD_COUNTS: tuple[str, ...] = ("timeouts", "crashes", "retried", "marked")
 
 
-def load_benchmark_entry(config: dict, entry: dict, *, key: str = "eval.benchmarks") -> list[dict]:
+def load_benchmark_entry(task: Mapping[str, Any], entry: Mapping[str, Any], *,
+                         key: str = "eval.benchmarks") -> list[dict]:
     """The records of one benchmark entry ``{name, source, n, filters}`` (first ``n`` when ``n`` is set;
     :func:`load_benchmark_entry_located` without the places)."""
-    return [rec for _, rec in load_benchmark_entry_located(config, entry, key=key)]
+    return [rec for _, rec in load_benchmark_entry_located(task, entry, key=key)]
 
 
-def load_benchmark_entry_located(config: dict, entry: dict, *, key: str = "eval.benchmarks") -> list[tuple[str, dict]]:
+def load_benchmark_entry_located(task: Mapping[str, Any], entry: Mapping[str, Any], *,
+                                 key: str = "eval.benchmarks") -> list[tuple[str, dict]]:
     """The records of one benchmark entry ``{name, source, n, filters}`` (first ``n`` when ``n`` is set),
     each with where it was read (:func:`oar.data.benchmarks.load_benchmark_located`).
 
-    Synthetic splits (``synthetic-test``, ``synthetic-ood``) are generated with the task's options and
-    ``task.seed``, so every evaluation sees the same problems (and none of the training split's).
+    Synthetic splits (``synthetic-test``, ``synthetic-ood``) are generated with the options of
+    ``task`` (the config's ``task`` section) and ``task.seed``, so every evaluation sees the same
+    problems (and none of the training split's). ``key`` names the entry in errors.
     """
     from oar.data.benchmarks import load_benchmark_located
 
@@ -60,31 +63,32 @@ def load_benchmark_entry_located(config: dict, entry: dict, *, key: str = "eval.
     if name.startswith("synthetic-"):
         if entry.get("n") is None:
             raise ValueError(f"{key}.n: required for the generated benchmark {name!r}")
-        return load_benchmark_located(name, None, n=entry["n"], seed=config["task"]["seed"],
-                                      **config["task"]["synthetic"])
+        return load_benchmark_located(name, None, n=entry["n"], seed=task["seed"], **task["synthetic"])
     recs = load_benchmark_located(name, entry.get("source"), **(entry.get("filters") or {}))
     return recs[: entry["n"]] if entry.get("n") else recs
 
 
-def load_eval_benchmarks(config: dict, *, transfer: bool = False) -> dict[str, list[dict]]:
-    """The config's ``eval.benchmarks`` (``transfer``: ``eval.transfer.benchmarks``) as ``{name: records}``
+def load_eval_benchmarks(task: Mapping[str, Any], ev: EvalSettings, *, transfer: bool = False
+                         ) -> dict[str, list[dict]]:
+    """``ev.benchmarks`` (``transfer``: ``ev.transfer.benchmarks``) as ``{name: records}``
     (:func:`load_eval_benchmarks_located` without the places)."""
     return {name: [rec for _, rec in located]
-            for name, located in load_eval_benchmarks_located(config, transfer=transfer).items()}
+            for name, located in load_eval_benchmarks_located(task, ev, transfer=transfer).items()}
 
 
-def load_eval_benchmarks_located(config: dict, *, transfer: bool = False) -> dict[str, list[tuple[str, dict]]]:
-    """The config's ``eval.benchmarks`` (``transfer``: ``eval.transfer.benchmarks``) as
-    ``{name: [(where, record), ...]}`` (see :func:`load_benchmark_entry_located`).
+def load_eval_benchmarks_located(task: Mapping[str, Any], ev: EvalSettings, *, transfer: bool = False
+                                 ) -> dict[str, list[tuple[str, dict]]]:
+    """``ev.benchmarks`` (``transfer``: ``ev.transfer.benchmarks``) as ``{name: [(where, record), ...]}``
+    (see :func:`load_benchmark_entry_located`; ``task``: the config's ``task`` section).
 
     Raises:
         ValueError: ``transfer`` and the config has no transfer benchmark.
     """
-    entries = config["eval"]["transfer"]["benchmarks"] if transfer else config["eval"]["benchmarks"]
+    entries = ev.transfer.benchmarks if transfer else ev.benchmarks
     key = "eval.transfer.benchmarks" if transfer else "eval.benchmarks"
     if transfer and not entries:
         raise ValueError(f"{key}: empty; name the transfer benchmarks to evaluate")
-    return {b["name"]: load_benchmark_entry_located(config, b, key=f"{key}.{i}") for i, b in enumerate(entries)}
+    return {b["name"]: load_benchmark_entry_located(task, b, key=f"{key}.{i}") for i, b in enumerate(entries)}
 
 
 def evaluate_records(
@@ -306,7 +310,7 @@ def evaluate_from_config(config: dict, model_dir: str | Path | None, output_dir:
     # the user's files first, before anything is written: a named error, and an existing folder as it was
     check_output_folder(output_dir, what="the evaluation folder (--output)")
     check_model_files(spec)
-    located = load_eval_benchmarks_located(config, transfer=transfer)
+    located = load_eval_benchmarks_located(config["task"], run.eval, transfer=transfer)
     benches = {name: [rec for _, rec in pairs] for name, pairs in located.items()}
     model_path = str(model_dir) if model_dir else config["model"]["source"]
     model, tokenizer = load_policy(spec)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -37,14 +37,16 @@ __all__ = ["HELDOUT_KEYS", "heldout_records", "HeldoutEval"]
 HELDOUT_KEYS = ("heldout_acc", "heldout_pass_at_k", "heldout_seconds", "train_seconds")
 
 
-def heldout_records(config: dict) -> list[dict]:
-    """``train.heldout.size`` problems spread evenly over ``train.heldout.benchmark`` (as evaluated).
+def heldout_records(settings: HeldoutSettings, task: Mapping[str, Any], benchmarks: Sequence[Mapping[str, Any]]
+                    ) -> list[dict]:
+    """``settings.size`` problems spread evenly over ``settings.benchmark`` (``train.heldout``), as
+    evaluated; ``task`` is the config's ``task`` section, ``benchmarks`` its ``eval.benchmarks``.
 
     Evenly spaced rather than the first ones: a synthetic split exhausts its small pool of
     two-operand questions first (the one-digit test split starts with a third of them against a
     tenth overall), so its head is easier than the whole.
 
-    The benchmark is looked up in ``eval.benchmarks`` (its ``source`` and ``filters`` are used); a
+    The benchmark is looked up in ``benchmarks`` (its ``source`` and ``filters`` are used); a
     synthetic split (``synthetic-test``, ``synthetic-ood``) may also be named without an entry.
 
     Raises:
@@ -53,11 +55,10 @@ def heldout_records(config: dict) -> list[dict]:
     """
     from oar.evaluate.evaluation import load_benchmark_entry
 
-    hc = config["train"]["heldout"]
-    name, size = hc["benchmark"], hc["size"]
+    name, size = settings.benchmark, settings.size
     if name == "synthetic-train":
         raise ValueError("train.heldout.benchmark: synthetic-train holds the training problems; use synthetic-test")
-    entries = {b["name"]: b for b in config["eval"]["benchmarks"]}
+    entries = {b["name"]: b for b in benchmarks}
     if name in entries:
         entry = dict(entries[name])
     elif name.startswith("synthetic-"):
@@ -65,7 +66,7 @@ def heldout_records(config: dict) -> list[dict]:
     else:
         raise ValueError(f"train.heldout.benchmark: {name!r} is not in eval.benchmarks "
                          f"({sorted(entries)}) and not a synthetic split")
-    records = load_benchmark_entry(config, entry, key="train.heldout")
+    records = load_benchmark_entry(task, entry, key="train.heldout")
     if len(records) <= size:
         return records
     return [records[(i * len(records)) // size] for i in range(size)]

@@ -98,7 +98,7 @@ def _load_sets(config: Mapping[str, Any], out: dict[str, Any]) -> list[_Set]:
         name = b["name"]
         if name.startswith("synthetic-"):
             evals.append({"name": name, "generated": True, "n": b.get("n"), **synth})
-            located = load_benchmark_entry_located(config, b, key=f"eval.benchmarks.{i}")
+            located = load_benchmark_entry_located(config["task"], b, key=f"eval.benchmarks.{i}")
             sets.append((evals[-1], f"eval.benchmarks.{i} ({name})", located, EVAL_BUDGET_KEY, False))
             continue
         if name not in BENCHMARKS:

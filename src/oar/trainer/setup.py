@@ -199,8 +199,9 @@ def _build_run(config: dict, method: ResolvedMethod, seed: int, folder: RunFolde
     prov = provenance(device=strategy.device.type, started=started, credit_source=method.credit_source)
     tracker = _tracker(config, method, seed, folder, strategy, state, prov)
     # held-out accuracy of the start model (or of the resume point), then every train.heldout.every steps
-    heldout = HeldoutEval(train.heldout, heldout_records(config) if train.heldout.every > 0 else [],
-                          template=config["task"]["template"], sampling=EvalSettings.from_config(config),
+    ev = EvalSettings.from_config(config)
+    held = heldout_records(train.heldout, config["task"], ev.benchmarks) if train.heldout.every > 0 else []
+    heldout = HeldoutEval(train.heldout, held, template=config["task"]["template"], sampling=ev,
                           reward=reward, engine=engine, tokenizer=tokenizer, strategy=strategy, model=model,
                           tracker=tracker, seed=seed, metrics_path=folder.metrics, total_steps=train.steps,
                           pool=reward_pool)

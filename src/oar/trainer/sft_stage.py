@@ -18,8 +18,9 @@ from oar.trainer.sft import LogFn, greedy_accuracy, run_sft, save_sft_model
 __all__ = ["sft_from_config", "sft_or_cached"]
 
 
-def sft_data(config: Mapping[str, Any]) -> tuple[list[dict], dict[str, list[dict]]]:
-    """The warm-start SFT's training records and its held-out evaluation sets, from ``config["task"]``.
+def sft_data(task: Mapping[str, Any], *, eval_size: int) -> tuple[list[dict], dict[str, list[dict]]]:
+    """The warm-start SFT's training records and its held-out evaluation sets (``eval_size`` records
+    each: ``sft.eval_size``), from ``task`` (the config's ``task`` section).
 
     - ``task.kind: synthetic``: ``task.train_size`` generated training records (seed ``task.seed``,
       options ``task.synthetic``); evaluation sets ``test`` and ``ood`` of ``sft.eval_size`` records.
@@ -39,8 +40,7 @@ def sft_data(config: Mapping[str, Any]) -> tuple[list[dict], dict[str, list[dict
     from oar.data.records import training_records
     from oar.data.synthetic import generate
 
-    task = config["task"]
-    kind, eval_size, train_size = task["kind"], SFTSettings.from_config(config).eval_size, int(task["train_size"])
+    kind, train_size = task["kind"], int(task["train_size"])
     if kind == "synthetic":
         options = dict(task["synthetic"])
         seed = int(task["seed"])
@@ -101,7 +101,7 @@ def sft_from_config(
     model_spec = dict(config["model"])
     sft, reward = SFTSettings.from_config(config), RewardSettings.from_config(config)
     template = config["task"]["template"]
-    train_records, eval_sets = sft_data(config)
+    train_records, eval_sets = sft_data(config["task"], eval_size=sft.eval_size)
 
     if model_spec.get("source") == "tiny":
         model_spec["tiny"] = {"seed": sft.seed, **dict(model_spec.get("tiny") or {})}
