@@ -95,3 +95,36 @@ def test_the_measured_numbers_pattern_finds_them():
                  "2 workers took 3.6 s", "1.7x faster"):
         assert MEASURED.search(text), text
     assert not MEASURED.search("a 2 x 4 batch; see benchmarks/README.md")
+
+
+#: How each benchmark that trains reaches the library's training step (``oar.trainer.step``): through
+#: ``oar.trainer.loop.train`` (which runs ``train_step``), ``oar train`` itself, or
+#: ``train_step_on_batch`` on a batch it builds (gpu_check: the stock image lacks the reward's packages).
+TRAINING_BENCHMARKS: dict[str, str] = {
+    "bench_methods.py": "from oar.trainer.loop import train",
+    "bench_trl.py": "from oar.trainer.loop import train",
+    "bench_cell_step.py": '"oar.cli", "train"',
+    "gpu_check.py": "train_step_on_batch",
+}
+
+#: Benchmarks that step an optimizer themselves, and why that is not a training step of their own.
+OWN_OPTIMIZER_STEPS: dict[str, str] = {
+    "bench_memory.py": "measures each phase of one update's memory against oar.plan's formulas, one phase "
+                       "at a time (a probe between phases the library's step does not stop at)",
+    "gpu_check.py": "its engine check moves the weights by a few plain steps to see the rollout engine's "
+                    "weight sync follow; its training check runs the library's step",
+}
+
+_STEPS_ITSELF = re.compile(r"torch\.optim\.\w+\(|\.backward\(\)|\bopt(imizer)?\.step\(\)")
+
+
+def test_the_benchmarks_train_through_the_librarys_step():
+    """Every benchmark that trains reaches the library's step as :data:`TRAINING_BENCHMARKS` says, and
+    only those of :data:`OWN_OPTIMIZER_STEPS` step an optimizer themselves (gpu_check's training
+    check is proven to call the library's step in tests/test_gpu_check.py)."""
+    sources = {p.name: p.read_text(encoding="utf-8") for p in sorted((ROOT / "benchmarks").glob("*.py"))}
+    for name, marker in TRAINING_BENCHMARKS.items():
+        assert marker in sources[name], (name, marker)
+    stepping = {name for name, text in sources.items() if _STEPS_ITSELF.search(text)}
+    assert stepping == set(OWN_OPTIMIZER_STEPS), stepping
+    assert _STEPS_ITSELF.search("opt = torch.optim.AdamW(model.parameters())\nloss.backward()")
