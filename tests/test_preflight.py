@@ -310,6 +310,16 @@ def test_a_run_whose_trainings_do_not_fit_stops_before_any_job(tmp_path):
 from oar.core.device import CUDA_MIN_DRIVER, check_device, device_problem, nvidia_driver_version  # noqa: E402
 
 
+def _node(monkeypatch, *, gpu: bool, driver: str | None = None, build: str | None = None) -> None:
+    """This node as torch and the driver would show it: whether torch sees a GPU, the NVIDIA driver's
+    version (None: no driver) and the CUDA version torch was built for (None: a CPU-only build)."""
+    import oar.core.device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    monkeypatch.setattr(torch.version, "cuda", build)
+    monkeypatch.setattr(oar.core.device, "nvidia_driver_version", lambda: driver)
+
+
 @pytest.mark.parametrize("driver, build, expect", [
     (None, None, "no NVIDIA driver; install torch's CUDA build"),
     ("550.54.14", None, "NVIDIA driver 550.54.14; install torch's CUDA build"),
@@ -318,23 +328,25 @@ from oar.core.device import CUDA_MIN_DRIVER, check_device, device_problem, nvidi
     ("580.95.05", "13.0", "NVIDIA driver 580.95.05; check CUDA_VISIBLE_DEVICES"),
     ("535.104.05", "12.8", "NVIDIA driver 535.104.05; check CUDA_VISIBLE_DEVICES"),
 ])
-def test_cuda_without_a_usable_gpu_is_one_line_naming_key_driver_and_torch_build(driver, build, expect):
-    problem = device_problem({"device": "cuda"}, source="config/paper.yaml", cuda_available=False, driver=driver,
-                             torch_cuda=build)
+def test_cuda_without_a_usable_gpu_is_one_line_naming_key_driver_and_torch_build(driver, build, expect, monkeypatch):
+    _node(monkeypatch, gpu=False, driver=driver, build=build)
+    problem = device_problem({"device": "cuda"}, source="config/paper.yaml")
     text = str(problem)
     assert text.startswith("config/paper.yaml: key device: asks for a GPU, but torch sees none on ")
     assert expect in text and "\n" not in text
     assert f"torch {torch.__version__} (" in text
-    # a usable GPU, or a config that asks for none, passes
-    assert device_problem({"device": "cuda"}, source="x", cuda_available=True) is None
-    assert device_problem({"device": "cpu"}, source="x", cuda_available=False) is None
+    # a config that asks for none passes; so does a usable GPU
+    assert device_problem({"device": "cpu"}, source="x") is None
+    _node(monkeypatch, gpu=True)
+    assert device_problem({"device": "cuda"}, source="x") is None
 
 
-def test_auto_with_a_gpu_resource_is_a_gpu_profile():
+def test_auto_with_a_gpu_resource_is_a_gpu_profile(monkeypatch):
     cfg = {"device": "auto", "resources": {"eval": {"gpu": 0}, "train": {"gpu": 8}}}
-    problem = device_problem(cfg, source="c.yaml", cuda_available=False, driver=None, torch_cuda="13.0")
+    _node(monkeypatch, gpu=False, build="13.0")
+    problem = device_problem(cfg, source="c.yaml")
     assert str(problem).startswith("c.yaml: key resources.train.gpu: asks for a GPU")
-    assert device_problem({"device": "auto", "resources": {}}, source="c.yaml", cuda_available=False) is None
+    assert device_problem({"device": "auto", "resources": {}}, source="c.yaml") is None
 
 
 def test_the_driver_table_covers_the_pinned_torch_build():

@@ -63,13 +63,11 @@ def _gpu_key(config: Mapping[str, Any]) -> str | None:
     return None
 
 
-def device_problem(config: Mapping[str, Any], *, source: str, cuda_available: bool | None = None,
-                   driver: str | None | bool = False, torch_cuda: str | None | bool = False) -> Problem | None:
+def device_problem(config: Mapping[str, Any], *, source: str) -> Problem | None:
     """Whether the GPU a config asks for (:func:`_gpu_key`) is usable on this node: a config that asks
-    for one where torch sees none stops here, naming the key, the NVIDIA driver and the torch build,
-    instead of training on the CPU (accelerate falls back to it silently). ``cuda_available``,
-    ``driver`` and ``torch_cuda`` stand in for ``torch.cuda.is_available()``,
-    :func:`nvidia_driver_version` and ``torch.version.cuda`` (tests); by default they are read here."""
+    for one where torch sees none stops here, naming the key, the NVIDIA driver
+    (:func:`nvidia_driver_version`) and the torch build (``torch.version.cuda``), instead of training
+    on the CPU (accelerate falls back to it silently)."""
     key = _gpu_key(config)
     if key is None:
         return None
@@ -77,12 +75,9 @@ def device_problem(config: Mapping[str, Any], *, source: str, cuda_available: bo
 
     import torch
 
-    if cuda_available is None:
-        cuda_available = torch.cuda.is_available()
-    if cuda_available:
+    if torch.cuda.is_available():
         return None
-    build = torch.version.cuda if torch_cuda is False else torch_cuda
-    drv = nvidia_driver_version() if driver is False else driver
+    build, drv = torch.version.cuda, nvidia_driver_version()
     host = socket.gethostname()
     torch_txt = f"torch {torch.__version__} ({f'a CUDA {build} build' if build else 'a CPU-only build'})"
     drv_txt = f"NVIDIA driver {drv}" if drv else "no NVIDIA driver"
