@@ -238,6 +238,27 @@ def test_run_sft_trains_on_the_training_strategy():
                 strategy=SimpleNamespace(world=2, rank=1), **OPT)
 
 
+def test_sft_on_fsdp_trains_the_shards_and_saves_the_full_model(tmp_path):
+    """SFT on ``train.strategy: fsdp`` (one process, gloo here): the sharded model trains, and
+    :func:`save_sft_model` writes its full weights, which load as the plain model with the trained values."""
+    from oar.config.settings import TrainSettings
+    from oar.trainer.sft import save_sft_model
+    from oar.trainer.strategy import make_strategy
+
+    model, tok = build_tiny(**SMALL, seed=0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    strategy = make_strategy(TrainSettings.from_config({"train": {"strategy": "fsdp"}}), "cpu")
+    run_sft(model, tok, _records(8), steps=2, batch_size=4, lr=1e-2, warmup_steps=0, seed=0, progress=False,
+            strategy=strategy, **OPT)
+    trained = {k: v.clone() for k, v in strategy.full_state(model)}
+    save_sft_model(tmp_path / "sft", model, tok, {}, started=0.0, strategy=strategy)
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "sft").state_dict()
+    assert saved.keys() == before.keys()
+    assert all(torch.equal(saved[k], trained[k]) for k in saved)
+    assert all(not torch.equal(saved[k], before[k]) for k in saved if k.endswith("proj.weight"))
+    assert json.loads((tmp_path / "sft" / "sft_summary.json").read_text())["seconds"] > 0
+
+
 def test_run_sft_logging_schedule_and_determinism():
     recs = _records(20)
     logs = []
