@@ -121,16 +121,16 @@ def train(
                 for line in folder.recover() + ([f"removed {n}" for n in folder.start_over()] if restart else []):
                     print(f"oar train: {folder.path}: {line}", file=sys.stderr)
             strategy.barrier()
-            return _train(config, method, seed, folder, start_spec, identity, strategy,
+            return _train(config, train_settings, method, seed, folder, start_spec, identity, strategy,
                           progress=progress, stop=stop, observer=observer or StepObserver())
 
 
-def _train(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder, start_spec: dict,
-           identity: dict[str, str], strategy: Strategy, *, progress: bool, stop: StopSignal,
+def _train(config: dict, train: TrainSettings, method: ResolvedMethod, seed: int, folder: RunFolder,
+           start_spec: dict, identity: dict[str, str], strategy: Strategy, *, progress: bool, stop: StopSignal,
            observer: StepObserver) -> dict:
     """The loop of :func:`train`, run while the folder is locked and repaired: set-up, then per step
     rollout -> credit -> update -> metrics -> log -> checkpoint, then the final model."""
-    with setup_run(config, method, seed, folder, start_spec, identity, strategy, stop) as run:
+    with setup_run(config, train, method, seed, folder, start_spec, identity, strategy, stop) as run:
         return _steps(run, progress=progress, stop=stop, observer=observer)
 
 

@@ -115,9 +115,11 @@ class TrainingRun(StepParts):
 
 
 @contextlib.contextmanager
-def setup_run(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder, start_spec: dict,
-              identity: dict[str, str], strategy: Strategy, stop: StopSignal) -> Iterator[TrainingRun]:
-    """The run's typed settings (read from ``config`` here, once), model, reference and optimizer
+def setup_run(config: dict, train: TrainSettings, method: ResolvedMethod, seed: int, folder: RunFolder,
+              start_spec: dict, identity: dict[str, str], strategy: Strategy, stop: StopSignal
+              ) -> Iterator[TrainingRun]:
+    """The run's typed settings (``train``, as :func:`oar.trainer.loop.train` built them; the others
+    read from ``config`` here, once), model, reference and optimizer
     (restored from the checkpoint when resuming), then data, engine, tracking, the held-out
     evaluation and the checkpoint schedule. A context manager: on leaving it (or when the set-up
     itself fails) the engine and the run's reward pool are closed."""
@@ -125,7 +127,8 @@ def setup_run(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder
         reward = RewardSettings.from_config(config)
         pool = reward.pool()
         stack.callback(pool.close)
-        run = _build_run(config, method, seed, folder, start_spec, identity, strategy, stop, reward, pool, stack)
+        run = _build_run(config, train, method, seed, folder, start_spec, identity, strategy, stop, reward, pool,
+                         stack)
         yield run
 
 
@@ -167,9 +170,9 @@ def _restore(folder: RunFolder, identity: dict[str, str], strategy: Strategy, st
     return model, tokenizer, optimizer, scheduler, ref_model, state, saved is not None
 
 
-def _build_run(config: dict, method: ResolvedMethod, seed: int, folder: RunFolder, start_spec: dict,
-               identity: dict[str, str], strategy: Strategy, stop: StopSignal, reward: RewardSettings,
-               reward_pool: RewardPool, stack: contextlib.ExitStack) -> TrainingRun:
+def _build_run(config: dict, train: TrainSettings, method: ResolvedMethod, seed: int, folder: RunFolder,
+               start_spec: dict, identity: dict[str, str], strategy: Strategy, stop: StopSignal,
+               reward: RewardSettings, reward_pool: RewardPool, stack: contextlib.ExitStack) -> TrainingRun:
     """:func:`setup_run`'s parts, in order; the engine's close joins ``stack`` once it exists."""
     from datetime import datetime, timezone
 
@@ -179,7 +182,7 @@ def _build_run(config: dict, method: ResolvedMethod, seed: int, folder: RunFolde
     from oar.rollout import refresh_engine
 
     started = datetime.now(timezone.utc)
-    train, rollout = TrainSettings.from_config(config), RolloutSettings.from_config(config)
+    rollout = RolloutSettings.from_config(config)
     _seed_everything(seed)
     model, tokenizer, optimizer, scheduler, ref_model, state, resumed = _restore(
         folder, identity, strategy, start_spec, train, method.recipe["kl_coef"])
